@@ -1,0 +1,1 @@
+"""Ketch compute kernels (fused attention and friends)."""

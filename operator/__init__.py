@@ -1,0 +1,1 @@
+"""Ketch Kubernetes operator (InferenceService reconciler)."""
