@@ -1,0 +1,127 @@
+"""Engine configuration: one frozen dataclass, validated without I/O.
+
+Every field carries its user-facing help text in ``metadata["help"]``. That metadata is the
+single source of truth for the engine's command-line flags (and, later, the CRD's ``engine``
+fields), so a flag and the field it sets can never drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KI": 1024,
+    "KIB": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MI": 1024**2,
+    "MIB": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GI": 1024**3,
+    "GIB": 1024**3,
+}
+
+
+def parse_memory_size(value: int | float | str, name: str = "size") -> int:
+    """Parses ``"512MiB"``, ``"2Gi"``, ``"1.5GB"`` or a plain number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size such as '512MiB' or a number of bytes")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match:
+            raise ValueError(f"{name}={value!r} is not a size; use e.g. '512MiB', '2GiB' or bytes")
+        number, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"{name}={value!r} has unknown unit {unit!r}; use B, KiB, MiB or GiB")
+    size = int(number * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is asked to do; the model's own facts live in ``ModelConfig``."""
+
+    model: str = _opt("tiny", "Model to serve: 'tiny' (built in) or a Hugging Face checkpoint dir.")
+    max_num_seqs: int = _opt(64, "Most requests that run in one step (the batch size limit).")
+    max_model_len: int | None = _opt(
+        None, "Longest prompt + output in tokens; defaults to the model's context length."
+    )
+    max_num_batched_tokens: int = _opt(
+        2048, "Token budget of one step; longer prompts are prefilled in chunks of this size."
+    )
+    block_size: int = _opt(64, "Tokens per KV-cache block.", choices=(16, 32, 64, 128))
+    kv_cache_memory: str = _opt("1GiB", "Memory for the KV cache on CPU, e.g. '512MiB' or '4GiB'.")
+    num_kv_blocks: int | None = _opt(
+        None, "Exact number of KV-cache blocks; overrides --kv-cache-memory (for testing)."
+    )
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of prompts that share a prefix.")
+    tensor_parallel_size: int = _opt(1, "Tensor-parallel ranks (GPUs) per engine instance.")
+    dtype: str = _opt(
+        "auto",
+        "Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    seed: int = _opt(0, "Seed for requests that sample without their own seed.")
+    num_threads: int | None = _opt(
+        None, "CPU threads for the model; defaults to the number of cores this process may use."
+    )
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        for name in ("block_size", "dtype"):
+            allowed = _field_choices(name)
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
+        parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                "model must be 'tiny' or a path to a Hugging Face checkpoint directory"
+            )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Builds a config, naming any unknown argument instead of a bare TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _field_choices(name: str) -> tuple[Any, ...]:
+    return next(f.metadata["choices"] for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _check_positive(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

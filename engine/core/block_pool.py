@@ -1,0 +1,156 @@
+"""The paged KV cache's block pool: O(1) allocate/free, reference counts, prefix cache.
+
+Block 0 is reserved (the padding target of block tables) and never handed out. A block whose
+reference count drops to zero goes to the tail of the free queue but keeps its contents and its
+prefix-cache entry; it is only forgotten when the queue hands it out again (lazy LRU eviction).
+A prefix-cache hit on such a block takes it back out of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+BlockKey = tuple[int, int]
+"""(block id, generation): the identity of one cached block content."""
+
+ROOT: BlockKey = (0, 0)
+"""The parent of a sequence's first block."""
+
+UNCACHED: BlockKey = (-1, -1)
+"""A parent that is not in the cache: its children can never be found, so are not cached."""
+
+
+class BlockPool:
+    """Owns every KV block's reference count and prefix-cache identity."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        # Free blocks in eviction order (oldest first). dict order gives O(1) append,
+        # pop-front and removal from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._hash_of: dict[int, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._parent_of: dict[int, BlockKey] = {}
+        self._cached: dict[int, int] = {}
+        # Bumped on every eviction, so (block id, generation) names one content forever and a
+        # child can name its parent exactly, even after the parent's block is reused.
+        self._generation = [0] * num_blocks
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
+
+    def allocate(self, n: int) -> list[int]:
+        """Takes ``n`` blocks (evicting cached ones if needed); the caller checked there are."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks, only {len(self._free)} free")
+        blocks = []
+        pop = self._free.popitem
+        for _ in range(n):
+            block_id = pop(last=False)[0]
+            if block_id in self._hash_of:
+                self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference from each block; unreferenced ones become free (and evictable)."""
+        ref_counts = self.ref_counts
+        free = self._free
+        for block_id in block_ids:
+            count = ref_counts[block_id] - 1
+            if count < 0:
+                raise RuntimeError(f"KV block {block_id} freed more often than allocated")
+            ref_counts[block_id] = count
+            if count == 0:
+                free[block_id] = None
+                if block_id not in self._hash_of:
+                    # Blocks without cached content are reused first.
+                    free.move_to_end(block_id, last=False)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Takes a reference on cached blocks found by ``lookup``."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+
+    def key(self, block_id: int) -> BlockKey:
+        return (block_id, self._generation[block_id])
+
+    def lookup(self, block_hash: int, parent: BlockKey, tokens: tuple[int, ...]) -> int | None:
+        """Finds the cached block with this hash whose parent and tokens match exactly.
+
+        The hash only narrows the search; the token and parent comparison makes a hit exact.
+        """
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        if self._parent_of[block_id] != parent or self._tokens_of[block_id] != tokens:
+            return None
+        return block_id
+
+    def cache(
+        self, block_id: int, block_hash: int, parent: BlockKey, tokens: tuple[int, ...]
+    ) -> BlockKey:
+        """Registers a full, computed block; returns the identity under which it is cached.
+
+        If the same content is already cached in another block (two requests computed it at
+        once), that block stays the canonical one and its identity is returned.
+        """
+        if not self.enable_caching or parent == UNCACHED:
+            return UNCACHED
+        existing = self.lookup(block_hash, parent, tokens)
+        if existing is not None:
+            return self.key(existing)
+        if block_id in self._hash_of or block_hash in self._cached:
+            return UNCACHED  # a hash collision: leave this chain uncached
+        self._hash_of[block_id] = block_hash
+        self._tokens_of[block_id] = tokens
+        self._parent_of[block_id] = parent
+        self._cached[block_hash] = block_id
+        return self.key(block_id)
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._hash_of):
+            self._evict(block_id)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id)
+        del self._tokens_of[block_id]
+        del self._parent_of[block_id]
+        if self._cached.get(block_hash) == block_id:
+            del self._cached[block_hash]
+        self._generation[block_id] += 1
+        self.num_evictions += 1
+
+    def check_integrity(self, owners: Iterable[Sequence[int]]) -> None:
+        """Raises if references held by ``owners`` disagree with the pool (a leak or double use)."""
+        expected = [0] * self.num_blocks
+        for block_ids in owners:
+            for block_id in block_ids:
+                expected[block_id] += 1
+        if expected[0]:
+            raise AssertionError("reserved block 0 is owned by a request")
+        if expected != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
+            raise AssertionError(f"KV block reference counts wrong for blocks {bad[:10]}")
+        free = set(self._free)
+        referenced = {b for b in range(1, self.num_blocks) if self.ref_counts[b] > 0}
+        if free & referenced or len(free) + len(referenced) != self.num_blocks - 1:
+            raise AssertionError("free queue and referenced blocks overlap or miss blocks")

@@ -1,0 +1,124 @@
+"""A request as the scheduler sees it: tokens, progress and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from ketch.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` chases ``num_tokens``: each step the scheduler grants some of the
+    remaining tokens (a prefill chunk, or the one newest token when decoding).
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "cache_parent",
+        "eos_token_ids",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_registered_blocks",
+        "request_id",
+        "sampling_params",
+        "seed",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        seed: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.seed = seed
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.cache_parent: tuple[int, int] = (0, 0)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Finishes the request if its newest token ends it; returns whether it did."""
+        params = self.sampling_params
+        num_output = len(self.token_ids) - self.num_prompt_tokens
+        last = self.token_ids[-1]
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,234 @@
+"""Continuous-batching scheduler with FastDeploy ResourceManagerV1 semantics.
+
+There are no prefill or decode phases. Each step has one token budget; running requests are
+served first (a decode needs one token, an unfinished prefill its next chunk), then waiting
+requests are admitted while budget, batch slots and KV blocks last. When a running request
+cannot get a block, the newest running request is preempted: its blocks are freed and it goes
+back to the head of the queue to be recomputed later (the prefix cache usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ketch.engine.core.kv_cache_manager import KVCacheManager
+from ketch.engine.core.request import Request, RequestStatus
+from ketch.engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start; the engine turns them into metrics."""
+
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+        self._sent_to_runner: set[str] = set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, cached, preempted)
+        new_requests: list[NewRequestData] = []
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, cached, new_requests)
+        finished, self._finished_ids = self._finished_ids, set()
+        self.stats.num_steps += 1
+        return SchedulerOutput(
+            new_requests=new_requests,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=finished,
+            preempted_request_ids=[r.request_id for r in preempted],
+        )
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        cached: CachedRequestData,
+        preempted: list[Request],
+    ) -> int:
+        running = self.running
+        kv_cache = self.kv_cache
+        bs = self.block_size
+        ids, new_blocks = cached.request_ids, cached.new_block_ids
+        resumed, computed = cached.resumed, cached.num_computed_tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if n > budget:
+                n = budget
+            num_blocks = len(request.block_ids)
+            if request.num_computed_tokens + n > num_blocks * bs:
+                while not kv_cache.allocate_slots(request, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status != RequestStatus.RUNNING:
+                    break
+                added = request.block_ids[num_blocks:]
+            else:
+                added = None
+            scheduled[request.request_id] = n
+            ids.append(request.request_id)
+            new_blocks.append(added)
+            resumed.append(False)
+            computed.append(request.num_computed_tokens)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        cached: CachedRequestData,
+        new_requests: list[NewRequestData],
+    ) -> int:
+        waiting, running = self.waiting, self.running
+        kv_cache = self.kv_cache
+        while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            request = waiting[0]
+            hits = kv_cache.get_computed_blocks(request)
+            n = min(request.num_tokens - len(hits) * self.block_size, budget)
+            if not kv_cache.allocate_slots(request, n, hits):
+                break
+            waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = len(hits) * self.block_size
+                self.stats.prefix_hit_tokens += request.num_cached_tokens
+                self.stats.prefix_query_tokens += request.num_tokens
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+            scheduled[request.request_id] = n
+            budget -= n
+            if request.request_id in self._sent_to_runner:
+                cached.request_ids.append(request.request_id)
+                cached.new_block_ids.append(list(request.block_ids))
+                cached.resumed.append(True)
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+            else:
+                self._sent_to_runner.add(request.request_id)
+                new_requests.append(_new_request_data(request))
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advances progress, appends sampled tokens and finishes requests that stopped.
+
+        Returns the requests that got a new token (finished ones included).
+        """
+        requests = self.requests
+        kv_cache = self.kv_cache
+        bs = self.block_size
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
+                kv_cache.cache_full_blocks(request)
+        updated = []
+        max_model_len = self.config.max_model_len
+        for request_id, token_id in zip(
+            runner_output.request_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.token_ids.append(token_id)
+            if request.check_stop(max_model_len):
+                self._release(request)
+            updated.append(request)
+        return updated
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step (stop strings, aborts)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = status
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(request.request_id)
+            self._finished_ids.add(request.request_id)
+
+    def check_integrity(self) -> None:
+        """Raises if any KV block is leaked or owned twice (tests and idle-time checks)."""
+        self.kv_cache.pool.check_integrity(r.block_ids for r in self.requests.values())
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")
+
+
+def _new_request_data(request: Request) -> NewRequestData:
+    return NewRequestData(
+        request_id=request.request_id,
+        token_ids=list(request.token_ids),
+        num_prompt_tokens=request.num_prompt_tokens,
+        block_ids=list(request.block_ids),
+        num_computed_tokens=request.num_computed_tokens,
+        sampling_params=request.sampling_params,
+        seed=request.seed,
+    )

@@ -1,0 +1,60 @@
+"""What the scheduler tells the model runner each step: only what changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ketch.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet: everything it needs to keep its own copy."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, as parallel lists (cheap to build every step).
+
+    ``new_block_ids[i]`` is None when no block was added; for a request resumed after
+    preemption it is the complete new block table.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    resumed: list[bool] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: which requests run and how many of their tokens."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_request_ids: set[str]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, for the requests whose scheduled tokens reached the end."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per sampled request: (chosen token logprob, [(token id, logprob), ...]) when asked for.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None

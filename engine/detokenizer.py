@@ -1,0 +1,66 @@
+"""Incremental detokenisation with stop-string detection.
+
+Text is produced a token at a time without re-decoding the whole output: only a short window of
+recent tokens is decoded, and a window ending in an incomplete UTF-8 sequence waits for more
+tokens. When the request has stop strings, the last ``len(longest stop) - 1`` characters are
+held back from streaming so a stop string split across tokens is never shown.
+"""
+
+from __future__ import annotations
+
+from ketch.engine.tokenizer import Tokenizer
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, a delta at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+        self.stop_string: str | None = None
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends a token's text; returns True if a stop string ended the output."""
+        self._tokens.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._tokens[self._prefix_offset :], self._skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return False  # an incomplete character (or nothing visible yet): wait
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        start = max(0, len(self.text) - self._holdback)
+        self.text += delta
+        return self._check_stop(start)
+
+    def _check_stop(self, search_from: int) -> bool:
+        for stop in self._stop:
+            at = self.text.find(stop, search_from)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stop_string = stop
+                return True
+        return False
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; keeps back a possible stop-string prefix until finished."""
+        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,109 @@
+"""Offline inference: ``LLM(model="tiny").generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.llm_engine import LLMEngine
+from ketch.engine.outputs import RequestOutput
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.tokenizer import Message
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs a batch of prompts to completion through the continuous-batching engine."""
+
+    def __init__(self, model: str = "tiny", **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompt_list))
+        # Validate everything before queueing anything, so a bad prompt loses nothing.
+        for prompt in prompt_list:
+            self.engine._tokenize(prompt)
+        groups: list[list[str]] = []
+        for prompt, p in zip(prompt_list, params_list, strict=True):
+            ids = []
+            for i in range(p.n):
+                request_id = str(next(self._ids))
+                seed = None if p.seed is None else p.seed + i
+                self.engine.add_request(request_id, prompt, replace(p, n=1, seed=seed))
+                ids.append(request_id)
+            groups.append(ids)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [_merge(ids, finished) for ids in groups]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, params)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list")
+    return list(prompts)
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _merge(ids: list[str], finished: dict[str, RequestOutput]) -> RequestOutput:
+    first = finished[ids[0]]
+    outputs = []
+    for index, request_id in enumerate(ids):
+        completion = finished[request_id].outputs[0]
+        completion.index = index
+        outputs.append(completion)
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=True,
+        num_cached_tokens=first.num_cached_tokens,
+    )

@@ -1,0 +1,235 @@
+"""The engine loop: schedule -> run -> process outputs, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.core.kv_cache_manager import KVCacheManager
+from ketch.engine.core.request import Request, RequestStatus
+from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
+from ketch.engine.detokenizer import IncrementalDetokenizer
+from ketch.engine.errors import ModelLoadError
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.loader import resolve_model_path
+from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side bookkeeping for one request's outputs."""
+
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    emitted_tokens: int = 0
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One engine instance: a model, its KV cache, a scheduler and the step loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer(path)
+        self.max_model_len = _max_model_len(config, self.model_config)
+        dtype = _dtype(config)
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs GPUs; the CPU engine runs one rank")
+        num_blocks = self._num_blocks(dtype)
+        self.runner = ModelRunner(
+            RunnerConfig(
+                model_path=path,
+                model_config=self.model_config,
+                max_model_len=self.max_model_len,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                dtype=dtype,
+                num_threads=config.num_threads,
+            )
+        )
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv_cache,
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_seeded = 0
+        logger.info(
+            "engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
+            path,
+            self.max_model_len,
+            num_blocks,
+            config.block_size,
+        )
+
+    def _num_blocks(self, dtype: str) -> int:
+        c, mc = self.config, self.model_config
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        else:
+            per_block = KVCache.bytes_per_block(
+                mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim, dtype
+            )
+            num_blocks = c.kv_cache_bytes // per_block
+        needed = -(-self.max_model_len // c.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {c.block_size} tokens) cannot hold one "
+                f"request of max_model_len={self.max_model_len}; it needs {needed} blocks: raise "
+                "kv_cache_memory (or num_kv_blocks) or lower max_model_len"
+            )
+        return num_blocks
+
+    # ---- requests in ----
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
+        text, token_ids = self._tokenize(prompt)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = hash((self.config.seed, self._num_seeded)) & ((1 << 63) - 1)
+            self._num_seeded += 1
+        request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids, seed)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(
+            prompt=text,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop, params.skip_special_tokens
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+                )
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty (it encodes to no tokens)")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter to leave room for output"
+            )
+        return text, token_ids
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._tracked.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        runner_output = self.runner.execute(sched)
+        updated = self.scheduler.update_from_output(sched, runner_output)
+        if runner_output.logprobs:
+            for request_id, lp in zip(
+                runner_output.request_ids, runner_output.logprobs, strict=True
+            ):
+                tracked = self._tracked.get(request_id)
+                if lp is not None and tracked is not None and tracked.logprobs is not None:
+                    tracked.logprobs.append(TokenLogprob(-1, lp[0], lp[1]))
+        return [self._process(request) for request in updated]
+
+    def _process(self, request: Request) -> RequestOutput:
+        tracked = self._tracked[request.request_id]
+        if tracked.first_token_time is None:
+            tracked.first_token_time = time.monotonic()
+        token_id = request.token_ids[-1]
+        if tracked.logprobs:
+            tracked.logprobs[-1].token_id = token_id
+        if tracked.detokenizer.add_token(token_id) and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            tracked.stop_reason = tracked.detokenizer.stop_string
+        elif request.stop_reason is not None:
+            tracked.stop_reason = request.stop_reason
+        finished = request.is_finished
+        output = self._make_output(request, tracked, finished)
+        if finished:
+            del self._tracked[request.request_id]
+        return output
+
+    def _make_output(self, request: Request, tracked: _Tracked, finished: bool) -> RequestOutput:
+        token_ids = request.output_token_ids
+        delta_ids = token_ids[tracked.emitted_tokens :]
+        tracked.emitted_tokens = len(token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detokenizer.text,
+            token_ids=token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=tracked.stop_reason,
+            logprobs=tracked.logprobs,
+            delta_text=tracked.detokenizer.take_delta(finished),
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+
+def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's context length "
+            f"(max_position_embeddings={limit})"
+        )
+    return config.max_model_len
+
+
+def _dtype(config: EngineConfig) -> str:
+    if config.dtype in ("auto", "float32"):
+        return "float32"
+    raise ModelLoadError(
+        f"dtype={config.dtype} needs a GPU; on CPU paddle computes in float32 only (use auto)"
+    )

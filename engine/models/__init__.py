@@ -1,0 +1,1 @@
+"""Model implementations (paddle) and Hugging Face checkpoint loading."""

@@ -1,0 +1,97 @@
+"""Llama-family decoder (Llama, Mistral-style, Qwen2) for inference on paddle.
+
+Weights are plain tensors, fused where that saves kernel launches: q/k/v in one matmul, gate/up
+in one matmul followed by ``swiglu``. Matrices are stored transposed ([in, out]) once at load so
+each step's matmuls need no transpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+from ketch.engine.models.attention import AttentionMetadata, paged_attention
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.rope import cos_sin_tables
+from paddle.nn.functional import swiglu
+
+
+@dataclass
+class LayerWeights:
+    input_norm: paddle.Tensor
+    qkv: paddle.Tensor  # [hidden, (H + 2 KV) * D]
+    qkv_bias: paddle.Tensor | None
+    o: paddle.Tensor  # [H * D, hidden]
+    o_bias: paddle.Tensor | None
+    post_norm: paddle.Tensor
+    gate_up: paddle.Tensor  # [hidden, 2 * intermediate]
+    gate_up_bias: paddle.Tensor | None
+    down: paddle.Tensor  # [intermediate, hidden]
+    down_bias: paddle.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed: paddle.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: paddle.Tensor
+    lm_head: paddle.Tensor  # [hidden, vocab]
+
+
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+    variance = (x * x).mean(axis=-1, keepdim=True)
+    return x * paddle.rsqrt(variance + eps) * weight
+
+
+def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
+    y = paddle.matmul(x, w)
+    return y if b is None else y + b
+
+
+class LlamaModel:
+    """Computes logits for the last token of each sampling request in a flattened batch."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_len: int) -> None:
+        self.config = config
+        self.weights = weights
+        cos, sin = cos_sin_tables(config.rope, config.head_dim, max_len)
+        self._cos = paddle.to_tensor(cos)
+        self._sin = paddle.to_tensor(sin)
+        self._q_size = config.num_attention_heads * config.head_dim
+        self._kv_size = config.num_key_value_heads * config.head_dim
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]],
+        meta: AttentionMetadata,
+        logit_rows: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        c = self.config
+        cos = paddle.gather(self._cos, positions).unsqueeze(1)
+        sin = paddle.gather(self._sin, positions).unsqueeze(1)
+        h = F.embedding(input_ids, self.weights.embed)
+        for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = _linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = paddle.split(qkv, [self._q_size, self._kv_size, self._kv_size], axis=-1)
+            q = _rotate(q.reshape([0, c.num_attention_heads, c.head_dim]), cos, sin)
+            k = _rotate(k.reshape([0, c.num_key_value_heads, c.head_dim]), cos, sin)
+            v = v.reshape([0, c.num_key_value_heads, c.head_dim])
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            h = h + _linear(attn, layer.o, layer.o_bias)
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
+            h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
+        last = paddle.gather(h, logit_rows)
+        last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
+        return paddle.matmul(last, self.weights.lm_head).astype("float32")
+
+
+def _rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + paddle.concat([-x2, x1], axis=-1) * sin

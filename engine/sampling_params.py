@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, validated when they are made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible whatever else is in
+    the batch. ``stop`` strings are matched on the detokenised text and are not included in it.
+    ``logprobs`` asks for that many most likely tokens per position (0 returns only the chosen
+    token's log-probability).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _check_int(self, "n", low=1, high=128)
+        _check_number(self, "temperature", low=0.0, high=100.0)
+        _check_number(self, "top_p", low=0.0, high=1.0, low_open=True)
+        _check_int(self, "top_k", low=-1)
+        _check_number(self, "min_p", low=0.0, high=1.0)
+        _check_number(self, "repetition_penalty", low=0.0, high=100.0, low_open=True)
+        _check_number(self, "presence_penalty", low=-2.0, high=2.0)
+        _check_number(self, "frequency_penalty", low=-2.0, high=2.0)
+        if self.seed is not None:
+            _check_int(self, "seed", low=-(2**63), high=2**64 - 1)
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens", low=1)
+        _check_int(self, "min_tokens", low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", low=0, high=_MAX_LOGPROBS)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative token ids")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(params: SamplingParams, name: str, low: int, high: int | None = None) -> None:
+    value = getattr(params, name)
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_number(
+    params: SamplingParams, name: str, low: float, high: float, low_open: bool = False
+) -> None:
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        left = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {left}{low}, {high}], got {value}")
+    setattr(params, name, float(value))

@@ -1,0 +1,144 @@
+"""Tokenizer (Hugging Face ``tokenizer.json``) and chat template (jinja2, sandboxed)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from ketch.engine.errors import ModelLoadError
+from tokenizers import Tokenizer as HFTokenizer
+
+Message = dict[str, Any]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template."""
+
+    def __init__(self, path: Path) -> None:
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json (a Hugging Face fast tokenizer)")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception subclass
+            raise ModelLoadError(f"{file}: cannot load tokenizer: {exc}") from exc
+        config_file = path / "tokenizer_config.json"
+        self._config: dict[str, Any] = (
+            json.loads(config_file.read_text()) if config_file.is_file() else {}
+        )
+        self.path = path
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _special(self, key: str) -> str | None:
+        value = self._config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def eos_token(self) -> str | None:
+        return self._special("eos_token")
+
+    @cached_property
+    def bos_token(self) -> str | None:
+        return self._special("bos_token")
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def chat_template(self) -> jinja2.Template | None:
+        source = self._config.get("chat_template")
+        if isinstance(source, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not source:
+            jinja_file = self.path / "chat_template.jinja"
+            source = jinja_file.read_text() if jinja_file.is_file() else None
+        if not source:
+            return None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelLoadError(f"{self.path}: chat template does not parse: {exc}") from exc
+
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Renders messages to the prompt text the model was trained on."""
+        template = self.chat_template
+        if template is None:
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json 'chat_template'); "
+                "use plain completions instead"
+            )
+        try:
+            return template.render(
+                messages=[_normalise(m, i) for i, m in enumerate(_check_list(messages))],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+
+
+def _check_list(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    return messages
+
+
+def _normalise(message: Any, index: int) -> Message:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"messages[{index}].role must be a non-empty string")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError(f"messages[{index}].content: only text parts are supported")
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    return {**message, "role": role, "content": content}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)

@@ -1,0 +1,1 @@
+"""Worker side: the model runner, its KV cache tensors and the sampler."""

@@ -1,0 +1,41 @@
+"""KV cache tensors: one host buffer, viewed per layer by paddle without copies.
+
+The buffer is a numpy array (later: shared memory another process maps), and each layer's key
+and value caches are ``from_dlpack`` views of it, so paddle's in-place slot writes land in the
+buffer itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVCache:
+    """[layers, 2, num_blocks * block_size, kv_heads, head_dim] in one buffer."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
+    ) -> None:
+        if dtype != "float32":
+            raise ValueError(f"the CPU KV cache holds float32 only, not {dtype}")
+        shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        self.array = np.zeros(shape, dtype=np.float32)
+        self.layers = [
+            (paddle.from_dlpack(self.array[i, 0]), paddle.from_dlpack(self.array[i, 1]))
+            for i in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: str
+    ) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * _BYTES[dtype]

@@ -1,0 +1,173 @@
+"""Runs the model for one scheduled step: builds inputs, executes, samples.
+
+The runner keeps its own copy of every live request (tokens, blocks, sampler state) and applies
+only the changes the scheduler sends, so a step's message stays small however long the
+requests are. It never decides what to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import paddle
+from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import LlamaModel
+from ketch.engine.models.loader import load_weights
+from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.sampler import SamplingState, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerConfig:
+    """What the runner needs to know, decided by the engine."""
+
+    model_path: Path
+    model_config: ModelConfig
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    dtype: str = "float32"
+    num_threads: int | None = None
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened model inputs."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    spans: list[SequenceSpan] = field(default_factory=list)
+    sampling_ids: list[str] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingState
+
+
+def configure_paddle(num_threads: int | None) -> int:
+    """Thread count and flags for fast CPU inference; returns the thread count used."""
+    threads = num_threads or len(os.sched_getaffinity(0))
+    paddle.base.core.set_num_threads(threads)
+    # The stride kernels make transpose/contiguous and small SDPA calls many times slower.
+    paddle.set_flags({"FLAGS_use_stride_kernel": False})
+    paddle.disable_static()
+    return threads
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache tensors and per-request sampler state."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        threads = configure_paddle(config.num_threads)
+        weights = load_weights(config.model_path, mc, config.dtype)
+        self.model = LlamaModel(mc, weights, config.max_model_len)
+        self.kv_cache = KVCache(
+            mc.num_hidden_layers,
+            config.num_blocks,
+            config.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            config.dtype,
+        )
+        self.requests: dict[str, RequestState] = {}
+        logger.info(
+            "model runner ready: %s, %d KV blocks x %d tokens, %d threads",
+            mc.architecture,
+            config.num_blocks,
+            config.block_size,
+            threads,
+        )
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_changes(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        batch = self._prepare_inputs(sched)
+        # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
+        # one throwaway logits row.
+        logits = self._forward(batch, batch.logit_rows or [0])
+        if not batch.sampling_ids:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        states = [self.requests[rid].sampling for rid in batch.sampling_ids]
+        tokens, logprobs = sample(logits, states)
+        for state, token in zip(states, tokens, strict=True):
+            state.token_ids.append(token)
+        return ModelRunnerOutput(
+            request_ids=batch.sampling_ids, sampled_token_ids=tokens, logprobs=logprobs
+        )
+
+    def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
+        meta = build_metadata(batch.spans, self.config.block_size)
+        with paddle.no_grad():
+            logits = self.model.forward(
+                paddle.to_tensor(batch.input_ids),
+                paddle.to_tensor(batch.positions),
+                self.kv_cache.layers,
+                meta,
+                paddle.to_tensor(np.asarray(logit_rows, dtype=np.int64)),
+            )
+        return logits.numpy()
+
+    def _apply_changes(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+        cached = sched.cached_requests
+        for request_id, blocks, resumed, computed in zip(
+            cached.request_ids,
+            cached.new_block_ids,
+            cached.resumed,
+            cached.num_computed_tokens,
+            strict=True,
+        ):
+            state = self.requests[request_id]
+            if resumed:
+                state.block_ids = list(blocks or [])
+            elif blocks:
+                state.block_ids.extend(blocks)
+            state.num_computed_tokens = computed
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        return RequestState(
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            sampling=SamplingState.create(
+                new.sampling_params,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.seed,
+                self.config.model_config.eos_token_ids,
+            ),
+        )
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        total = sched.total_num_scheduled_tokens
+        batch = StepInputs(np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64))
+        start = 0
+        for request_id, n in sched.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            begin = state.num_computed_tokens
+            tokens = state.sampling.token_ids
+            batch.input_ids[start : start + n] = tokens[begin : begin + n]
+            batch.positions[start : start + n] = np.arange(begin, begin + n)
+            batch.spans.append(SequenceSpan(start, n, begin + n, state.block_ids))
+            if begin + n == len(tokens):
+                batch.sampling_ids.append(request_id)
+                batch.logit_rows.append(start + n - 1)
+            start += n
+        return batch

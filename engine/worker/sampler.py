@@ -1,0 +1,133 @@
+"""Turns logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Each request owns a random generator seeded from its seed and draws exactly one number per
+sampled token, so what it samples does not depend on which other requests share the batch.
+Rows that need no processing (greedy, no penalties) are decided by one batched argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from ketch.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingState:
+    """What the sampler keeps per request between steps."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output, appended to as tokens are sampled
+    num_prompt_tokens: int
+    generator: np.random.Generator
+    stop_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        seed: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> SamplingState:
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(eos_token_ids)
+        return cls(
+            params=params,
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt_tokens,
+            generator=np.random.Generator(np.random.PCG64(seed & _MASK64)),
+            stop_ids=np.fromiter(sorted(stop), dtype=np.int64),
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        p = self.params
+        return (
+            p.greedy
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens
+        )
+
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+def sample(
+    logits: np.ndarray, states: list[SamplingState]
+) -> tuple[list[int], list[Logprobs | None] | None]:
+    """logits: [len(states), vocab] float32. Returns token ids and, if asked, logprobs."""
+    tokens = np.empty(len(states), dtype=np.int64)
+    plain = [i for i, s in enumerate(states) if s.plain_greedy]
+    if plain:
+        tokens[plain] = logits[plain].argmax(axis=-1)
+    for i, state in enumerate(states):
+        if not state.plain_greedy:
+            tokens[i] = _sample_row(logits[i], state)
+    chosen = tokens.tolist()
+    if all(s.params.logprobs is None for s in states):
+        return chosen, None
+    return chosen, [
+        None if s.params.logprobs is None else _logprobs(logits[i], chosen[i], s.params.logprobs)
+        for i, s in enumerate(states)
+    ]
+
+
+def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
+    p = state.params
+    row = raw.astype(np.float64)
+    _apply_penalties(row, state)
+    if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens and state.stop_ids.size:
+        row[state.stop_ids[state.stop_ids < row.size]] = -np.inf
+    if p.greedy:
+        return int(row.argmax())
+    row /= p.temperature
+    if 0 < p.top_k < row.size:
+        kth = np.partition(row, -p.top_k)[-p.top_k]
+        row[row < kth] = -np.inf
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cumulative, p.top_p)) + 1  # keep the token crossing top_p
+        probs[order[cut:]] = 0.0
+    if p.min_p > 0.0:
+        probs[probs < p.min_p * probs.max()] = 0.0
+    cumulative = np.cumsum(probs)
+    draw = state.generator.random() * cumulative[-1]
+    return int(min(np.searchsorted(cumulative, draw, side="right"), row.size - 1))
+
+
+def _apply_penalties(row: np.ndarray, state: SamplingState) -> None:
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(state.token_ids, dtype=np.int64))
+        seen = seen[seen < row.size]
+        values = row[seen]
+        row[seen] = np.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if p.presence_penalty or p.frequency_penalty:
+        output = np.asarray(state.token_ids[state.num_prompt_tokens :], dtype=np.int64)
+        counts = np.bincount(output[output < row.size], minlength=row.size)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _logprobs(raw: np.ndarray, chosen: int, top_n: int) -> Logprobs:
+    row = raw.astype(np.float64)
+    shifted = row - row.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    top: list[tuple[int, float]] = []
+    if top_n:
+        ids = np.argpartition(-logp, top_n - 1)[:top_n]
+        ids = ids[np.argsort(-logp[ids], kind="stable")]
+        top = [(int(t), float(logp[t])) for t in ids]
+    return float(logp[chosen]), top
