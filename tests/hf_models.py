@@ -16,6 +16,11 @@ _TEXT = [
     "0123456789 +-*/ = () [] {} <> !? ,.;:'\"",
 ]
 
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 
 def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
     tok = Tokenizer(models.BPE())
@@ -33,8 +38,7 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
             {
                 "eos_token": "<|endoftext|>",
                 "bos_token": "<|endoftext|>",
-                "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}",
+                "chat_template": _CHAT_TEMPLATE,
             }
         )
     )
