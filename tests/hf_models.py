@@ -98,7 +98,8 @@ def hf_model(path: Path):
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference greedy continuations, one prompt at a time (no padding effects)."""
+    """Reference greedy continuations from transformers' ``generate``, one prompt at a time
+    (no padding, so nothing but the model itself decides the tokens); EOS is ignored."""
     import torch
 
     model = hf_model(path)
@@ -107,12 +108,8 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
             )
             results.append(out[0, len(prompt) :].tolist())
     return results

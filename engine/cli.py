@@ -1,0 +1,94 @@
+"""The ``ketch`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from ketch.engine.cli_args import add_engine_args, engine_config_from_args
+
+_GENERATE_EXAMPLES = """examples:
+  ketch generate "The fox and the grapes"
+  ketch generate --temperature 0.8 --seed 7 --max-tokens 100 "Once upon a time"
+  ketch generate --chat "Tell me a fable"
+  ketch generate --model /models/Qwen2-0.5B --json "Hello" "Bonjour"
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ketch",
+        description="Ketch: LLM serving on Kubernetes. The engine's command-line entry point.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate",
+        help="generate text offline for one or more prompts",
+        description="Runs prompts through the engine in-process and prints the completions.",
+        epilog=_GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
+    sampling = generate.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy (the default); higher is more random")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
+    sampling.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--chat", action="store_true",
+                          help="treat each prompt as a user message and apply the chat template")
+    generate.add_argument("--json", action="store_true",
+                          help="print one JSON object per prompt instead of plain text")
+    generate.add_argument("--log-level", default="WARNING",
+                          choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="engine log level")
+    add_engine_args(generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _generate(args)
+    except ValueError as exc:  # bad flags, bad prompts, bad model directories
+        print(f"ketch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ketch.engine.llm import LLM
+    from ketch.engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop,
+    )
+    kwargs = {k: v for k, v in vars(config).items() if k != "model"}
+    llm = LLM(config.model, **kwargs)
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        if args.json:
+            print(json.dumps({
+                "prompt": prompt, "text": completion.text,
+                "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+            }))
+        elif args.chat:
+            print(completion.text)
+        else:
+            print(prompt + completion.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The paddle model against Hugging Face transformers (torch, CPU) on the same checkpoints.
+
+Sequences run together in one paged batch, each split into two chunks at different points
+(the second chunk attends to the first through the KV cache; a split at the last token is a
+decode step), so the attention paths of a real mixed batch are what is compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import hf_model
+from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import LlamaModel
+from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
+from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.model_runner import configure_paddle
+
+BLOCK = 16
+TOLERANCE = 1e-4
+
+
+def engine_logits(path: Path, sequences: list[list[int]], splits: list[int]) -> list[np.ndarray]:
+    """Logits at every position of every sequence, computed in two batched chunked steps."""
+    import paddle
+
+    configure_paddle(None)
+    config = ModelConfig.from_dir(path)
+    model = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024)
+    blocks_each = [-(-len(s) // BLOCK) for s in sequences]
+    cache = KVCache(config.num_hidden_layers, sum(blocks_each) + 1, BLOCK,
+                    config.num_key_value_heads, config.head_dim)
+    tables, next_block = [], 1
+    for n in blocks_each:
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    pieces: list[list[np.ndarray]] = [[] for _ in sequences]
+    for chunk in range(2):
+        ids, pos, spans = [], [], []
+        for seq, split, table in zip(sequences, splits, tables, strict=True):
+            lo, hi = (0, split) if chunk == 0 else (split, len(seq))
+            spans.append(SequenceSpan(len(ids), hi - lo, hi, table))
+            ids += seq[lo:hi]
+            pos += list(range(lo, hi))
+        rows = paddle.to_tensor(np.arange(len(ids), dtype=np.int64))
+        with paddle.no_grad():
+            logits = model.forward(paddle.to_tensor(np.array(ids, dtype=np.int64)),
+                                   paddle.to_tensor(np.array(pos, dtype=np.int64)),
+                                   cache.layers, build_metadata(spans, BLOCK), rows).numpy()
+        for i, span in enumerate(spans):
+            pieces[i].append(logits[span.start : span.start + span.query_len])
+    return [np.concatenate(p) for p in pieces]
+
+
+def reference_logits(path: Path, sequences: list[list[int]]) -> list[np.ndarray]:
+    model = hf_model(path)
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
+
+
+def assert_close(path: Path, vocab: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = [1, 2, 17, 40, 100, 250]
+    sequences = [rng.integers(1, vocab, n).tolist() for n in lengths]
+    splits = [0 if n == 1 else int(rng.integers(1, n)) for n in lengths]
+    splits[-2] = lengths[-2] - 1  # a decode step after a 99-token prefix
+    ours = engine_logits(path, sequences, splits)
+    theirs = reference_logits(path, sequences)
+    for a, b, n in zip(ours, theirs, lengths, strict=True):
+        rel = np.abs(a - b).max() / np.abs(b).max()
+        assert rel <= TOLERANCE, f"length {n}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "llama-tied-llama3rope", "llama-linear-bias", "qwen2", "qwen2-untied"]
+)
+def test_random_checkpoints_match_transformers(checkpoint, name: str) -> None:
+    path = checkpoint(name)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size)
+
+
+def test_sharded_checkpoint_matches_transformers(checkpoint) -> None:
+    path = checkpoint("qwen2", max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, seed=1)
+
+
+def test_tiny_model_matches_transformers() -> None:
+    config = ModelConfig.from_dir(TINY_MODEL_DIR)
+    assert config.num_key_value_heads < config.num_attention_heads  # GQA
+    assert_close(TINY_MODEL_DIR, config.vocab_size, seed=2)
