@@ -38,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
                           help="0 is greedy (the default); higher is more random")
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
     sampling.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
-    sampling.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--chat", action="store_true",
                           help="treat each prompt as a user message and apply the chat template")
@@ -52,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    # force: importing paddle already gave the root logger an INFO handler of its own.
+    logging.basicConfig(
+        level=args.log_level, format="%(levelname)s %(name)s: %(message)s", force=True
+    )
     try:
         return _generate(args)
     except ValueError as exc:  # bad flags, bad prompts, bad model directories
