@@ -23,7 +23,7 @@ class AttentionGroup:
     max_context_len: int
     query_index: paddle.Tensor  # [batch * max_query_len] rows of the flat token order
     context_slots: paddle.Tensor  # [batch * max_context_len] cache slots (padding -> slot 0)
-    mask: paddle.Tensor  # [batch, 1, max_query_len, max_context_len] bool, True = attend
+    mask: paddle.Tensor  # [batch, 1, 1, max_query_len, max_context_len] additive: 0 or -inf
 
 
 @dataclass
@@ -48,20 +48,14 @@ class SequenceSpan:
 def build_metadata(spans: list[SequenceSpan], block_size: int) -> AttentionMetadata:
     num_tokens = sum(s.query_len for s in spans)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    for span in spans:
-        positions = np.arange(span.context_len - span.query_len, span.context_len)
-        table = np.asarray(span.block_ids, dtype=np.int64)
-        slot_mapping[span.start : span.start + span.query_len] = (
-            table[positions // block_size] * block_size + positions % block_size
-        )
-    decodes = [i for i, s in enumerate(spans) if s.query_len == 1]
-    prefills = [i for i, s in enumerate(spans) if s.query_len > 1]
-    groups: list[AttentionGroup] = []
     output_index = np.empty(num_tokens, dtype=np.int64)
+    decodes = [s for s in spans if s.query_len == 1]
+    prefills = [s for s in spans if s.query_len > 1]
+    groups: list[AttentionGroup] = []
     offset = 0
     for members in (decodes, prefills):
         if members:
-            group = _build_group([spans[i] for i in members], block_size, output_index, offset)
+            group = _build_group(members, block_size, slot_mapping, output_index, offset)
             groups.append(group)
             offset += group.batch * group.max_query_len
     return AttentionMetadata(
@@ -72,35 +66,44 @@ def build_metadata(spans: list[SequenceSpan], block_size: int) -> AttentionMetad
 
 
 def _build_group(
-    spans: list[SequenceSpan], block_size: int, output_index: np.ndarray, offset: int
+    spans: list[SequenceSpan],
+    block_size: int,
+    slot_mapping: np.ndarray,
+    output_index: np.ndarray,
+    offset: int,
 ) -> AttentionGroup:
+    """Vectorised over the group: a few numpy calls per step, not per request."""
     batch = len(spans)
-    max_q = max(s.query_len for s in spans)
-    max_ctx = max(s.context_len for s in spans)
-    query_index = np.zeros((batch, max_q), dtype=np.int64)
-    context_slots = np.zeros((batch, max_ctx), dtype=np.int64)
-    mask = np.zeros((batch, 1, max_q, max_ctx), dtype=bool)
-    key_pos = np.arange(max_ctx)
+    starts = np.fromiter((s.start for s in spans), dtype=np.int64, count=batch)
+    q_lens = np.fromiter((s.query_len for s in spans), dtype=np.int64, count=batch)
+    ctx_lens = np.fromiter((s.context_len for s in spans), dtype=np.int64, count=batch)
+    max_q, max_ctx = int(q_lens.max()), int(ctx_lens.max())
+    tables = np.zeros((batch, -(-max_ctx // block_size)), dtype=np.int64)
     for b, span in enumerate(spans):
-        q_len, ctx = span.query_len, span.context_len
-        query_index[b, :q_len] = np.arange(span.start, span.start + q_len)
-        output_index[span.start : span.start + q_len] = offset + b * max_q + np.arange(q_len)
-        table = np.asarray(span.block_ids, dtype=np.int64)
-        positions = np.arange(ctx)
-        context_slots[b, :ctx] = (
-            table[positions // block_size] * block_size + positions % block_size
-        )
-        query_pos = np.arange(ctx - q_len, ctx)
-        mask[b, 0, :q_len, :] = key_pos[None, :] <= query_pos[:, None]
-        # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-        mask[b, 0, q_len:, 0] = True
+        tables[b, : len(span.block_ids)] = span.block_ids[: tables.shape[1]]
+    rows = np.arange(batch)[:, None]
+    key_pos = np.arange(max_ctx)
+    context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+    j = np.arange(max_q)[None, :]
+    valid = j < q_lens[:, None]  # [batch, max_q]
+    query_pos = (ctx_lens - q_lens)[:, None] + j
+    token_rows = np.where(valid, starts[:, None] + j, 0)
+    slot_mapping[token_rows[valid]] = (
+        tables[rows, np.minimum(query_pos // block_size, tables.shape[1] - 1)] * block_size
+        + query_pos % block_size
+    )[valid]
+    output_index[token_rows[valid]] = offset + np.arange(batch * max_q).reshape(batch, max_q)[valid]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
+    # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
+    mask[:, :, 0] |= ~valid
+    bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
     return AttentionGroup(
         batch=batch,
         max_query_len=max_q,
         max_context_len=max_ctx,
-        query_index=paddle.to_tensor(query_index.reshape(-1)),
+        query_index=paddle.to_tensor(token_rows.reshape(-1)),
         context_slots=paddle.to_tensor(context_slots.reshape(-1)),
-        mask=paddle.to_tensor(mask),
+        mask=paddle.to_tensor(bias[:, None, None]),
     )
 
 
@@ -114,24 +117,28 @@ def paged_attention(
 ) -> paddle.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches: [slots, KV, D]. Returns [T, H * D].
 
-    Scores are scaled by 1/sqrt(D), as every supported architecture does.
+    Scores are scaled by 1/sqrt(D), as every supported architecture does. Grouped-query heads
+    are handled by folding each KV head's query heads into the query axis, so keys and values
+    are never repeated.
     """
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    scale = head_dim**-0.5
     outputs = []
     for g in meta.groups:
-        qg = paddle.gather(q, g.query_index).reshape(
-            [g.batch, g.max_query_len, num_heads, head_dim]
-        )
-        kg = paddle.gather(k_cache, g.context_slots).reshape(
-            [g.batch, g.max_context_len, kv_heads, head_dim]
-        )
-        vg = paddle.gather(v_cache, g.context_slots).reshape(
-            [g.batch, g.max_context_len, kv_heads, head_dim]
-        )
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask)
-        outputs.append(out.reshape([g.batch * g.max_query_len, num_heads * head_dim]))
+        b, sq, sk = g.batch, g.max_query_len, g.max_context_len
+        qg = (paddle.gather(q, g.query_index) * scale).reshape([b, sq, kv_heads, group, head_dim])
+        qg = qg.transpose([0, 2, 3, 1, 4]).reshape([b, kv_heads, group * sq, head_dim])
+        kg = paddle.gather(k_cache, g.context_slots).reshape([b, sk, kv_heads, head_dim])
+        vg = paddle.gather(v_cache, g.context_slots).reshape([b, sk, kv_heads, head_dim])
+        scores = paddle.matmul(qg, kg.transpose([0, 2, 3, 1]))  # [b, kv, group*sq, sk]
+        scores = scores.reshape([b, kv_heads, group, sq, sk]) + g.mask
+        probs = F.softmax(scores, axis=-1).reshape([b, kv_heads, group * sq, sk])
+        out = paddle.matmul(probs, vg.transpose([0, 2, 1, 3]))  # [b, kv, group*sq, d]
+        out = out.reshape([b, kv_heads, group, sq, head_dim]).transpose([0, 3, 1, 2, 4])
+        outputs.append(out.reshape([b * sq, num_heads * head_dim]))
     flat = outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
     return paddle.gather(flat, meta.output_index)

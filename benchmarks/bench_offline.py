@@ -1,0 +1,139 @@
+"""Offline throughput: ``LLM.generate`` on 64 mixed requests against two baselines.
+
+(a) a bare batched forward loop on the same paddle model and batch: one prefill of every
+    prompt, then greedy decode steps with contiguous block tables, no scheduler, no sampler
+    state, no detokeniser — the ceiling the engine's bookkeeping eats into (target >= 0.9);
+(b) Hugging Face ``generate`` (torch, CPU) on the same checkpoint, batched with left padding
+    (its fastest mode) and, for reference, one prompt at a time (target >= 3x).
+
+Usage: benchmarks/bench_offline.py [--model tiny|PATH] [--requests 64] [--max-tokens 64]
+Needs the test extra (torch, transformers) for baseline (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def make_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, int(rng.integers(8, 200))).tolist() for _ in range(count)]
+
+
+def bench_engine(model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    from ketch.engine import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=16384,
+              kv_cache_memory="512MiB", block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    import paddle
+
+    from ketch.engine.models.attention import SequenceSpan, build_metadata
+    from ketch.engine.models.config import ModelConfig
+    from ketch.engine.models.llama import LlamaModel
+    from ketch.engine.models.loader import load_weights, resolve_model_path
+    from ketch.engine.worker.kv_cache import KVCache
+    from ketch.engine.worker.model_runner import configure_paddle
+
+    block = 16
+    configure_paddle(None)
+    path = resolve_model_path(model)
+    config = ModelConfig.from_dir(path)
+    net = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024)
+    per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // block)
+    cache = KVCache(config.num_hidden_layers, len(prompts) * per_seq + 1, block,
+                    config.num_key_value_heads, config.head_dim)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+
+    def step(chunks: list[list[int]], starts: list[int]) -> list[int]:
+        ids, pos, spans, rows = [], [], [], []
+        for chunk, begin, table in zip(chunks, starts, tables, strict=True):
+            spans.append(SequenceSpan(len(ids), len(chunk), begin + len(chunk), table))
+            ids += chunk
+            pos += range(begin, begin + len(chunk))
+            rows.append(len(ids) - 1)
+        with paddle.no_grad():
+            logits = net.forward(paddle.to_tensor(np.array(ids, dtype=np.int64)),
+                                 paddle.to_tensor(np.array(pos, dtype=np.int64)), cache.layers,
+                                 build_metadata(spans, block),
+                                 paddle.to_tensor(np.array(rows, dtype=np.int64)))
+        return logits.numpy().argmax(axis=-1).tolist()
+
+    start = time.perf_counter()
+    last = step(prompts, [0] * len(prompts))
+    lengths = [len(p) for p in prompts]
+    for i in range(max_tokens - 1):
+        last = step([[t] for t in last], [n + i for n in lengths])
+    elapsed = time.perf_counter() - start
+    return elapsed, len(prompts) * max_tokens
+
+
+def bench_hf(model: str, prompts: list[list[int]], max_tokens: int, batched: bool
+             ) -> tuple[float, int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ketch.engine.models.loader import resolve_model_path
+
+    torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    net = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype="float32").eval()
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        if batched:
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            net.generate(ids, attention_mask=mask, **kwargs)
+        else:
+            for p in prompts:
+                ids = torch.tensor([p])
+                net.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    return time.perf_counter() - start, len(prompts) * max_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    args = parser.parse_args()
+
+    from ketch.engine.models.config import ModelConfig
+    from ketch.engine.models.loader import resolve_model_path
+
+    vocab = ModelConfig.from_dir(resolve_model_path(args.model)).vocab_size
+    prompts = make_prompts(vocab, args.requests)
+    results = {"ketch LLM.generate": bench_engine(args.model, prompts, args.max_tokens)}
+    results["bare batched forward loop"] = bench_bare_loop(args.model, prompts, args.max_tokens)
+    if not args.skip_hf:
+        results["HF generate, batched"] = bench_hf(args.model, prompts, args.max_tokens, True)
+        results["HF generate, one at a time"] = bench_hf(
+            args.model, prompts[:16], args.max_tokens, False
+        )
+    ours = results["ketch LLM.generate"]
+    ours_rate = ours[1] / ours[0]
+    print(f"\n{args.requests} requests, prompts 8-200 tokens, {args.max_tokens} output tokens each,"
+          f" model {args.model}\n")
+    print(f"{'run':<30} {'seconds':>9} {'tokens':>8} {'tok/s':>9} {'ketch / this':>13}")
+    for name, (seconds, tokens) in results.items():
+        rate = tokens / seconds
+        print(f"{name:<30} {seconds:9.2f} {tokens:8d} {rate:9.0f} {ours_rate / rate:13.2f}")
+    print("\ntargets: ketch / bare loop >= 0.9; ketch / HF generate >= 3")
+
+
+if __name__ == "__main__":
+    main()
