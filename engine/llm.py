@@ -89,6 +89,8 @@ def _as_params_list(
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("params must be a SamplingParams or a list of one per prompt")
     return params
 
 
