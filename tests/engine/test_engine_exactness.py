@@ -14,6 +14,7 @@ import pytest
 
 from hf_models import hf_greedy
 from ketch.engine import LLM, SamplingParams
+from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import TINY_MODEL_DIR
 
 MAX_TOKENS = 24
@@ -47,7 +48,7 @@ def run_constrained(path: Path, prompts: list[list[int]]) -> tuple[list[list[int
 @pytest.mark.parametrize("name", ["llama", "qwen2", "tiny"])
 def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str) -> None:
     path = TINY_MODEL_DIR if name == "tiny" else checkpoint(name)
-    vocab = 320 if name != "tiny" else 1000
+    vocab = ModelConfig.from_dir(path).vocab_size
     prompts = make_prompts(vocab)
     ours, llm = run_constrained(path, prompts)
     stats = llm.engine.scheduler.stats
