@@ -50,13 +50,13 @@ class IncrementalDetokenizer:
         return self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> bool:
-        for stop in self._stop:
-            at = self.text.find(stop, search_from)
-            if at != -1:
-                self.text = self.text[:at]
-                self.stop_string = stop
-                return True
-        return False
+        # The earliest stop string in the text wins, whatever its place in the list.
+        hits = [(at, s) for s in self._stop if (at := self.text.find(s, search_from)) != -1]
+        if not hits:
+            return False
+        at, self.stop_string = min(hits, key=lambda hit: hit[0])
+        self.text = self.text[:at]
+        return True
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; keeps back a possible stop-string prefix until finished."""
