@@ -43,7 +43,8 @@ class LLM:
             ids = []
             for i in range(p.n):
                 request_id = str(next(self._ids))
-                seed = None if p.seed is None else p.seed + i
+                # Wrap to 64 bits (as the sampler does) so seed + i stays a valid seed.
+                seed = None if p.seed is None else (p.seed + i) % (1 << 64)
                 self.engine.add_request(request_id, prompt, replace(p, n=1, seed=seed))
                 ids.append(request_id)
             groups.append(ids)
