@@ -327,6 +327,15 @@ def test_n_with_a_seed_returns_n_reproducible_outputs(llm: LLM) -> None:
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
 
+def test_n_seeds_wrap_at_64_bits(llm: LLM) -> None:
+    params = SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=8, ignore_eos=True)
+    last, wrapped = llm.generate(PROMPT, params)[0].outputs
+    assert not llm.engine.has_unfinished_requests()
+    for seed, completion in ((-1, last), (0, wrapped)):
+        same = llm.generate(PROMPT, replace(params, n=1, seed=seed))[0].outputs[0]
+        assert completion.token_ids == same.token_ids
+
+
 def test_greedy_logprobs_put_the_chosen_token_first(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
     completion = llm.generate(PROMPT, params)[0].outputs[0]
