@@ -180,8 +180,10 @@ class LLMEngine:
         token_id = request.token_ids[-1]
         if tracked.logprobs:
             tracked.logprobs[-1].token_id = token_id
-        if tracked.detokenizer.add_token(token_id) and not request.is_finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if tracked.detokenizer.add_token(token_id):
+            if not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED  # the text was cut: not "length"
             tracked.stop_reason = tracked.detokenizer.stop_string
         elif request.stop_reason is not None:
             tracked.stop_reason = request.stop_reason
