@@ -310,6 +310,27 @@ def test_stop_string_truncates_text_before_it(
     assert completion.token_ids == greedy_output[0][: len(completion.token_ids)]
 
 
+def test_a_stop_string_on_the_last_allowed_token_still_reports_stop(
+    llm: LLM, greedy_output: tuple[list[int], str]
+) -> None:
+    tokens, _ = greedy_output
+    texts = [llm.tokenizer.decode(tokens[:k]) for k in range(len(tokens) + 1)]
+    # A token that adds one new printable character: stop on it with max_tokens ending there.
+    k = next(
+        k
+        for k in range(2, len(tokens))
+        if len(texts[k]) == len(texts[k - 1]) + 1
+        and texts[k][-1].isprintable()
+        and texts[k][-1] != "\ufffd"
+        and texts[k].find(texts[k][-1]) == len(texts[k]) - 1
+    )
+    stop = texts[k][-1]
+    completion = llm.generate(PROMPT, replace(GREEDY, max_tokens=k, stop=[stop]))[0].outputs[0]
+    assert completion.token_ids == tokens[:k]
+    assert completion.text == texts[k - 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     completion = llm.generate(PROMPT, params)[0].outputs[0]
