@@ -58,6 +58,18 @@ class IncrementalDetokenizer:
         self.text = self.text[:at]
         return True
 
+    def finish(self) -> None:
+        """Flushes tokens still waiting to complete a character (shown as U+FFFD, as decode does).
+
+        Not called after a stop string: the text is already cut there.
+        """
+        if self.stop_string is None and self._read_offset < len(self._tokens):
+            decode = self._tokenizer.decode
+            prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip)
+            full = decode(self._tokens[self._prefix_offset :], self._skip)
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._tokens)
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; keeps back a possible stop-string prefix until finished."""
         end = len(self.text) if finished else max(self._emitted, len(self.text) - self._holdback)

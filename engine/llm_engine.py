@@ -50,6 +50,10 @@ class LLMEngine:
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs GPUs; the CPU engine runs one rank")
         num_blocks = self._num_blocks(dtype)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
         self.runner = ModelRunner(
             RunnerConfig(
                 model_path=path,
@@ -57,6 +61,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
+                eos_token_ids=tuple(sorted(self.eos_token_ids)),
                 dtype=dtype,
                 num_threads=config.num_threads,
             )
@@ -66,10 +71,6 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv_cache,
         )
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self._tracked: dict[str, _Tracked] = {}
         self._num_seeded = 0
         logger.info(
@@ -188,6 +189,8 @@ class LLMEngine:
         elif request.stop_reason is not None:
             tracked.stop_reason = request.stop_reason
         finished = request.is_finished
+        if finished:
+            tracked.detokenizer.finish()
         output = self._make_output(request, tracked, finished)
         if finished:
             del self._tracked[request.request_id]

@@ -10,8 +10,9 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from ketch.engine.errors import ModelLoadError
 from tokenizers import Tokenizer as HFTokenizer
+
+from ketch.engine.errors import ModelLoadError
 
 Message = dict[str, Any]
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_models import make_checkpoint  # noqa: E402
+from hf_models import make_checkpoint
 
 # name -> (architecture, overrides). Every variant uses GQA (4 query heads, 2 KV heads).
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import paddle
 import paddle.nn.functional as F
+from paddle.incubate.nn.functional import fused_rms_norm
+from paddle.nn.functional import swiglu
+
 from ketch.engine.models.attention import AttentionMetadata, paged_attention
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.rope import cos_sin_tables
-from paddle.incubate.nn.functional import fused_rms_norm
-from paddle.nn.functional import swiglu
 
 
 @dataclass

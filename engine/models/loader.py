@@ -7,10 +7,11 @@ import logging
 from pathlib import Path
 
 import paddle
+from safetensors.paddle import load_file
+
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights
-from safetensors.paddle import load_file
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ketch.engine.models.attention import SequenceSpan, build_metadata
 from ketch.engine.models.config import ModelConfig
@@ -34,6 +35,7 @@ class RunnerConfig:
     max_model_len: int
     num_blocks: int
     block_size: int
+    eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     num_threads: int | None = None
 
@@ -151,7 +153,7 @@ class ModelRunner:
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 new.seed,
-                self.config.model_config.eos_token_ids,
+                self.config.eos_token_ids,
             ),
         )
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from ketch.engine import LLM, SamplingParams
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig

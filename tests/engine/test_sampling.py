@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ketch.engine import LLM, SamplingParams
 from ketch.engine.worker.sampler import SamplingState, sample
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ketch.engine import LLM, EngineConfig, ModelLoadError, SamplingParams
 
 MAX_MODEL_LEN = 128
