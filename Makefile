@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PROMPT ?= The fox and the grapes
+PROMPT ?= Alice was beginning to get
 
 .PHONY: run test setup setup-test lint clean
 

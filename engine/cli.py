@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from ketch.engine.cli_args import add_engine_args, engine_config_from_args
 
 _GENERATE_EXAMPLES = """examples:
-  ketch generate "The fox and the grapes"
+  ketch generate "Alice was beginning to get"
   ketch generate --temperature 0.8 --seed 7 --max-tokens 100 "Once upon a time"
-  ketch generate --chat "Tell me a fable"
+  ketch generate --chat "What happened to Alice?"
   ketch generate --model /models/Qwen2-0.5B --json "Hello" "Bonjour"
 """
 
