@@ -13,7 +13,12 @@ Needs the test extra (torch, transformers) for baseline (b).
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,8 +31,13 @@ def make_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
 def bench_engine(model: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from ketch.engine import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=16384,
-              kv_cache_memory="512MiB", block_size=16)
+    llm = LLM(
+        model,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=16384,
+        kv_cache_memory="512MiB",
+        block_size=16,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4))  # warm up
     start = time.perf_counter()
@@ -52,8 +62,13 @@ def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tu
     config = ModelConfig.from_dir(path)
     net = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024)
     per_seq = -(-(max(len(p) for p in prompts) + max_tokens) // block)
-    cache = KVCache(config.num_hidden_layers, len(prompts) * per_seq + 1, block,
-                    config.num_key_value_heads, config.head_dim)
+    cache = KVCache(
+        config.num_hidden_layers,
+        len(prompts) * per_seq + 1,
+        block,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
 
     def step(chunks: list[list[int]], starts: list[int]) -> list[int]:
@@ -64,10 +79,13 @@ def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tu
             pos += range(begin, begin + len(chunk))
             rows.append(len(ids) - 1)
         with paddle.no_grad():
-            logits = net.forward(paddle.to_tensor(np.array(ids, dtype=np.int64)),
-                                 paddle.to_tensor(np.array(pos, dtype=np.int64)), cache.layers,
-                                 build_metadata(spans, block),
-                                 paddle.to_tensor(np.array(rows, dtype=np.int64)))
+            logits = net.forward(
+                paddle.to_tensor(np.array(ids, dtype=np.int64)),
+                paddle.to_tensor(np.array(pos, dtype=np.int64)),
+                cache.layers,
+                build_metadata(spans, block, cache.num_blocks, config.num_key_value_heads),
+                paddle.to_tensor(np.array(rows, dtype=np.int64)),
+            )
         return logits.numpy().argmax(axis=-1).tolist()
 
     start = time.perf_counter()
@@ -79,8 +97,9 @@ def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tu
     return elapsed, len(prompts) * max_tokens
 
 
-def bench_hf(model: str, prompts: list[list[int]], max_tokens: int, batched: bool
-             ) -> tuple[float, int]:
+def bench_hf(
+    model: str, prompts: list[list[int]], max_tokens: int, batched: bool
+) -> tuple[float, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -88,8 +107,13 @@ def bench_hf(model: str, prompts: list[list[int]], max_tokens: int, batched: boo
 
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
     net = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype="float32").eval()
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                  eos_token_id=None, pad_token_id=0)
+    kwargs = dict(
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     start = time.perf_counter()
     with torch.no_grad():
         if batched:
@@ -102,6 +126,25 @@ def bench_hf(model: str, prompts: list[list[int]], max_tokens: int, batched: boo
                 ids = torch.tensor([p])
                 net.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return time.perf_counter() - start, len(prompts) * max_tokens
+
+
+def _isolated(name: str, *args: object) -> tuple[float, int]:
+    """Runs one measurement in a fresh interpreter.
+
+    paddle and torch each keep an OpenMP thread pool that spins after work; in one process
+    they slow each other down by up to 20x, so every run gets a process of its own.
+    """
+    here = str(Path(__file__).parent)
+    code = (
+        f"import json, sys; sys.path.insert(0, {here!r}); import bench_offline as b; "
+        f"print(json.dumps(b.{name}(*json.loads(sys.argv[1]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
+        check=True, cwd=tempfile.gettempdir(),
+    ).stdout
+    seconds, tokens = json.loads(out.strip().splitlines()[-1])
+    return seconds, tokens
 
 
 def main() -> None:
@@ -117,17 +160,15 @@ def main() -> None:
 
     vocab = ModelConfig.from_dir(resolve_model_path(args.model)).vocab_size
     prompts = make_prompts(vocab, args.requests)
-    results = {"ketch LLM.generate": bench_engine(args.model, prompts, args.max_tokens)}
-    results["bare batched forward loop"] = bench_bare_loop(args.model, prompts, args.max_tokens)
+    m, n = args.model, args.max_tokens
+    results = {"ketch LLM.generate": _isolated("bench_engine", m, prompts, n)}
+    results["bare batched forward loop"] = _isolated("bench_bare_loop", m, prompts, n)
     if not args.skip_hf:
-        results["HF generate, batched"] = bench_hf(args.model, prompts, args.max_tokens, True)
-        results["HF generate, one at a time"] = bench_hf(
-            args.model, prompts[:16], args.max_tokens, False
-        )
+        results["HF generate, batched"] = _isolated("bench_hf", m, prompts, n, True)
+        results["HF generate, one at a time"] = _isolated("bench_hf", m, prompts[:16], n, False)
     ours = results["ketch LLM.generate"]
     ours_rate = ours[1] / ours[0]
-    print(f"\n{args.requests} requests, prompts 8-200 tokens, {args.max_tokens} output tokens each,"
-          f" model {args.model}\n")
+    print(f"\n{args.requests} requests, prompts 8-200 tokens, {n} output tokens each, model {m}\n")
     print(f"{'run':<30} {'seconds':>9} {'tokens':>8} {'tok/s':>9} {'ketch / this':>13}")
     for name, (seconds, tokens) in results.items():
         rate = tokens / seconds

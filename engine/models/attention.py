@@ -2,9 +2,12 @@
 
 Tokens of one step arrive flattened ([T, heads, head_dim]). New keys/values are written into
 the cache at their slots; then each group of requests (decodes together, prefill chunks together,
-so short decodes are not padded to a long prompt) gathers its queries and its whole context from
-the cache through block tables into padded tensors and runs one masked SDPA call. The mask is
-explicit because paddle's ``is_causal`` is top-left aligned, which is wrong after a cached prefix.
+so short decodes are not padded to a long prompt) gathers its context *blocks* from the cache
+through block tables into padded tensors and runs one masked attention. The cache is head-major
+(``[kv_heads, blocks, block_size, head_dim]``), so a block gather yields ``[kv_heads, batch,
+context, head_dim]`` directly: no transpose of the (large) context, and grouped-query heads are
+folded into the query axis so keys and values are never repeated. The mask is explicit because
+the context is padded and a chunk after a cached prefix is not top-left causal.
 """
 
 from __future__ import annotations
@@ -17,20 +20,30 @@ import paddle.nn.functional as F
 
 
 @dataclass
+class LayerCache:
+    """Two views of one layer's keys (and of its values) in the shared KV buffer."""
+
+    k_blocks: paddle.Tensor  # [kv_heads, num_blocks, block_size, head_dim], for block gathers
+    v_blocks: paddle.Tensor
+    k_slots: paddle.Tensor  # [kv_heads * num_blocks * block_size, head_dim], for slot writes
+    v_slots: paddle.Tensor
+
+
+@dataclass
 class AttentionGroup:
     batch: int
     max_query_len: int
-    max_context_len: int
+    context_len: int  # padded to whole blocks
     query_index: paddle.Tensor  # [batch * max_query_len] rows of the flat token order
-    context_slots: paddle.Tensor  # [batch * max_context_len] cache slots (padding -> slot 0)
-    mask: paddle.Tensor  # [batch, 1, 1, max_query_len, max_context_len] additive: 0 or -inf
+    block_index: paddle.Tensor  # [batch * blocks per sequence] (padding -> reserved block 0)
+    mask: paddle.Tensor  # [1, batch, 1, max_query_len, context_len] additive: 0 or -inf
 
 
 @dataclass
 class AttentionMetadata:
     """Per-step tensors shared by every layer."""
 
-    slot_mapping: paddle.Tensor  # [T] cache slot of each new token
+    write_index: paddle.Tensor  # [kv_heads * T] row of each head's new K/V in the slot view
     groups: list[AttentionGroup]
     output_index: paddle.Tensor  # [T] row of each token in the groups' concatenated outputs
 
@@ -45,24 +58,44 @@ class SequenceSpan:
     block_ids: list[int]
 
 
-def build_metadata(spans: list[SequenceSpan], block_size: int) -> AttentionMetadata:
+def build_metadata(
+    spans: list[SequenceSpan], block_size: int, num_blocks: int, kv_heads: int
+) -> AttentionMetadata:
     num_tokens = sum(s.query_len for s in spans)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
     output_index = np.empty(num_tokens, dtype=np.int64)
-    decodes = [s for s in spans if s.query_len == 1]
-    prefills = [s for s in spans if s.query_len > 1]
     groups: list[AttentionGroup] = []
     offset = 0
-    for members in (decodes, prefills):
-        if members:
-            group = _build_group(members, block_size, slot_mapping, output_index, offset)
-            groups.append(group)
-            offset += group.batch * group.max_query_len
+    for members in _partition(spans):
+        group = _build_group(members, block_size, slot_mapping, output_index, offset)
+        groups.append(group)
+        offset += group.batch * group.max_query_len
+    # Head h of token t lives at row h * (num_blocks * block_size) + slot(t) of the slot view.
+    heads = np.arange(kv_heads, dtype=np.int64)[:, None] * (num_blocks * block_size)
     return AttentionMetadata(
-        slot_mapping=paddle.to_tensor(slot_mapping),
+        write_index=paddle.to_tensor((heads + slot_mapping[None, :]).reshape(-1)),
         groups=groups,
         output_index=paddle.to_tensor(output_index),
     )
+
+
+def _partition(spans: list[SequenceSpan]) -> list[list[SequenceSpan]]:
+    """Groups spans so padding stays small: decodes together, prefill chunks by length.
+
+    A prefill chunk joins the current group while it is at least half as long as the group's
+    longest, so padded query rows are at most about half of a group.
+    """
+    decodes = [s for s in spans if s.query_len == 1]
+    groups = [decodes] if decodes else []
+    current: list[SequenceSpan] = []
+    for span in sorted((s for s in spans if s.query_len > 1), key=lambda s: -s.query_len):
+        if current and 2 * span.query_len < current[0].query_len:
+            groups.append(current)
+            current = []
+        current.append(span)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _build_group(
@@ -77,13 +110,14 @@ def _build_group(
     starts = np.fromiter((s.start for s in spans), dtype=np.int64, count=batch)
     q_lens = np.fromiter((s.query_len for s in spans), dtype=np.int64, count=batch)
     ctx_lens = np.fromiter((s.context_len for s in spans), dtype=np.int64, count=batch)
-    max_q, max_ctx = int(q_lens.max()), int(ctx_lens.max())
-    tables = np.zeros((batch, -(-max_ctx // block_size)), dtype=np.int64)
+    max_q = int(q_lens.max())
+    num_ctx_blocks = -(-int(ctx_lens.max()) // block_size)
+    max_ctx = num_ctx_blocks * block_size
+    tables = np.zeros((batch, num_ctx_blocks), dtype=np.int64)
     for b, span in enumerate(spans):
-        tables[b, : len(span.block_ids)] = span.block_ids[: tables.shape[1]]
+        tables[b, : len(span.block_ids)] = span.block_ids[:num_ctx_blocks]
     rows = np.arange(batch)[:, None]
     key_pos = np.arange(max_ctx)
-    context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
     j = np.arange(max_q)[None, :]
     valid = j < q_lens[:, None]  # [batch, max_q]
     query_pos = (ctx_lens - q_lens)[:, None] + j
@@ -100,45 +134,38 @@ def _build_group(
     return AttentionGroup(
         batch=batch,
         max_query_len=max_q,
-        max_context_len=max_ctx,
+        context_len=max_ctx,
         query_index=paddle.to_tensor(token_rows.reshape(-1)),
-        context_slots=paddle.to_tensor(context_slots.reshape(-1)),
-        mask=paddle.to_tensor(bias[:, None, None]),
+        block_index=paddle.to_tensor(tables.reshape(-1)),
+        mask=paddle.to_tensor(bias[None, :, None]),
     )
 
 
 def paged_attention(
-    q: paddle.Tensor,
-    k: paddle.Tensor,
-    v: paddle.Tensor,
-    k_cache: paddle.Tensor,
-    v_cache: paddle.Tensor,
-    meta: AttentionMetadata,
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, cache: LayerCache, meta: AttentionMetadata
 ) -> paddle.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]; caches: [slots, KV, D]. Returns [T, H * D].
-
-    Scores are scaled by 1/sqrt(D), as every supported architecture does. Grouped-query heads
-    are handled by folding each KV head's query heads into the query axis, so keys and values
-    are never repeated.
-    """
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]. Scores are scaled by 1/sqrt(D)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
+    cache.k_slots[meta.write_index] = k.transpose([1, 0, 2]).reshape([-1, head_dim])
+    cache.v_slots[meta.write_index] = v.transpose([1, 0, 2]).reshape([-1, head_dim])
     group = num_heads // kv_heads
     scale = head_dim**-0.5
     outputs = []
     for g in meta.groups:
-        b, sq, sk = g.batch, g.max_query_len, g.max_context_len
+        b, sq, sk = g.batch, g.max_query_len, g.context_len
         qg = (paddle.gather(q, g.query_index) * scale).reshape([b, sq, kv_heads, group, head_dim])
-        qg = qg.transpose([0, 2, 3, 1, 4]).reshape([b, kv_heads, group * sq, head_dim])
-        kg = paddle.gather(k_cache, g.context_slots).reshape([b, sk, kv_heads, head_dim])
-        vg = paddle.gather(v_cache, g.context_slots).reshape([b, sk, kv_heads, head_dim])
-        scores = paddle.matmul(qg, kg.transpose([0, 2, 3, 1]))  # [b, kv, group*sq, sk]
-        scores = scores.reshape([b, kv_heads, group, sq, sk]) + g.mask
-        probs = F.softmax(scores, axis=-1).reshape([b, kv_heads, group * sq, sk])
-        out = paddle.matmul(probs, vg.transpose([0, 2, 1, 3]))  # [b, kv, group*sq, d]
-        out = out.reshape([b, kv_heads, group, sq, head_dim]).transpose([0, 3, 1, 2, 4])
-        outputs.append(out.reshape([b * sq, num_heads * head_dim]))
+        qg = qg.transpose([2, 0, 3, 1, 4]).reshape([kv_heads, b, group * sq, head_dim])
+        kg = paddle.gather(cache.k_blocks, g.block_index, axis=1).reshape(
+            [kv_heads, b, sk, head_dim]
+        )
+        vg = paddle.gather(cache.v_blocks, g.block_index, axis=1).reshape(
+            [kv_heads, b, sk, head_dim]
+        )
+        scores = paddle.matmul(qg, kg, transpose_y=True)  # [kv, b, group * sq, sk]
+        scores = scores.reshape([kv_heads, b, group, sq, sk]) + g.mask
+        probs = F.softmax(scores, axis=-1).reshape([kv_heads, b, group * sq, sk])
+        out = paddle.matmul(probs, vg).reshape([kv_heads, b, group, sq, head_dim])
+        outputs.append(out.transpose([1, 3, 0, 2, 4]).reshape([b * sq, num_heads * head_dim]))
     flat = outputs[0] if len(outputs) == 1 else paddle.concat(outputs, axis=0)
     return paddle.gather(flat, meta.output_index)

@@ -14,7 +14,7 @@ import paddle.nn.functional as F
 from paddle.incubate.nn.functional import fused_rms_norm
 from paddle.nn.functional import swiglu
 
-from ketch.engine.models.attention import AttentionMetadata, paged_attention
+from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.rope import cos_sin_tables
 
@@ -67,7 +67,7 @@ class LlamaModel:
         self,
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
-        kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]],
+        kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         logit_rows: paddle.Tensor,
     ) -> paddle.Tensor:
@@ -76,7 +76,7 @@ class LlamaModel:
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
         h = F.embedding(input_ids, self.weights.embed)
-        for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.weights.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
             qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
@@ -85,7 +85,7 @@ class LlamaModel:
                          cos, sin)
             q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
             v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            attn = paged_attention(q, k, v, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)

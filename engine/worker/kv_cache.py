@@ -2,7 +2,7 @@
 
 The buffer is a numpy array (later: shared memory another process maps), and each layer's key
 and value caches are ``from_dlpack`` views of it, so paddle's in-place slot writes land in the
-buffer itself.
+buffer itself. Layout per layer and K/V: ``[kv_heads, num_blocks, block_size, head_dim]``.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ketch.engine.models.attention import LayerCache
+
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class KVCache:
-    """[layers, 2, num_blocks * block_size, kv_heads, head_dim] in one buffer."""
+    """[layers, 2, kv_heads, num_blocks, block_size, head_dim] in one buffer."""
 
     def __init__(
         self,
@@ -27,12 +29,20 @@ class KVCache:
     ) -> None:
         if dtype != "float32":
             raise ValueError(f"the CPU KV cache holds float32 only, not {dtype}")
-        shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
         self.array = np.zeros(shape, dtype=np.float32)
-        self.layers = [
-            (paddle.from_dlpack(self.array[i, 0]), paddle.from_dlpack(self.array[i, 1]))
-            for i in range(num_layers)
-        ]
+        self.num_blocks = num_blocks
+        self.layers = [self._layer(self.array[i]) for i in range(num_layers)]
+
+    @staticmethod
+    def _layer(kv: np.ndarray) -> LayerCache:
+        head_dim = kv.shape[-1]
+        return LayerCache(
+            k_blocks=paddle.from_dlpack(kv[0]),
+            v_blocks=paddle.from_dlpack(kv[1]),
+            k_slots=paddle.from_dlpack(kv[0].reshape(-1, head_dim)),
+            v_slots=paddle.from_dlpack(kv[1].reshape(-1, head_dim)),
+        )
 
     @staticmethod
     def bytes_per_block(

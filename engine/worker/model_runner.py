@@ -113,7 +113,12 @@ class ModelRunner:
         )
 
     def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
-        meta = build_metadata(batch.spans, self.config.block_size)
+        meta = build_metadata(
+            batch.spans,
+            self.config.block_size,
+            self.config.num_blocks,
+            self.config.model_config.num_key_value_heads,
+        )
         with paddle.no_grad():
             logits = self.model.forward(
                 paddle.to_tensor(batch.input_ids),

@@ -33,13 +33,22 @@ def engine_logits(path: Path, sequences: list[list[int]], splits: list[int]) -> 
     config = ModelConfig.from_dir(path)
     model = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024)
     blocks_each = [-(-len(s) // BLOCK) for s in sequences]
-    cache = KVCache(config.num_hidden_layers, sum(blocks_each) + 1, BLOCK,
-                    config.num_key_value_heads, config.head_dim)
+    cache = KVCache(
+        config.num_hidden_layers,
+        sum(blocks_each) + 1,
+        BLOCK,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     tables, next_block = [], 1
     for n in blocks_each:
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     pieces: list[list[np.ndarray]] = [[] for _ in sequences]
+
+    def meta(spans: list[SequenceSpan]):
+        return build_metadata(spans, BLOCK, cache.num_blocks, config.num_key_value_heads)
+
     for chunk in range(2):
         ids, pos, spans = [], [], []
         for seq, split, table in zip(sequences, splits, tables, strict=True):
@@ -49,9 +58,13 @@ def engine_logits(path: Path, sequences: list[list[int]], splits: list[int]) -> 
             pos += list(range(lo, hi))
         rows = paddle.to_tensor(np.arange(len(ids), dtype=np.int64))
         with paddle.no_grad():
-            logits = model.forward(paddle.to_tensor(np.array(ids, dtype=np.int64)),
-                                   paddle.to_tensor(np.array(pos, dtype=np.int64)),
-                                   cache.layers, build_metadata(spans, BLOCK), rows).numpy()
+            logits = model.forward(
+                paddle.to_tensor(np.array(ids, dtype=np.int64)),
+                paddle.to_tensor(np.array(pos, dtype=np.int64)),
+                cache.layers,
+                meta(spans),
+                rows,
+            ).numpy()
         for i, span in enumerate(spans):
             pieces[i].append(logits[span.start : span.start + span.query_len])
     return [np.concatenate(p) for p in pieces]
