@@ -118,8 +118,10 @@ class BlockPool:
         existing = self.lookup(block_hash, parent, tokens)
         if existing is not None:
             return self.key(existing)
-        if block_id in self._hash_of or block_hash in self._cached:
-            return UNCACHED  # a hash collision: leave this chain uncached
+        if block_id in self._hash_of:
+            return UNCACHED  # already cached under another identity: leave this chain
+        # A stale entry (say, a child of an evicted parent) under the same hash is replaced;
+        # _evict only removes a mapping that still points at the evicted block.
         self._hash_of[block_id] = block_hash
         self._tokens_of[block_id] = tokens
         self._parent_of[block_id] = parent

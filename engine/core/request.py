@@ -41,7 +41,9 @@ class Request:
         "block_ids",
         "cache_parent",
         "eos_token_ids",
+        "max_len",
         "max_tokens",
+        "min_len",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -51,6 +53,7 @@ class Request:
         "sampling_params",
         "seed",
         "status",
+        "stop_ids",
         "stop_reason",
         "token_ids",
     )
@@ -70,6 +73,12 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
+        # Precomputed so the per-token stop check is a set lookup and two comparisons.
+        self.stop_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else eos_token_ids
+        )
+        self.min_len = self.num_prompt_tokens + sampling_params.min_tokens
+        self.max_len = self.num_prompt_tokens + max_tokens
         self.seed = seed
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -102,23 +111,19 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def finish_on(self, token_id: int) -> bool:
+        """Finishes the request if ``token_id``, just appended, ends it; returns whether it did.
 
-    def check_stop(self, max_model_len: int) -> bool:
-        """Finishes the request if its newest token ends it; returns whether it did."""
-        params = self.sampling_params
-        num_output = len(self.token_ids) - self.num_prompt_tokens
-        last = self.token_ids[-1]
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
-        if num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:
+        The scheduler inlines the cheap pre-check (``stop_ids`` / ``max_len``) and calls this
+        only when it may be true.
+        """
+        length = len(self.token_ids)
+        if token_id in self.stop_ids and length >= self.min_len:
+            self.status = RequestStatus.FINISHED_STOPPED
+            eos = not self.sampling_params.ignore_eos and token_id in self.eos_token_ids
+            self.stop_reason = None if eos else token_id
+            return True
+        if length >= self.max_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -61,6 +61,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.max_len = min(request.max_len, self.config.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -99,11 +100,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = request.num_tokens - request.num_computed_tokens
+            computed_before = request.num_computed_tokens
+            n = len(request.token_ids) - computed_before
             if n > budget:
                 n = budget
             num_blocks = len(request.block_ids)
-            if request.num_computed_tokens + n > num_blocks * bs:
+            if computed_before + n > num_blocks * bs:
                 while not kv_cache.allocate_slots(request, n):
                     victim = running.pop()
                     self._preempt(victim)
@@ -112,14 +114,13 @@ class Scheduler:
                         break
                 if request.status != RequestStatus.RUNNING:
                     break
-                added = request.block_ids[num_blocks:]
-            else:
-                added = None
+                # Only requests whose block table grew are listed; the runner advances its own
+                # computed counts from num_scheduled_tokens.
+                ids.append(request.request_id)
+                new_blocks.append(request.block_ids[num_blocks:])
+                resumed.append(False)
+                computed.append(computed_before)
             scheduled[request.request_id] = n
-            ids.append(request.request_id)
-            new_blocks.append(added)
-            resumed.append(False)
-            computed.append(request.num_computed_tokens)
             budget -= n
             i += 1
         return budget
@@ -177,20 +178,25 @@ class Scheduler:
         kv_cache = self.kv_cache
         bs = self.block_size
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
-            request = requests[request_id]
+            request = requests.get(request_id)
+            if request is None:
+                continue  # finished (aborted) while the step ran
             request.num_computed_tokens += n
             if request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
                 kv_cache.cache_full_blocks(request)
         updated = []
-        max_model_len = self.config.max_model_len
         for request_id, token_id in zip(
             runner_output.request_ids, runner_output.sampled_token_ids, strict=True
         ):
             request = requests.get(request_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
-            request.token_ids.append(token_id)
-            if request.check_stop(max_model_len):
+            if request is None:
+                continue  # finished (aborted) while the step ran
+            token_ids = request.token_ids
+            token_ids.append(token_id)
+            if (
+                (token_id in request.stop_ids or len(token_ids) >= request.max_len)
+                and request.finish_on(token_id)
+            ):
                 self._release(request)
             updated.append(request)
         return updated

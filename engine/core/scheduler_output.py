@@ -22,14 +22,16 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """Requests the runner already holds, as parallel lists (cheap to build every step).
+    """Requests the runner already holds whose blocks changed, as parallel lists.
 
-    ``new_block_ids[i]`` is None when no block was added; for a request resumed after
-    preemption it is the complete new block table.
+    Only requests that got new blocks or were resumed after preemption appear; every other
+    scheduled request just advances by its ``num_scheduled_tokens``. For a resumed request
+    ``new_block_ids[i]`` is the complete new block table and ``num_computed_tokens[i]`` restarts
+    from its prefix-cache hits.
     """
 
     request_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
     resumed: list[bool] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 

@@ -144,8 +144,8 @@ class ModelRunner:
         ):
             state = self.requests[request_id]
             if resumed:
-                state.block_ids = list(blocks or [])
-            elif blocks:
+                state.block_ids = list(blocks)
+            else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
 
@@ -176,5 +176,6 @@ class ModelRunner:
             if begin + n == len(tokens):
                 batch.sampling_ids.append(request_id)
                 batch.logit_rows.append(start + n - 1)
+            state.num_computed_tokens = begin + n
             start += n
         return batch

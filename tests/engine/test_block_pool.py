@@ -328,12 +328,6 @@ def test_evicting_a_parent_makes_its_children_unreachable() -> None:
     assert pool.lookup(child_hash, pool.key(new_parent), tuple(tokens_of(BS, BS))) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: BlockPool.cache refuses to cache a block whose hash is still held by a "
-    "stale child of an evicted parent, so the prefix is never cached again until that child is "
-    "evicted too",
-)
 def test_a_prefix_recomputed_after_its_parent_was_evicted_is_cached_again() -> None:
     kv = KVCacheManager(6, BS)  # 5 usable blocks
     pool = kv.pool

@@ -14,7 +14,6 @@ import functools
 import random
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -335,12 +334,6 @@ def test_aborts_free_everything() -> None:
     check_outputs(workload, result)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="engine bug: update_from_output's first loop indexes self.requests[request_id] and "
-    "raises KeyError for a request aborted between schedule() and update_from_output()",
-)
 def test_abort_while_the_step_runs() -> None:
     kv = KVCacheManager(16, 16)
     sched = Scheduler(SchedulerConfig(4, 64, 128), kv)
