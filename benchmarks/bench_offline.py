@@ -71,6 +71,8 @@ def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tu
     )
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
 
+    kv = config.num_key_value_heads
+
     def step(chunks: list[list[int]], starts: list[int]) -> list[int]:
         ids, pos, spans, rows = [], [], [], []
         for chunk, begin, table in zip(chunks, starts, tables, strict=True):
@@ -83,7 +85,9 @@ def bench_bare_loop(model: str, prompts: list[list[int]], max_tokens: int) -> tu
                 paddle.to_tensor(np.array(ids, dtype=np.int64)),
                 paddle.to_tensor(np.array(pos, dtype=np.int64)),
                 cache.layers,
-                build_metadata(spans, block, cache.num_blocks, config.num_key_value_heads),
+                build_metadata(
+                    spans, block, cache.num_blocks, kv, config.num_attention_heads // kv
+                ),
                 paddle.to_tensor(np.array(rows, dtype=np.int64)),
             )
         return logits.numpy().argmax(axis=-1).tolist()
@@ -140,8 +144,11 @@ def _isolated(name: str, *args: object) -> tuple[float, int]:
         f"print(json.dumps(b.{name}(*json.loads(sys.argv[1]))))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
-        check=True, cwd=tempfile.gettempdir(),
+        [sys.executable, "-c", code, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),
     ).stdout
     seconds, tokens = json.loads(out.strip().splitlines()[-1])
     return seconds, tokens

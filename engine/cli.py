@@ -34,17 +34,29 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
     sampling = generate.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
-    sampling.add_argument("--temperature", type=float, default=0.0,
-                          help="0 is greedy (the default); higher is more random")
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 is greedy (the default); higher is more random",
+    )
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
     sampling.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    generate.add_argument("--chat", action="store_true",
-                          help="treat each prompt as a user message and apply the chat template")
-    generate.add_argument("--json", action="store_true",
-                          help="print one JSON object per prompt instead of plain text")
-    generate.add_argument("--log-level", default="WARNING",
-                          choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="engine log level")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="treat each prompt as a user message and apply the chat template",
+    )
+    generate.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt instead of plain text"
+    )
+    generate.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="engine log level",
+    )
     add_engine_args(generate)
     return parser
 
@@ -68,8 +80,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
     )
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     llm = LLM(config.model, **kwargs)
@@ -81,10 +97,16 @@ def _generate(args: argparse.Namespace) -> int:
     for prompt, output in zip(args.prompts, outputs, strict=True):
         completion = output.outputs[0]
         if args.json:
-            print(json.dumps({
-                "prompt": prompt, "text": completion.text,
-                "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": completion.text,
+                        "token_ids": completion.token_ids,
+                        "finish_reason": completion.finish_reason,
+                    }
+                )
+            )
         elif args.chat:
             print(completion.text)
         else:

@@ -23,13 +23,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             group.add_argument(
-                flag_name(f.name), action=argparse.BooleanOptionalAction, default=None,
+                flag_name(f.name),
+                action=argparse.BooleanOptionalAction,
+                default=None,
                 help=help_text,
             )
             continue
         choices = f.metadata.get("choices")
         group.add_argument(
-            flag_name(f.name), type=kind, default=None, choices=choices, help=help_text,
+            flag_name(f.name),
+            type=kind,
+            default=None,
+            choices=choices,
+            help=help_text,
             metavar=None if choices else f.name.upper(),
         )
 

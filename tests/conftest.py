@@ -21,8 +21,11 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "tie_word_embeddings": True,
             "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
             },
             "rope_theta": 500000.0,
         },

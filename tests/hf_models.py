@@ -108,8 +108,13 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             results.append(out[0, len(prompt) :].tolist())
     return results

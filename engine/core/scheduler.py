@@ -194,9 +194,8 @@ class Scheduler:
             token_ids = request.token_ids
             token_ids.append(token_id)
             if (
-                (token_id in request.stop_ids or len(token_ids) >= request.max_len)
-                and request.finish_on(token_id)
-            ):
+                token_id in request.stop_ids or len(token_ids) >= request.max_len
+            ) and request.finish_on(token_id):
                 self._release(request)
             updated.append(request)
         return updated

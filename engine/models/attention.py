@@ -36,7 +36,9 @@ class AttentionGroup:
     context_len: int  # padded to whole blocks
     query_index: paddle.Tensor  # [batch * max_query_len] rows of the flat token order
     block_index: paddle.Tensor  # [batch * blocks per sequence] (padding -> reserved block 0)
-    mask: paddle.Tensor  # [1, batch, 1, max_query_len, context_len] additive: 0 or -inf
+    # [batch, query heads per KV head, max_query_len, context_len], additive (0 or -inf). Full
+    # size except the leading KV-head axis: paddle broadcasts over leading axes ~10x faster.
+    mask: paddle.Tensor
 
 
 @dataclass
@@ -59,17 +61,18 @@ class SequenceSpan:
 
 
 def build_metadata(
-    spans: list[SequenceSpan], block_size: int, num_blocks: int, kv_heads: int
+    spans: list[SequenceSpan], block_size: int, num_blocks: int, kv_heads: int, group: int
 ) -> AttentionMetadata:
+    """``group`` is the number of query heads per KV head."""
     num_tokens = sum(s.query_len for s in spans)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
     output_index = np.empty(num_tokens, dtype=np.int64)
     groups: list[AttentionGroup] = []
     offset = 0
     for members in _partition(spans):
-        group = _build_group(members, block_size, slot_mapping, output_index, offset)
-        groups.append(group)
-        offset += group.batch * group.max_query_len
+        built = _build_group(members, block_size, slot_mapping, output_index, offset, group)
+        groups.append(built)
+        offset += built.batch * built.max_query_len
     # Head h of token t lives at row h * (num_blocks * block_size) + slot(t) of the slot view.
     heads = np.arange(kv_heads, dtype=np.int64)[:, None] * (num_blocks * block_size)
     return AttentionMetadata(
@@ -104,6 +107,7 @@ def _build_group(
     slot_mapping: np.ndarray,
     output_index: np.ndarray,
     offset: int,
+    group: int,
 ) -> AttentionGroup:
     """Vectorised over the group: a few numpy calls per step, not per request."""
     batch = len(spans)
@@ -130,14 +134,15 @@ def _build_group(
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
     # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
     mask[:, :, 0] |= ~valid
-    bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
+    bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))[:, None]
+    bias = np.ascontiguousarray(np.broadcast_to(bias, (batch, group, max_q, max_ctx)))
     return AttentionGroup(
         batch=batch,
         max_query_len=max_q,
         context_len=max_ctx,
         query_index=paddle.to_tensor(token_rows.reshape(-1)),
         block_index=paddle.to_tensor(tables.reshape(-1)),
-        mask=paddle.to_tensor(bias[None, :, None]),
+        mask=paddle.to_tensor(bias),
     )
 
 

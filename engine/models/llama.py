@@ -81,8 +81,9 @@ class LlamaModel:
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
             qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
             # Queries and keys rotate together: one set of rotary ops per layer.
-            qk = _rotate(qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim]),
-                         cos, sin)
+            qk = _rotate(
+                qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim]), cos, sin
+            )
             q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
             v = v.reshape([0, c.num_key_value_heads, c.head_dim])
             attn = paged_attention(q, k, v, cache, meta)

@@ -113,11 +113,14 @@ class ModelRunner:
         )
 
     def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
+        mc = self.config.model_config
+        group = mc.num_attention_heads // mc.num_key_value_heads
         meta = build_metadata(
             batch.spans,
             self.config.block_size,
             self.config.num_blocks,
-            self.config.model_config.num_key_value_heads,
+            mc.num_key_value_heads,
+            group,
         )
         with paddle.no_grad():
             logits = self.model.forward(

@@ -57,5 +57,6 @@ def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str)
     assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_usable_blocks
     reference = hf_greedy(path, prompts, MAX_TOKENS)
     mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    assert not mismatches, f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs " \
-                           f"{reference[mismatches[0]]}"
+    assert not mismatches, (
+        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
+    )

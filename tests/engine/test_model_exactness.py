@@ -47,7 +47,8 @@ def engine_logits(path: Path, sequences: list[list[int]], splits: list[int]) -> 
     pieces: list[list[np.ndarray]] = [[] for _ in sequences]
 
     def meta(spans: list[SequenceSpan]):
-        return build_metadata(spans, BLOCK, cache.num_blocks, config.num_key_value_heads)
+        kv = config.num_key_value_heads
+        return build_metadata(spans, BLOCK, cache.num_blocks, kv, config.num_attention_heads // kv)
 
     for chunk in range(2):
         ids, pos, spans = [], [], []
