@@ -74,7 +74,7 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "Tensor-parallel ranks (GPUs) per engine instance.")
     dtype: str = _opt(
         "auto",
-        "Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.",
+        "Compute dtype: auto or float32. bfloat16/float16 are for the GPU engine (not built yet).",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")

@@ -236,5 +236,6 @@ def _dtype(config: EngineConfig) -> str:
     if config.dtype in ("auto", "float32"):
         return "float32"
     raise ModelLoadError(
-        f"dtype={config.dtype} needs a GPU; on CPU paddle computes in float32 only (use auto)"
+        f"dtype={config.dtype} needs the GPU engine, which this build does not have yet; "
+        "on CPU paddle computes in float32 only (use dtype=auto)"
     )
