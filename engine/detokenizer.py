@@ -58,6 +58,14 @@ class IncrementalDetokenizer:
         self.text = self.text[:at]
         return True
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    def add_tokens_unchecked(self, token_ids: list[int]) -> None:
+        """Queues many tokens at once, without stop-string checks; ``finish`` decodes them."""
+        self._tokens.extend(token_ids)
+
     def finish(self) -> None:
         """Flushes tokens still waiting to complete a character (shown as U+FFFD, as decode does).
 

@@ -45,7 +45,9 @@ class LLM:
                 request_id = str(next(self._ids))
                 # Wrap to 64 bits (as the sampler does) so seed + i stays a valid seed.
                 seed = None if p.seed is None else (p.seed + i) % (1 << 64)
-                self.engine.add_request(request_id, prompt, replace(p, n=1, seed=seed))
+                self.engine.add_request(
+                    request_id, prompt, replace(p, n=1, seed=seed), final_only=True
+                )
                 ids.append(request_id)
             groups.append(ids)
         finished: dict[str, RequestOutput] = {}

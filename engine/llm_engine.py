@@ -30,6 +30,7 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
+    final_only: bool = False
     emitted_tokens: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -102,8 +103,14 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        final_only: bool = False,
     ) -> None:
+        """Queues a request. With ``final_only`` its output comes once, when it finishes, and
+        (without stop strings) its text is decoded once at the end instead of per token."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -125,6 +132,7 @@ class LLMEngine:
                 self.tokenizer, token_ids, params.stop, params.skip_special_tokens
             ),
             logprobs=[] if params.logprobs is not None else None,
+            final_only=final_only,
         )
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -172,16 +180,19 @@ class LLMEngine:
                 tracked = self._tracked.get(request_id)
                 if lp is not None and tracked is not None and tracked.logprobs is not None:
                     tracked.logprobs.append(TokenLogprob(-1, lp[0], lp[1]))
-        return [self._process(request) for request in updated]
+        outputs = [self._process(request) for request in updated]
+        return [o for o in outputs if o is not None]
 
-    def _process(self, request: Request) -> RequestOutput:
+    def _process(self, request: Request) -> RequestOutput | None:
         tracked = self._tracked[request.request_id]
         if tracked.first_token_time is None:
             tracked.first_token_time = time.monotonic()
         token_id = request.token_ids[-1]
         if tracked.logprobs:
             tracked.logprobs[-1].token_id = token_id
-        if tracked.detokenizer.add_token(token_id):
+        detokenizer = tracked.detokenizer
+        deferred = tracked.final_only and not detokenizer.has_stop_strings
+        if not deferred and detokenizer.add_token(token_id):
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             request.status = RequestStatus.FINISHED_STOPPED  # the text was cut: not "length"
@@ -189,8 +200,12 @@ class LLMEngine:
         elif request.stop_reason is not None:
             tracked.stop_reason = request.stop_reason
         finished = request.is_finished
+        if not finished and tracked.final_only:
+            return None
         if finished:
-            tracked.detokenizer.finish()
+            if deferred:
+                detokenizer.add_tokens_unchecked(request.output_token_ids)
+            detokenizer.finish()
         output = self._make_output(request, tracked, finished)
         if finished:
             del self._tracked[request.request_id]

@@ -1,0 +1,43 @@
+"""The engine's streaming path (per-step deltas) agrees with the offline, final-only path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ketch.engine import LLM, SamplingParams
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "To be, or not"]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Callable[..., Path]) -> LLM:
+    return LLM(str(checkpoint("llama")), block_size=16, num_kv_blocks=64, max_model_len=256)
+
+
+def stream(llm: LLM, prompt: str, params: SamplingParams) -> tuple[str, list[int], str | None]:
+    engine = llm.engine
+    engine.add_request("streamed", prompt, params)
+    text, tokens, reason = "", [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            completion = output.outputs[0]
+            text += completion.delta_text
+            tokens += completion.delta_token_ids
+            assert completion.token_ids == tokens
+            reason = completion.finish_reason
+    return text, tokens, reason
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("stop", [[], ["e"], ["th", "an"]])
+def test_streamed_deltas_add_up_to_the_offline_output(llm: LLM, prompt: str, stop: list[str]):
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=40, stop=stop)
+    offline = llm.generate(prompt, params)[0].outputs[0]
+    text, tokens, reason = stream(llm, prompt, params)
+    assert tokens == offline.token_ids
+    assert text == offline.text
+    assert reason == offline.finish_reason
+    assert not any(s in text for s in stop)
