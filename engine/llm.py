@@ -111,4 +111,5 @@ def _merge(ids: list[str], finished: dict[str, RequestOutput]) -> RequestOutput:
         outputs=outputs,
         finished=True,
         num_cached_tokens=first.num_cached_tokens,
+        metrics=first.metrics,
     )

@@ -16,6 +16,7 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import resolve_model_path
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
@@ -73,6 +74,7 @@ class LLMEngine:
             self.kv_cache,
         )
         self._tracked: dict[str, _Tracked] = {}
+        self._last_batch_size = 0
         self._num_seeded = 0
         logger.info(
             "engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
@@ -171,6 +173,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self._last_batch_size = len(sched.num_scheduled_tokens)
         runner_output = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_output)
         if runner_output.logprobs:
@@ -232,6 +235,38 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            metrics=self._request_metrics(request, tracked) if finished else None,
+        )
+
+    @staticmethod
+    def _request_metrics(request: Request, tracked: _Tracked) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=tracked.first_token_time,
+            finished_time=time.monotonic(),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            finish_reason=request.finish_reason or "abort",
+        )
+
+    def snapshot(self) -> EngineSnapshot:
+        """Gauges and cumulative counters for metrics, as of the last step."""
+        scheduler, pool = self.scheduler, self.kv_cache.pool
+        stats = scheduler.stats
+        return EngineSnapshot(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
+            kv_cache_usage=pool.usage,
+            free_kv_blocks=pool.num_free_blocks,
+            total_kv_blocks=pool.num_usable_blocks,
+            batch_size=self._last_batch_size,
+            max_batch_size=self.config.max_num_seqs,
+            num_preemptions=stats.num_preemptions,
+            prefix_query_tokens=stats.prefix_query_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
         )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ketch.engine.stats import RequestMetrics
+
 
 @dataclass
 class TokenLogprob:
@@ -38,3 +40,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # set when finished

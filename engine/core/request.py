@@ -41,6 +41,7 @@ class Request:
         "block_ids",
         "cache_parent",
         "eos_token_ids",
+        "first_scheduled_time",
         "max_len",
         "max_tokens",
         "min_len",
@@ -90,6 +91,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

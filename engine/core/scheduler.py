@@ -9,6 +9,7 @@ back to the head of the queue to be recomputed later (the prefix cache usually m
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class Scheduler:
                 break
             waiting.popleft()
             if request.status == RequestStatus.WAITING:
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = len(hits) * self.block_size
                 self.stats.prefix_hit_tokens += request.num_cached_tokens
                 self.stats.prefix_query_tokens += request.num_tokens
