@@ -1,0 +1,110 @@
+"""Messages between the API server and the engine process: small, typed, JSON on the wire.
+
+Nothing here is pickled: each message encodes itself to a tagged JSON object and decodes back,
+so either side can be replaced (or inspected with a plain ZMQ client) without sharing objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ketch.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    """Queue a tokenised request; outputs stream back as ``RequestDelta`` messages."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    final_only: bool = False
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class RequestDelta:
+    """What is new for one request since its last delta (or its rejection, in ``error``)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class StepOutputs:
+    """Everything one engine step produced."""
+
+    deltas: list[RequestDelta]
+
+
+@dataclass
+class EngineReady:
+    """Sent once the model is loaded and the engine accepts requests."""
+
+    max_model_len: int
+    num_kv_blocks: int
+
+
+@dataclass
+class EngineFailed:
+    """Sent instead of ``EngineReady`` when the engine cannot start (bad model, bad config)."""
+
+    error: str
+
+
+Message = AddRequest | AbortRequests | StepOutputs | EngineReady | EngineFailed
+_TYPES: dict[str, type] = {
+    t.__name__: t for t in (AddRequest, AbortRequests, StepOutputs, EngineReady, EngineFailed)
+}
+
+
+def encode(message: Message) -> bytes:
+    return json.dumps({"type": type(message).__name__, "body": _plain(message)}).encode()
+
+
+def decode(data: bytes) -> Message:
+    raw = json.loads(data)
+    kind = _TYPES.get(raw.get("type"))
+    if kind is None:
+        raise ValueError(f"unknown message type {raw.get('type')!r}")
+    body: dict[str, Any] = raw["body"]
+    if kind is AddRequest:
+        return AddRequest(
+            request_id=body["request_id"],
+            prompt_token_ids=body["prompt_token_ids"],
+            params=SamplingParams(**body["params"]),
+            final_only=body["final_only"],
+        )
+    if kind is StepOutputs:
+        return StepOutputs(deltas=[_delta(d) for d in body["deltas"]])
+    return kind(**body)
+
+
+def _delta(body: dict[str, Any]) -> RequestDelta:
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = [(t, lp, [tuple(x) for x in top]) for t, lp, top in logprobs]
+    return RequestDelta(**{**body, "logprobs": logprobs})
+
+
+def _plain(message: Message) -> dict[str, Any]:
+    return dataclasses.asdict(message)

@@ -1,0 +1,171 @@
+"""The API server's handle on the engine process: start it, stream requests through it.
+
+``EngineClient`` spawns the engine process, binds the two IPC sockets (so stale socket files
+from a killed run are replaced), and routes each step's deltas to per-request asyncio queues.
+If the engine process dies, every open request gets an error delta at once and
+``is_alive`` turns False, so the server can report unhealthy and exit instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestDelta,
+    StepOutputs,
+    decode,
+    encode,
+)
+from ketch.engine.engine_process import run_engine_process
+from ketch.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_LIVENESS_POLL_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; requests cannot be served."""
+
+
+def ipc_addresses(port: int, run_dir: Path | None = None) -> tuple[str, str]:
+    """Socket paths derived from the server's port, so two servers on one host never clash."""
+    base = run_dir or Path(tempfile.gettempdir())
+    return (f"ipc://{base}/ketch-{port}-requests.sock", f"ipc://{base}/ketch-{port}-outputs.sock")
+
+
+class EngineClient:
+    """Runs one engine process and multiplexes requests over it."""
+
+    def __init__(self, config: EngineConfig, port: int, run_dir: Path | None = None) -> None:
+        self.config = config
+        self.input_addr, self.output_addr = ipc_addresses(port, run_dir)
+        self._context = zmq.asyncio.Context()
+        self._requests = self._context.socket(zmq.PUSH)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._process is not None and self._process.is_alive()
+
+    async def start(self, timeout: float = 300.0) -> EngineReady:
+        """Spawns the engine and waits until its model is loaded; raises if it cannot start."""
+        for addr in (self.input_addr, self.output_addr):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(addr.removeprefix("ipc://"))  # left behind by a killed run
+        self._requests.bind(self.input_addr)
+        self._outputs.bind(self.output_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine_process,
+            args=(self.config, self.input_addr, self.output_addr),
+            name="ketch-engine",
+            daemon=True,
+        )
+        self._process.start()
+        message = await self._first_message(timeout)
+        if not isinstance(message, EngineReady):
+            await self.shutdown()
+            error = message.error if isinstance(message, EngineFailed) else repr(message)
+            raise RuntimeError(f"the engine failed to start: {error}")
+        self.ready = message
+        self._reader = asyncio.create_task(self._read_outputs())
+        return message
+
+    async def _first_message(self, timeout: float) -> object:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            if await self._outputs.poll(int(_LIVENESS_POLL_S * 1000)):
+                return decode(await self._outputs.recv())
+            if not self._process or not self._process.is_alive():
+                raise RuntimeError("the engine process exited during start-up")
+        raise TimeoutError(f"the engine did not become ready within {timeout:.0f} s")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        final_only: bool = False,
+    ) -> AsyncIterator[RequestDelta]:
+        """Streams a request's deltas until it finishes; aborts it if the caller stops early."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._requests.send(
+                encode(AddRequest(request_id, prompt_token_ids, params, final_only))
+            )
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.is_alive:
+                await self.abort([request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._requests.send(encode(AbortRequests(request_ids)))
+
+    async def _read_outputs(self) -> None:
+        while True:
+            if await self._outputs.poll(int(_LIVENESS_POLL_S * 1000)):
+                message = decode(await self._outputs.recv())
+                if isinstance(message, StepOutputs):
+                    for delta in message.deltas:
+                        queue = self._queues.get(delta.request_id)
+                        if queue is not None:
+                            queue.put_nowait(delta)
+            elif not self._process or not self._process.is_alive():
+                code = self._process.exitcode if self._process else None
+                self._fail_all(f"the engine process exited (exit code {code})")
+                return
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("%s; failing %d open requests", reason, len(self._queues))
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(RequestDelta(request_id=request_id, error=reason))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine process and removes the socket files."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._process is not None and self._process.is_alive():
+            self._process.terminate()
+            await asyncio.to_thread(self._process.join, timeout)
+            if self._process.is_alive():
+                self._process.kill()
+        self._requests.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        for addr in (self.input_addr, self.output_addr):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(addr.removeprefix("ipc://"))

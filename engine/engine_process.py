@@ -1,0 +1,103 @@
+"""The engine process: an ``LLMEngine`` running its step loop, fed and drained over ZMQ.
+
+The API server binds two IPC sockets and spawns this process, which connects to them: requests
+arrive on one (PUSH -> PULL), each step's deltas leave on the other. HTTP work therefore never
+stalls the step loop, and a crash here is seen by the server as a dead process, not a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+import zmq
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestDelta,
+    StepOutputs,
+    decode,
+    encode,
+)
+from ketch.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:  # paddle is imported only inside the engine process
+    from ketch.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 100
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point: load the model, then serve until the input socket says stop."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
+    context = zmq.Context()
+    requests = context.socket(zmq.PULL)
+    requests.connect(input_addr)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    try:
+        from ketch.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except Exception as exc:  # any start-up failure is reported, then the process exits
+        outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
+        outputs.close(linger=2000)
+        sys.exit(1)
+    outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
+    _serve(engine, requests, outputs)
+
+
+def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(requests, zmq.POLLIN)
+    while True:
+        busy = engine.has_unfinished_requests()
+        events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
+        rejected: list[RequestDelta] = []
+        while events.get(requests) and requests.poll(0):
+            _apply(engine, decode(requests.recv()), rejected)
+        deltas = rejected
+        if engine.has_unfinished_requests():
+            deltas += [_delta(o) for o in engine.step()]
+        if deltas:
+            outputs.send(encode(StepOutputs(deltas=deltas)))
+
+
+def _apply(engine: LLMEngine, message: object, rejected: list[RequestDelta]) -> None:
+    if isinstance(message, AddRequest):
+        try:
+            engine.add_request(
+                message.request_id, message.prompt_token_ids, message.params, message.final_only
+            )
+        except ValueError as exc:
+            rejected.append(RequestDelta(request_id=message.request_id, error=str(exc)))
+    elif isinstance(message, AbortRequests):
+        engine.abort_request(message.request_ids)
+        rejected.extend(
+            RequestDelta(request_id=rid, finish_reason="abort") for rid in message.request_ids
+        )
+
+
+def _delta(output: RequestOutput) -> RequestDelta:
+    completion = output.outputs[0]
+    new = completion.delta_token_ids
+    logprobs = None
+    if completion.logprobs is not None and new:
+        logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in completion.logprobs[-len(new) :]]
+    return RequestDelta(
+        request_id=output.request_id,
+        new_token_ids=new,
+        new_text=completion.delta_text,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        num_prompt_tokens=len(output.prompt_token_ids),
+        num_cached_tokens=output.num_cached_tokens,
+        logprobs=logprobs,
+    )
