@@ -1,0 +1,248 @@
+"""Prometheus metrics for one engine, under the names fixed in DESIGN.md ("Engine metrics").
+
+``EngineMetrics`` turns the engine's plain records (``ketch.engine.stats``) into metrics: feed it
+each finished request's ``RequestMetrics`` and an ``EngineSnapshot`` after each step, then serve
+``render()`` on ``/metrics``. The autoscaler and router query these names verbatim.
+
+It keeps its own state and its own ``CollectorRegistry`` (never the global one), so several
+engines or tests in one process do not collide. It exposes its state through a custom collector
+rather than ``prometheus_client.Counter``/``Histogram`` objects, for two reasons:
+
+* no ``*_created`` samples, without flipping prometheus_client's process-wide
+  ``disable_created_metrics()`` switch;
+* the exposed sample names are exactly the DESIGN.md ones. prometheus_client always appends
+  ``_total`` to a counter, so the two counters DESIGN.md names without ``_total``
+  (``requests_number``, ``prefix_cache_token_num``) are exposed as ``untyped``; PromQL's
+  ``rate()``/``increase()`` work on them as on any counter.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
+
+from ketch.engine.stats import EngineSnapshot, RequestMetrics
+
+PREFIX = "ketch:"
+
+# Bucket upper bounds. Latencies in seconds: TTFT spans a prefix-cache hit on a short prompt
+# (~1 ms) to a long prefill behind a full queue (~60 s); TPOT spans one fast decode step (~1 ms)
+# to a heavily batched CPU step (~2.5 s); e2e and queue time reach a 10-minute generation.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0,
+)  # fmt: skip
+TPOT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 600.0,
+)  # fmt: skip
+# Token counts: powers of two from 1 to 64k, the longest context we expect to serve.
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(17))
+
+# Always exposed (at 0 until seen) so rate() queries per reason have a series from the start.
+FINISH_REASONS = ("stop", "length", "abort")
+
+_GAUGES = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0 to 1).",
+    "free_kv_block_num": "Free KV cache blocks.",
+    "max_kv_block_num": "Usable KV cache blocks in total.",
+    "batch_size": "Requests in the last step's batch.",
+    "max_batch_size": "Most requests one step may batch (max_num_seqs).",
+    "hit_token_rate": "Prefix cache hit tokens / looked-up prompt tokens, since start.",
+}
+
+
+@dataclass
+class _Histogram:
+    """Bucket counts and sum of one histogram; the last count is the +Inf bucket."""
+
+    name: str
+    documentation: str
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        # bisect_left puts a value equal to a bound in that bound's bucket: Prometheus' `le`.
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, model_name: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            PREFIX + self.name, self.documentation, labels=["model_name"]
+        )
+        family.add_metric([model_name], self._cumulative_buckets(), self.total)
+        return family
+
+    def _cumulative_buckets(self) -> list[tuple[str, float]]:
+        bounds = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        running, buckets = 0, []
+        for bound, count in zip(bounds, self.counts, strict=True):
+            running += count
+            buckets.append((bound, float(running)))
+        return buckets
+
+
+def _histograms() -> dict[str, _Histogram]:
+    specs = [
+        ("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS),
+        ("time_per_output_token_seconds", "Mean time per token after the first.", TPOT_BUCKETS),
+        ("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
+        ("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS),
+        ("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS),
+        ("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS),
+    ]
+    return {name: _Histogram(name, doc, bounds) for name, doc, bounds in specs}
+
+
+class EngineMetrics:
+    """All of one engine's Prometheus metrics, with their own registry.
+
+    Thread-safe: the engine loop and HTTP handlers may feed it and render it concurrently.
+    Every metric carries the constant label ``model_name``.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._gauges = dict.fromkeys(_GAUGES, 0.0)
+        self._histograms = _histograms()
+        self._requests = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._success = dict.fromkeys(FINISH_REASONS, 0)
+        self._prefix_cache_tokens = 0
+        self._last_hit_tokens = 0
+        self._http: dict[tuple[str, str], int] = {}
+        self.registry.register(self)
+
+    def observe_finished(self, metrics: RequestMetrics) -> None:
+        """Records one finished request (any finish reason, aborts included)."""
+        with self._lock:
+            self._requests += 1
+            self._prompt_tokens += metrics.num_prompt_tokens
+            self._generation_tokens += metrics.num_generation_tokens
+            reason = metrics.finish_reason
+            self._success[reason] = self._success.get(reason, 0) + 1
+            self._observe_latencies(metrics)
+            self._histograms["request_prompt_tokens"].observe(metrics.num_prompt_tokens)
+            self._histograms["request_generation_tokens"].observe(metrics.num_generation_tokens)
+
+    def _observe_latencies(self, metrics: RequestMetrics) -> None:
+        # A request aborted before its first token has no TTFT; one with a single token no TPOT.
+        latencies = {
+            "time_to_first_token_seconds": metrics.time_to_first_token,
+            "time_per_output_token_seconds": metrics.time_per_output_token,
+            "e2e_request_latency_seconds": metrics.e2e_latency,
+            "request_queue_time_seconds": metrics.queue_time,
+        }
+        for name, value in latencies.items():
+            if value is not None:
+                self._histograms[name].observe(value)
+
+    def update(self, snapshot: EngineSnapshot) -> None:
+        """Sets the gauges from the engine's state after a step and advances the hit counter."""
+        with self._lock:
+            self._gauges.update(_gauge_values(snapshot))
+            # The snapshot's count is cumulative: add only what is new, so repeated updates with
+            # the same snapshot never double count (and a restarted engine never subtracts).
+            self._prefix_cache_tokens += max(0, snapshot.prefix_hit_tokens - self._last_hit_tokens)
+            self._last_hit_tokens = snapshot.prefix_hit_tokens
+
+    def observe_http(self, path: str, status_code: int) -> None:
+        """Counts one HTTP request served (pass a route template, not a raw URL, for `path`)."""
+        key = (path, str(status_code))
+        with self._lock:
+            self._http[key] = self._http.get(key, 0) + 1
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every metric, and its Content-Type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def collect(self) -> Iterator[Metric]:
+        """The prometheus_client collector protocol; called by the registry on each scrape."""
+        with self._lock:
+            families = [
+                *self._gauge_families(),
+                *(h.family(self.model_name) for h in self._histograms.values()),
+                *self._counter_families(),
+            ]
+        yield from families
+
+    def _gauge_families(self) -> Iterator[Metric]:
+        for name, doc in _GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], self._gauges[name])
+            yield family
+
+    def _counter_families(self) -> Iterator[Metric]:
+        yield self._untyped("requests_number", "Finished requests.", self._requests)
+        yield self._counter("prompt_tokens_total", "Prompt tokens.", self._prompt_tokens)
+        yield self._counter("generation_tokens_total", "Generated tokens.", self._generation_tokens)
+        yield self._untyped(
+            "prefix_cache_token_num",
+            "Prompt tokens served from the prefix cache.",
+            self._prefix_cache_tokens,
+        )
+        success = CounterMetricFamily(
+            PREFIX + "request_success_total",
+            "Finished requests by finish reason.",
+            labels=["model_name", "finish_reason"],
+        )
+        for reason, count in self._success.items():
+            success.add_metric([self.model_name, reason], count)
+        yield success
+        http = CounterMetricFamily(
+            PREFIX + "http_requests_total",
+            "HTTP requests served.",
+            labels=["model_name", "path", "status_code"],
+        )
+        for (path, status), count in sorted(self._http.items()):
+            http.add_metric([self.model_name, path, status], count)
+        yield http
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _untyped(self, name: str, doc: str, value: float) -> Metric:
+        family = UnknownMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+
+def _gauge_values(snapshot: EngineSnapshot) -> dict[str, float]:
+    query = snapshot.prefix_query_tokens
+    return {
+        "num_requests_running": snapshot.num_requests_running,
+        "num_requests_waiting": snapshot.num_requests_waiting,
+        "kv_cache_usage_perc": snapshot.kv_cache_usage,
+        "free_kv_block_num": snapshot.free_kv_blocks,
+        "max_kv_block_num": snapshot.total_kv_blocks,
+        "batch_size": snapshot.batch_size,
+        "max_batch_size": snapshot.max_batch_size,
+        "hit_token_rate": snapshot.prefix_hit_tokens / query if query else 0.0,
+    }
