@@ -60,14 +60,16 @@ def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None
     while True:
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
-        rejected: list[RequestDelta] = []
+        deltas: list[RequestDelta] = []
+        changed = False
         while events.get(requests) and requests.poll(0):
-            _apply(engine, decode(requests.recv()), rejected)
-        deltas = rejected
+            _apply(engine, decode(requests.recv()), deltas)
+            changed = True
         if engine.has_unfinished_requests():
             deltas += [_delta(o) for o in engine.step()]
-        if deltas:
-            outputs.send(encode(StepOutputs(deltas=deltas)))
+            changed = True
+        if changed:
+            outputs.send(encode(StepOutputs(deltas=deltas, snapshot=engine.snapshot())))
 
 
 def _apply(engine: LLMEngine, message: object, rejected: list[RequestDelta]) -> None:
@@ -100,4 +102,5 @@ def _delta(output: RequestOutput) -> RequestDelta:
         num_prompt_tokens=len(output.prompt_token_ids),
         num_cached_tokens=output.num_cached_tokens,
         logprobs=logprobs,
+        metrics=output.metrics,
     )

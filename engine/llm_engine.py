@@ -13,7 +13,7 @@ from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.loader import resolve_model_path
+from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics

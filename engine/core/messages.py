@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RequestDelta:
     # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
+    metrics: RequestMetrics | None = None  # on the finishing delta
 
     @property
     def finished(self) -> bool:
@@ -51,9 +53,10 @@ class RequestDelta:
 
 @dataclass
 class StepOutputs:
-    """Everything one engine step produced."""
+    """Everything one engine step produced, and the engine's state after it."""
 
     deltas: list[RequestDelta]
+    snapshot: EngineSnapshot | None = None
 
 
 @dataclass
@@ -95,7 +98,11 @@ def decode(data: bytes) -> Message:
             final_only=body["final_only"],
         )
     if kind is StepOutputs:
-        return StepOutputs(deltas=[_delta(d) for d in body["deltas"]])
+        snapshot = body.get("snapshot")
+        return StepOutputs(
+            deltas=[_delta(d) for d in body["deltas"]],
+            snapshot=None if snapshot is None else EngineSnapshot(**snapshot),
+        )
     return kind(**body)
 
 
@@ -103,7 +110,14 @@ def _delta(body: dict[str, Any]) -> RequestDelta:
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = [(t, lp, [tuple(x) for x in top]) for t, lp, top in logprobs]
-    return RequestDelta(**{**body, "logprobs": logprobs})
+    metrics = body.get("metrics")
+    return RequestDelta(
+        **{
+            **body,
+            "logprobs": logprobs,
+            "metrics": None if metrics is None else RequestMetrics(**metrics),
+        }
+    )
 
 
 def _plain(message: Message) -> dict[str, Any]:

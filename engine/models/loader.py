@@ -12,26 +12,13 @@ from safetensors.paddle import load_file
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights
+from ketch.engine.models.paths import TINY_MODEL_DIR, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-TINY_MODEL_DIR = Path(__file__).parent / "tiny"
+__all__ = ["TINY_MODEL_DIR", "load_weights", "resolve_model_path"]
+
 _INDEX = "model.safetensors.index.json"
-
-
-def resolve_model_path(model: str) -> Path:
-    """'tiny' names the built-in model; anything else is a local checkpoint directory."""
-    if model == "tiny":
-        return TINY_MODEL_DIR
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model {model!r} not found: give 'tiny' or the path of a local Hugging Face "
-            "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
-        )
-    if not path.is_dir():
-        raise ModelLoadError(f"model {model!r} is a file; give the checkpoint's directory")
-    return path
 
 
 def load_weights(path: Path, config: ModelConfig, dtype: str) -> ModelWeights:

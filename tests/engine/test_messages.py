@@ -15,6 +15,7 @@ from ketch.engine.core.messages import (
     encode,
 )
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
 MESSAGES = [
     AddRequest("a", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=3), True),
@@ -25,6 +26,18 @@ MESSAGES = [
             RequestDelta("b", finish_reason="stop", stop_reason="x"),
             RequestDelta("c", error="prompt is empty"),
         ]
+    ),
+    StepOutputs(
+        [
+            RequestDelta(
+                "d",
+                [1],
+                "x",
+                "length",
+                metrics=RequestMetrics(1.0, 1.5, 2.0, 3.0, 4, 1, 0, 0, "length"),
+            )
+        ],
+        EngineSnapshot(1, 2, 0.5, 10, 20, 3, 64, 0, 100, 50),
     ),
     EngineReady(max_model_len=512, num_kv_blocks=100),
     EngineFailed(error="ModelLoadError: no config.json"),

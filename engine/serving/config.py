@@ -1,0 +1,72 @@
+"""What ``ketch serve`` is asked to do beyond the engine: ports, role, limits, access.
+
+Like ``EngineConfig``, every field carries its help text; flags and config-file keys are
+generated from these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The serving process's settings. Internal ports bind to loopback unless a role needs them."""
+
+    host: str = _opt("0.0.0.0", "Address the HTTP API listens on.")
+    port: int = _opt(8000, "HTTP port of the OpenAI API, /health, /ready and /metrics.")
+    metrics_port: int | None = _opt(
+        None, "Separate port for /metrics only; by default /metrics is on --port."
+    )
+    engine_worker_queue_port: int = _opt(
+        8002, "Engine <-> worker queue port (loopback only: the worker runs in this pod)."
+    )
+    cache_queue_port: int = _opt(
+        8003, "Engine <-> cache-manager port (loopback only: the sidecar shares the pod)."
+    )
+    pd_comm_port: int = _opt(
+        8004, "Prefill/decode control port; reachable from peers only in prefill/decode roles."
+    )
+    role: str = _opt("mixed", "Instance role: mixed, prefill or decode.", choices=ROLES)
+    served_model_name: str | None = _opt(
+        None, "Model name clients use in 'model'; defaults to the --model value."
+    )
+    max_concurrency: int = _opt(256, "Most requests in flight; more get 429 with Retry-After.")
+    max_request_bytes: int = _opt(1 << 20, "Largest accepted request body in bytes (413 above).")
+    drain_timeout: float = _opt(
+        30.0, "Seconds SIGTERM waits for in-flight requests before exiting."
+    )
+    api_key_file: str | None = _opt(
+        None, "File holding the API key; or set KETCH_API_KEY. Then /v1/* needs 'Bearer <key>'."
+    )
+
+    def __post_init__(self) -> None:
+        ports = {
+            "port": self.port,
+            "engine_worker_queue_port": self.engine_worker_queue_port,
+            "cache_queue_port": self.cache_queue_port,
+            "pd_comm_port": self.pd_comm_port,
+        }
+        if self.metrics_port is not None:
+            ports["metrics_port"] = self.metrics_port
+        for name, value in ports.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+                raise ValueError(f"{name} must be a port number 1-65535, got {value!r}")
+        clashes = sorted({v for v in ports.values() if list(ports.values()).count(v) > 1})
+        if clashes:
+            raise ValueError(f"ports must be distinct; {clashes} used more than once")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        for name in ("max_concurrency", "max_request_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.drain_timeout, int | float) or self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout!r}")
