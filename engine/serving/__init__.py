@@ -1,0 +1,1 @@
+"""Online serving: the OpenAI-compatible protocol (requests, errors, responses) and the server."""
