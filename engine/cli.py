@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine log level",
     )
     add_engine_args(generate)
+    from ketch.engine.serving.serve import add_serve_parser
+
+    add_serve_parser(commands)
     return parser
 
 
@@ -68,10 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(levelname)s %(name)s: %(message)s", force=True
     )
     try:
+        if args.command == "serve":
+            from ketch.engine.serving.serve import run_serve
+
+            return run_serve(args)
         return _generate(args)
     except ValueError as exc:  # bad flags, bad prompts, bad model directories
         print(f"ketch: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # the engine could not start
+        print(f"ketch: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _generate(args: argparse.Namespace) -> int:

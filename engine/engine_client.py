@@ -14,7 +14,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import zmq
@@ -33,6 +33,7 @@ from ketch.engine.core.messages import (
 )
 from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.stats import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class EngineClient:
         self._reader: asyncio.Task[None] | None = None
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        # Called with each EngineSnapshot the engine sends (the server feeds its metrics).
+        self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
 
     @property
     def is_alive(self) -> bool:
@@ -137,6 +140,8 @@ class EngineClient:
             if await self._outputs.poll(int(_LIVENESS_POLL_S * 1000)):
                 message = decode(await self._outputs.recv())
                 if isinstance(message, StepOutputs):
+                    if message.snapshot is not None and self.on_snapshot is not None:
+                        self.on_snapshot(message.snapshot)
                     for delta in message.deltas:
                         queue = self._queues.get(delta.request_id)
                         if queue is not None:

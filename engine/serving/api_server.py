@@ -1,0 +1,286 @@
+"""The HTTP front of ``ketch serve``: OpenAI endpoints, health, readiness, metrics, control.
+
+This process tokenises, renders chat templates and streams SSE; the model runs in the engine
+process behind ``EngineClient``, so HTTP work never stalls the step loop. Every refusal is an
+OpenAI-shaped JSON error; nothing here leaks a stack trace to a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ketch.engine.engine_client import EngineClient
+from ketch.engine.metrics import EngineMetrics
+from ketch.engine.serving import responses as R
+from ketch.engine.serving.config import ServerConfig
+from ketch.engine.serving.generation import (
+    Choice,
+    make_choices,
+    merge_streams,
+    request_outputs,
+    run_to_end,
+)
+from ketch.engine.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    check_model,
+    error_body,
+    parse_request,
+)
+from ketch.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+@dataclass
+class ServingState:
+    """Everything the endpoints share; one per server process."""
+
+    config: ServerConfig
+    engine: EngineClient
+    tokenizer: Tokenizer
+    model_name: str
+    metrics: EngineMetrics
+    max_model_len: int
+    api_key: str | None = None
+    in_flight: int = 0
+    draining: bool = False
+    paused: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def create_app(state: ServingState) -> FastAPI:
+    app = FastAPI(title="Ketch", docs_url=None, redoc_url=None)
+    app.state.serving = state
+    state.idle.set()
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
+        return _error(exc)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        try:
+            _check_access(state, request)
+            response = await call_next(request)
+        except ProtocolError as exc:
+            response = _error(exc)
+        route = request.scope.get("route")
+        state.metrics.observe_http(getattr(route, "path", "other"), response.status_code)
+        return response
+
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/ready", _ready, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/pause", _pause, methods=["POST"])
+    app.add_api_route("/resume", _resume, methods=["POST"])
+    return app
+
+
+def _state(request: Request) -> ServingState:
+    return request.app.state.serving
+
+
+def _error(exc: ProtocolError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
+    return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
+
+
+def _check_access(state: ServingState, request: Request) -> None:
+    path = request.url.path
+    if path in _OPEN_PATHS or state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
+        raise ProtocolError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+
+async def _read_body(state: ServingState, request: Request) -> bytes:
+    limit = state.config.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    return bytes(body)
+
+
+def _admit(state: ServingState) -> None:
+    if state.draining:
+        raise ProtocolError(503, "the server is shutting down; retry on another instance")
+    if state.paused:
+        raise ProtocolError(503, "the server is paused; retry shortly or on another instance")
+    if not state.engine.is_alive:
+        raise ProtocolError(503, "the engine is not running")
+    if state.in_flight >= state.config.max_concurrency:
+        raise ProtocolError(
+            429, f"too many requests in flight (limit {state.config.max_concurrency}); retry"
+        )
+
+
+class _InFlight:
+    """Counts a request as in flight for its whole life, streaming included."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    def __enter__(self) -> _InFlight:
+        self.state.in_flight += 1
+        self.state.idle.clear()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.state.in_flight -= 1
+        if self.state.in_flight == 0:
+            self.state.idle.set()
+
+
+async def _completions(request: Request) -> Response:
+    state = _state(request)
+    _admit(state)
+    body = parse_request(CompletionRequest, await _read_body(state, request))
+    check_model(body.model, [state.model_name])
+    params = body.to_sampling_params(None)
+    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
+    _check_vocab(state, prompts)
+    choices = make_choices(prompts, params, state.max_model_len)
+    meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
+    if body.stream:
+        return _sse(state, _completion_events(state, meta, choices, len(prompts)))
+    with _InFlight(state):
+        done = await run_to_end(state.engine, state.metrics, choices)
+    return JSONResponse(
+        R.completion_response(meta, request_outputs(done, len(prompts)), state.tokenizer)
+    )
+
+
+async def _chat_completions(request: Request) -> Response:
+    state = _state(request)
+    _admit(state)
+    body = parse_request(ChatCompletionRequest, await _read_body(state, request))
+    check_model(body.model, [state.model_name])
+    params = body.to_sampling_params(None)
+    try:
+        text = state.tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+    except ValueError as exc:
+        raise ProtocolError(400, str(exc), param="messages") from exc
+    prompt = state.tokenizer.encode(text, add_special_tokens=False)
+    choices = make_choices([prompt], params, state.max_model_len)
+    meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
+    if body.stream:
+        return _sse(state, _chat_events(state, meta, choices))
+    with _InFlight(state):
+        done = await run_to_end(state.engine, state.metrics, choices)
+    output = request_outputs(done, 1)[0]
+    return JSONResponse(R.chat_completion_response(meta, output, state.tokenizer))
+
+
+def _check_vocab(state: ServingState, prompts: list[list[int]]) -> None:
+    vocab = state.tokenizer.vocab_size
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ProtocolError(400, f"prompt {i} is empty", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ProtocolError(
+                400, f"prompt {i} has token ids {bad[:5]} outside [0, {vocab})", param="prompt"
+            )
+
+
+def _sse(state: ServingState, events: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        with _InFlight(state):
+            try:
+                async for event in events:
+                    yield event
+            except ProtocolError as exc:  # headers are sent: report in-stream, then stop
+                yield R.sse(error_body(exc))
+            yield R.sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _completion_events(
+    state: ServingState, meta: R.ResponseMeta, choices: list[Choice], num_prompts: int
+) -> AsyncIterator[str]:
+    async for choice in merge_streams(state.engine, state.metrics, choices):
+        yield R.sse(R.completion_chunk(meta, choice.index, choice.output, state.tokenizer))
+    if meta.include_usage:
+        usage = R.usage_of(request_outputs(choices, num_prompts))
+        yield R.sse(R.completion_usage_chunk(meta, usage))
+
+
+async def _chat_events(
+    state: ServingState, meta: R.ResponseMeta, choices: list[Choice]
+) -> AsyncIterator[str]:
+    for choice in choices:
+        yield R.sse(R.chat_role_chunk(meta, choice.index))
+    async for choice in merge_streams(state.engine, state.metrics, choices):
+        yield R.sse(R.chat_chunk(meta, choice.index, choice.output, state.tokenizer))
+    if meta.include_usage:
+        yield R.sse(R.chat_usage_chunk(meta, R.usage_of(request_outputs(choices, 1))))
+
+
+async def _models(request: Request) -> JSONResponse:
+    return JSONResponse(R.models_response([_state(request).model_name]))
+
+
+async def _health(request: Request) -> JSONResponse:
+    state = _state(request)
+    if state.engine.is_alive:
+        return JSONResponse({"status": "ok"})
+    reason = state.engine.dead_reason or "the engine process is not running"
+    return JSONResponse({"status": "unhealthy", "detail": reason}, status_code=503)
+
+
+async def _ready(request: Request) -> JSONResponse:
+    state = _state(request)
+    problems = []
+    if not state.engine.is_alive:
+        problems.append("engine not running")
+    if state.draining:
+        problems.append("draining")
+    if state.paused:
+        problems.append("paused")
+    detail = {
+        "ready": not problems,
+        "problems": problems,
+        "model": state.model_name,
+        "role": state.config.role,
+        "cache_manager": "not attached (no host swap space, no KV transfer)",
+    }
+    return JSONResponse(detail, status_code=200 if not problems else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    body, content_type = _state(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def _pause(request: Request) -> JSONResponse:
+    state = _state(request)
+    state.paused = True
+    return JSONResponse({"paused": True, "in_flight": state.in_flight})
+
+
+async def _resume(request: Request) -> JSONResponse:
+    state = _state(request)
+    state.paused = False
+    return JSONResponse({"paused": False, "in_flight": state.in_flight})

@@ -1,0 +1,160 @@
+"""Turns an API request into engine requests and their deltas into CompletionOutputs.
+
+One "choice" is one engine request (a prompt times ``n``). Deltas from the engine process are
+accumulated into a ``CompletionOutput`` whose ``delta_*`` fields hold what the latest delta
+added, which is what the response builders in ``responses.py`` consume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from ketch.engine.core.messages import RequestDelta
+from ketch.engine.engine_client import EngineClient, EngineDeadError
+from ketch.engine.metrics import EngineMetrics
+from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.serving.protocol import ProtocolError
+
+
+@dataclass
+class Choice:
+    """One sequence to generate: a tokenised prompt and the params of this choice."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output: CompletionOutput = field(init=False)
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.output = CompletionOutput(index=self.index, text="", token_ids=[])
+
+
+def make_choices(
+    prompts: list[list[int]], params: SamplingParams, max_model_len: int
+) -> list[Choice]:
+    """``n`` choices per prompt; seeded requests get seed + i so the choices differ."""
+    choices = []
+    for p, prompt in enumerate(prompts):
+        if len(prompt) >= max_model_len:
+            raise ProtocolError(
+                400,
+                f"prompt is {len(prompt)} tokens, but max_model_len is {max_model_len}: "
+                "shorten it to leave room for output",
+                param="prompt",
+            )
+        for i in range(params.n):
+            seed = None if params.seed is None else (params.seed + i) % (1 << 64)
+            one = replace(params, n=1, seed=seed)
+            choices.append(Choice(len(choices), p, prompt, one))
+    return choices
+
+
+def _apply(choice: Choice, delta: RequestDelta) -> None:
+    out = choice.output
+    if delta.error is not None:
+        raise _engine_error(delta.error, started=bool(out.token_ids))
+    out.token_ids = [*out.token_ids, *delta.new_token_ids]
+    out.text += delta.new_text
+    out.delta_text = delta.new_text
+    out.delta_token_ids = delta.new_token_ids
+    out.finish_reason = delta.finish_reason
+    out.stop_reason = delta.stop_reason
+    choice.num_cached_tokens = delta.num_cached_tokens
+    if delta.logprobs is not None:
+        entries = [TokenLogprob(t, lp, list(top)) for t, lp, top in delta.logprobs]
+        out.logprobs = [*(out.logprobs or []), *entries]
+    elif choice.params.logprobs is not None and out.logprobs is None:
+        out.logprobs = []
+
+
+def _engine_error(message: str, started: bool) -> ProtocolError:
+    if "exited" in message or started:
+        return ProtocolError(503, f"the engine failed while serving this request: {message}")
+    return ProtocolError(400, message)
+
+
+async def stream_choice(
+    engine: EngineClient, metrics: EngineMetrics, choice: Choice, final_only: bool
+) -> AsyncIterator[Choice]:
+    """Runs one choice, yielding it after each delta (with ``final_only``: once, at the end)."""
+    request_id = f"req-{uuid.uuid4().hex}"
+    try:
+        stream = engine.generate(request_id, choice.prompt_token_ids, choice.params, final_only)
+        async for delta in stream:
+            _apply(choice, delta)
+            if delta.metrics is not None:
+                metrics.observe_finished(delta.metrics)
+            yield choice
+    except EngineDeadError as exc:
+        raise ProtocolError(503, f"the engine is not running: {exc}") from exc
+
+
+async def run_to_end(
+    engine: EngineClient, metrics: EngineMetrics, choices: list[Choice]
+) -> list[Choice]:
+    """Runs all choices concurrently to completion (non-streaming responses)."""
+
+    async def one(choice: Choice) -> None:
+        async for _ in stream_choice(engine, metrics, choice, final_only=True):
+            pass
+
+    await asyncio.gather(*(one(c) for c in choices))
+    return choices
+
+
+async def merge_streams(
+    engine: EngineClient, metrics: EngineMetrics, choices: list[Choice]
+) -> AsyncIterator[Choice]:
+    """Interleaves the choices' updates as they arrive; cancels the rest if the caller stops."""
+    queue: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for update in stream_choice(engine, metrics, choice, final_only=False):
+                await queue.put(update)
+        except BaseException as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def request_outputs(choices: list[Choice], num_prompts: int) -> list[RequestOutput]:
+    """Groups finished choices by prompt, as the response builders expect."""
+    outputs = []
+    for p in range(num_prompts):
+        mine = [c for c in choices if c.prompt_index == p]
+        for i, c in enumerate(mine):
+            c.output.index = i
+        outputs.append(
+            RequestOutput(
+                request_id=f"prompt-{p}",
+                prompt=None,
+                prompt_token_ids=mine[0].prompt_token_ids,
+                outputs=[c.output for c in mine],
+                finished=True,
+                num_cached_tokens=mine[0].num_cached_tokens,
+            )
+        )
+    return outputs

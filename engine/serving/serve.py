@@ -1,0 +1,158 @@
+"""``ketch serve``: start the engine process and the HTTP server, and own their lifecycle.
+
+- Ports are checked before anything starts; a busy one is a one-line error naming the flag.
+- SIGTERM drains: /ready turns 503, new requests get 503, in-flight ones get up to
+  ``--drain-timeout`` seconds, then the engine stops and the process exits 0.
+- If the engine process dies, /health turns 503 at once and the process exits 1 shortly after,
+  so Kubernetes restarts the pod instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.engine_client import EngineClient
+from ketch.engine.metrics import EngineMetrics
+from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.serving.api_server import ServingState, create_app
+from ketch.engine.serving.config import ServerConfig
+from ketch.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("ketch.serve")
+
+_WATCH_INTERVAL_S = 0.5
+_EXIT_ENGINE_DIED = 1
+
+
+def check_ports(config: ServerConfig) -> None:
+    """Fails fast, naming the flag, if a port this instance binds is taken."""
+    wanted = {"--port": (config.host, config.port)}
+    if config.metrics_port is not None:
+        wanted["--metrics-port"] = (config.host, config.metrics_port)
+    for flag, (host, port) in wanted.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise ValueError(f"{flag} {port} on {host} is not free: {exc.strerror}") from exc
+
+
+def read_api_key(config: ServerConfig) -> str | None:
+    if config.api_key_file:
+        path = Path(config.api_key_file)
+        if not path.is_file():
+            raise ValueError(f"--api-key-file {path} does not exist")
+        key = path.read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get("KETCH_API_KEY") or None
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
+    check_ports(config)
+    api_key = read_api_key(config)
+    model_path = resolve_model_path(engine_config.model)
+    tokenizer = Tokenizer(model_path)
+    name = config.served_model_name or engine_config.model
+    engine = EngineClient(engine_config, config.port)
+    logger.info("starting the engine for %s", model_path)
+    ready = await engine.start()
+    state = ServingState(
+        config=config,
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=name,
+        metrics=EngineMetrics(name),
+        max_model_len=ready.max_model_len,
+        api_key=api_key,
+    )
+    engine.on_snapshot = state.metrics.update
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+        )
+    )
+    server.install_signal_handlers = lambda: None  # we drain ourselves
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server_task = asyncio.create_task(server.serve())
+    logger.info(
+        "serving %s on http://%s:%d (max_model_len %d)",
+        name,
+        config.host,
+        config.port,
+        ready.max_model_len,
+    )
+    code = await _wait(state, stop, server_task)
+    if code == 0:
+        await _drain(state)
+    server.should_exit = True
+    await asyncio.gather(server_task, return_exceptions=True)
+    await engine.shutdown()
+    return code
+
+
+async def _wait(state: ServingState, stop: asyncio.Event, server_task: asyncio.Task) -> int:
+    while not stop.is_set():
+        if not state.engine.is_alive:
+            logger.error("the engine process died (%s); exiting", state.engine.dead_reason)
+            await asyncio.sleep(1.0)  # let /health answer 503 and open streams get their error
+            return _EXIT_ENGINE_DIED
+        if server_task.done():
+            return 1
+        await asyncio.sleep(_WATCH_INTERVAL_S)
+    return 0
+
+
+async def _drain(state: ServingState) -> None:
+    state.draining = True
+    timeout = state.config.drain_timeout
+    logger.info("draining: %d requests in flight, waiting up to %.0f s", state.in_flight, timeout)
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout)
+    except TimeoutError:
+        logger.warning("drain timeout: %d requests still in flight are cut", state.in_flight)
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from ketch.engine.cli_args import add_config_args, add_engine_args
+
+    parser = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Runs the engine process and the OpenAI-compatible API server. Every "
+        "setting can also come from --config FILE (JSON or YAML); flags override the file.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="JSON/YAML file of settings")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    add_config_args(parser, ServerConfig, "server")
+    add_engine_args(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ketch.engine.cli_args import config_from_args, read_config_file
+
+    values = read_config_file(args.config, EngineConfig, ServerConfig) if args.config else {}
+    engine_config = config_from_args(EngineConfig, args, values)
+    server_config = config_from_args(ServerConfig, args, values)
+    return asyncio.run(serve(engine_config, server_config))
