@@ -53,8 +53,16 @@ def ipc_addresses(port: int, run_dir: Path | None = None) -> tuple[str, str]:
 class EngineClient:
     """Runs one engine process and multiplexes requests over it."""
 
-    def __init__(self, config: EngineConfig, port: int, run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        port: int,
+        run_dir: Path | None = None,
+        worker_port: int | None = None,
+    ) -> None:
+        """``worker_port``: run the model in a separate worker process fed over that port."""
         self.config = config
+        self.worker_port = worker_port
         self.input_addr, self.output_addr = ipc_addresses(port, run_dir)
         self._context = zmq.asyncio.Context()
         self._requests = self._context.socket(zmq.PUSH)
@@ -81,9 +89,9 @@ class EngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
             target=run_engine_process,
-            args=(self.config, self.input_addr, self.output_addr),
+            args=(self.config, self.input_addr, self.output_addr, self.worker_port),
             name="ketch-engine",
-            daemon=True,
+            daemon=False,  # it has a worker child; it exits by itself when this process goes
         )
         self._process.start()
         message = await self._first_message(timeout)

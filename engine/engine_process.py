@@ -8,6 +8,8 @@ stalls the step loop, and a crash here is seen by the server as a dead process, 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -34,8 +36,10 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 100
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point: load the model, then serve until the input socket says stop."""
+def run_engine_process(
+    config: EngineConfig, input_addr: str, output_addr: str, worker_port: int | None = None
+) -> None:
+    """Process entry point: load the model, then serve until stopped (SIGTERM) or orphaned."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
@@ -45,21 +49,33 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     try:
         from ketch.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, worker_port)
     except Exception as exc:  # any start-up failure is reported, then the process exits
         outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
         outputs.close(linger=2000)
         sys.exit(1)
-    outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
-    _serve(engine, requests, outputs)
+    # After paddle's import, which installs a handler that reports SIGTERM as a fatal error:
+    # exit cleanly instead, through the finally below, which stops the worker.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
+        _serve(engine, requests, outputs)
+    finally:
+        engine.close()
 
 
 def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
+    parent = os.getppid()
     while True:
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
+        if not busy:
+            if os.getppid() != parent:
+                logger.warning("the server process is gone; the engine exits")
+                return
+            engine.check_health()  # a dead worker ends this process (non-zero exit)
         deltas: list[RequestDelta] = []
         changed = False
         while events.get(requests) and requests.poll(0):

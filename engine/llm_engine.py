@@ -20,6 +20,7 @@ from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
+from ketch.engine.worker.worker_process import RemoteRunner
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ class _Tracked:
 class LLMEngine:
     """One engine instance: a model, its KV cache, a scheduler and the step loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_port: int | None = None) -> None:
+        """``worker_port`` runs the model in a worker process fed over that loopback port
+        (``ketch serve``); without it the model runs in this process (offline ``LLM``)."""
         self.config = config
         path = resolve_model_path(config.model)
         self.model_path = path
@@ -56,18 +59,20 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(
-            RunnerConfig(
-                model_path=path,
-                model_config=self.model_config,
-                max_model_len=self.max_model_len,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                eos_token_ids=tuple(sorted(self.eos_token_ids)),
-                dtype=dtype,
-                num_threads=config.num_threads,
-            )
+        runner_config = RunnerConfig(
+            model_path=path,
+            model_config=self.model_config,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            dtype=dtype,
+            num_threads=config.num_threads,
         )
+        if worker_port is None:
+            self.runner: ModelRunner | RemoteRunner = ModelRunner(runner_config)
+        else:
+            self.runner = RemoteRunner(runner_config, worker_port)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
@@ -101,6 +106,16 @@ class LLMEngine:
                 "kv_cache_memory (or num_kv_blocks) or lower max_model_len"
             )
         return num_blocks
+
+    def check_health(self) -> None:
+        """Raises if a part of the engine (the worker process) has died."""
+        if isinstance(self.runner, RemoteRunner):
+            self.runner.check_alive()
+
+    def close(self) -> None:
+        """Stops the worker process (if any) and releases its shared memory."""
+        if isinstance(self.runner, RemoteRunner):
+            self.runner.close()
 
     # ---- requests in ----
 

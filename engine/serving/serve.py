@@ -31,6 +31,7 @@ logger = logging.getLogger("ketch.serve")
 
 _WATCH_INTERVAL_S = 0.5
 _EXIT_ENGINE_DIED = 1
+_DEATH_GRACE_S = 3.0
 
 
 def check_ports(config: ServerConfig) -> None:
@@ -66,7 +67,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
     name = config.served_model_name or engine_config.model
-    engine = EngineClient(engine_config, config.port)
+    engine = EngineClient(engine_config, config.port, worker_port=config.engine_worker_queue_port)
     logger.info("starting the engine for %s", model_path)
     ready = await engine.start()
     state = ServingState(
@@ -113,8 +114,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
 async def _wait(state: ServingState, stop: asyncio.Event, server_task: asyncio.Task) -> int:
     while not stop.is_set():
         if not state.engine.is_alive:
-            logger.error("the engine process died (%s); exiting", state.engine.dead_reason)
-            await asyncio.sleep(1.0)  # let /health answer 503 and open streams get their error
+            await asyncio.sleep(_DEATH_GRACE_S)  # /health answers 503; open streams get errors
+            logger.error("the engine died (%s); exiting", state.engine.dead_reason or "exited")
             return _EXIT_ENGINE_DIED
         if server_task.done():
             return 1

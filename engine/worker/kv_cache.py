@@ -26,11 +26,17 @@ class KVCache:
         kv_heads: int,
         head_dim: int,
         dtype: str = "float32",
+        buffer: memoryview | None = None,
     ) -> None:
+        """``buffer`` (e.g. a shared-memory segment's) backs the cache instead of private memory."""
         if dtype != "float32":
             raise ValueError(f"the CPU KV cache holds float32 only, not {dtype}")
         shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
-        self.array = np.zeros(shape, dtype=np.float32)
+        if buffer is None:
+            self.array = np.zeros(shape, dtype=np.float32)
+        else:
+            self.array = np.ndarray(shape, dtype=np.float32, buffer=buffer)
+            self.array.fill(0.0)
         self.num_blocks = num_blocks
         self.layers = [self._layer(self.array[i]) for i in range(num_layers)]
 
@@ -43,6 +49,12 @@ class KVCache:
             k_slots=paddle.from_dlpack(kv[0].reshape(-1, head_dim)),
             v_slots=paddle.from_dlpack(kv[1].reshape(-1, head_dim)),
         )
+
+    @staticmethod
+    def nbytes(
+        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+    ) -> int:
+        return 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * 4
 
     @staticmethod
     def bytes_per_block(

@@ -71,7 +71,7 @@ def configure_paddle(num_threads: int | None) -> int:
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and per-request sampler state."""
 
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, kv_buffer: memoryview | None = None) -> None:
         self.config = config
         mc = config.model_config
         threads = configure_paddle(config.num_threads)
@@ -84,6 +84,7 @@ class ModelRunner:
             mc.num_key_value_heads,
             mc.head_dim,
             config.dtype,
+            buffer=kv_buffer,
         )
         self.requests: dict[str, RequestState] = {}
         logger.info(

@@ -1,0 +1,136 @@
+"""The worker process, and the engine's handle on it (``RemoteRunner``).
+
+The engine sends each step's changes over the engine-worker queue (a ZMQ PAIR on loopback
+``--engine-worker-queue-port``) and gets the sampled tokens back. The KV cache lives in a named
+POSIX shared-memory segment (``ketch-kv-<port>``) so the cache-manager sidecar can map the same
+blocks; a small shared status block carries the worker's liveness signals (ready flag, step
+count, heartbeat). Either side that loses the other exits, so nothing is left orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+import zmq
+
+from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
+from ketch.engine.worker.model_runner import RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 500
+_STATUS_SLOTS = 3  # ready flag, steps done, last heartbeat (monotonic seconds)
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker process exited; the engine cannot step any more."""
+
+
+def shm_names(port: int) -> tuple[str, str]:
+    return f"ketch-kv-{port}", f"ketch-status-{port}"
+
+
+def _fresh_segment(name: str, size: int) -> SharedMemory:
+    """Creates a segment, replacing one left behind by a killed run."""
+    with contextlib.suppress(FileNotFoundError):
+        stale = SharedMemory(name=name)
+        stale.close()
+        stale.unlink()
+    return SharedMemory(name=name, create=True, size=max(size, 1))
+
+
+def run_worker(config: RunnerConfig, port: int) -> None:
+    """Worker entry point: map the shared KV cache, load the model, execute steps."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s worker: %(message)s")
+    kv_name, status_name = shm_names(port)
+    kv_shm, status_shm = SharedMemory(name=kv_name), SharedMemory(name=status_name)
+    for shm in (kv_shm, status_shm):  # the engine owns the segments; don't unlink on exit
+        resource_tracker.unregister(shm._name, "shared_memory")
+    status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
+    from ketch.engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(config, kv_buffer=kv_shm.buf)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # replaces paddle's fatal-error report
+    socket = zmq.Context().socket(zmq.PAIR)
+    socket.connect(f"tcp://127.0.0.1:{port}")
+    parent = os.getppid()
+    status[0] = 1.0
+    socket.send(b"ready")
+    while True:
+        status[2] = time.monotonic()
+        if not socket.poll(_POLL_MS):
+            if os.getppid() != parent:
+                sys.exit(0)  # the engine is gone
+            continue
+        output = runner.execute(decode_step(socket.recv()))
+        socket.send(encode_result(output))
+        status[1] += 1
+
+
+class RemoteRunner:
+    """The engine's model runner when the model runs in a separate worker process."""
+
+    def __init__(self, config: RunnerConfig, port: int, start_timeout: float = 600.0) -> None:
+        mc = config.model_config
+        size = KVCache.nbytes(
+            mc.num_hidden_layers,
+            config.num_blocks,
+            config.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+        )
+        kv_name, status_name = shm_names(port)
+        self._segments = [_fresh_segment(kv_name, size), _fresh_segment(status_name, 8 * 3)]
+        self.status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=self._segments[1].buf)
+        self._socket = zmq.Context().socket(zmq.PAIR)
+        try:
+            self._socket.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"--engine-worker-queue-port {port} is not free: {exc}") from exc
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_worker, args=(config, port), name="ketch-worker", daemon=True
+        )
+        self.process.start()
+        self._receive(start_timeout, what="start")
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._socket.send(encode_step(sched))
+        return decode_result(self._receive(None, what="step"))
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise WorkerDiedError(f"the worker process exited (exit code {self.process.exitcode})")
+
+    def _receive(self, timeout: float | None, what: str) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._socket.poll(_POLL_MS):
+            if not self.process.is_alive():
+                raise WorkerDiedError(
+                    f"the worker process exited (exit code {self.process.exitcode}) during {what}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerDiedError(f"the worker did not {what} within {timeout:.0f} s")
+        return self._socket.recv()
+
+    def close(self) -> None:
+        process = getattr(self, "process", None)
+        if process is not None and process.is_alive():
+            process.terminate()
+            process.join(5)
+        self._socket.close(linger=0)
+        for segment in self._segments:
+            with contextlib.suppress(FileNotFoundError):
+                segment.unlink()
