@@ -1,0 +1,164 @@
+"""Helpers for tests against real ``ketch serve`` processes on free loopback ports.
+
+Every server is a subprocess of the test run; teardown sends SIGTERM, waits, and kills it (and
+the engine process it spawned) if it does not go, so no process outlives the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
+BASE_ARGS = ("--model", "tiny", "--host", "127.0.0.1", "--block-size", "16")
+KV_MEMORY = "64MiB"
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``ketch serve`` subprocess; its output goes to a log file shown on failures."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix=f"ketch-serve-{self.port}-", suffix=".log")[1])
+        full_env = {k: v for k, v in os.environ.items() if k != "KETCH_API_KEY"}
+        full_env.update(env or {})
+        command = [KETCH, "serve", *BASE_ARGS, "--kv-cache-memory", KV_MEMORY]
+        command += ["--port", str(self.port), *args]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+                env=full_env,
+            )  # fmt: skip
+        self._children: set[int] = set()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ketch serve exited ({self.proc.returncode}):\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._children |= set(self.children())
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"ketch serve not healthy after {timeout:.0f} s:\n{self.log()}")
+
+    def children(self) -> list[int]:
+        """Direct child pids (the engine process, multiprocessing's resource tracker)."""
+        pids: list[int] = []
+        for path in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids += [int(p) for p in path.read_text().split()]
+        return pids
+
+    def engine_pid(self) -> int:
+        """The engine process: the multiprocessing spawn child (not the resource tracker)."""
+        for pid in self.children():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in cmdline:
+                    return pid
+        raise AssertionError(f"no engine child of {self.proc.pid}: {self.children()}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; also kills any child left behind. Returns the code."""
+        self._children |= set(self.children())
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in self._children:  # an orphaned engine must not outlive the tests
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if _is_zombie_or_gone(pid):
+                    continue
+                os.kill(pid, signal.SIGKILL)
+        self.log_path.unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+def _is_zombie_or_gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@contextlib.contextmanager
+def running_server(*args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    server = Server(*args, env=env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def greedy(llm: Any, prompts: list[str], max_tokens: int) -> list[Any]:
+    from ketch.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [out.outputs[0] for out in llm.generate(prompts, params)]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples[("ketch:" + name, tuple(sorted(labels.items())))]
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
+    """Decoded ``data:`` payloads of an SSE stream ("[DONE]" stays a string)."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Polls ``predicate`` until it returns something truthy; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
