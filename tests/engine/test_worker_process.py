@@ -1,0 +1,72 @@
+"""The model in a separate worker process (engine-worker queue + shared-memory KV cache)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from ketch.engine import LLM, EngineConfig, SamplingParams
+from ketch.engine.llm_engine import LLMEngine
+from ketch.engine.worker.worker_process import WorkerDiedError, shm_names
+
+CONFIG = dict(block_size=16, kv_cache_memory="32MiB", max_num_batched_tokens=48, max_num_seqs=4)
+PROMPTS = [[5, 6, 7, 8] * k for k in (1, 3, 9, 20)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(engine: LLMEngine) -> dict[str, list[int]]:
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+    return done
+
+
+def test_remote_worker_matches_in_process_runner() -> None:
+    expected = LLM("tiny", **CONFIG).generate(PROMPTS, GREEDY)
+    port = free_port()
+    engine = LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
+    try:
+        assert all((Path("/dev/shm") / name).exists() for name in shm_names(port))
+        done = run(engine)
+        assert engine.runner.status[0] == 1.0 and engine.runner.status[1] > 0  # ready, steps
+    finally:
+        engine.close()
+    assert [done[str(i)] for i in range(len(PROMPTS))] == [e.outputs[0].token_ids for e in expected]
+    assert not any((Path("/dev/shm") / name).exists() for name in shm_names(port))
+
+
+def test_dead_worker_is_reported_not_waited_for() -> None:
+    engine = LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=free_port())
+    try:
+        os.kill(engine.runner.process.pid, signal.SIGKILL)
+        engine.runner.process.join(10)
+        with pytest.raises(WorkerDiedError, match="exited"):
+            engine.check_health()
+        engine.add_request("x", [1, 2, 3], GREEDY)
+        with pytest.raises(WorkerDiedError):
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_busy_worker_port_is_a_clear_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ValueError, match="engine-worker-queue-port"):
+            LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
