@@ -1,13 +1,14 @@
 # Two commands for a fresh machine (see README.md):
-#   make run    set up and run Ketch on the built-in tiny model
+#   make run    set up and serve the built-in tiny model (OpenAI API on http://localhost:8000)
 #   make test   set up and run the whole test suite (what CI runs)
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+PORT   ?= 8000
 PROMPT ?= Alice was beginning to get
 
-.PHONY: run test setup setup-test lint clean
+.PHONY: run generate test setup setup-test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ setup-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 
 run: setup
+	$(BIN)/ketch serve --model tiny --port $(PORT)
+
+generate: setup
 	$(BIN)/ketch generate --max-tokens 80 "$(PROMPT)"
 
 lint: setup-test
