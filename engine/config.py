@@ -77,6 +77,12 @@ class EngineConfig:
         "Compute dtype: auto or float32. bfloat16/float16 are for the GPU engine (not built yet).",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    runner: str = _opt(
+        "model",
+        "What computes tokens: 'model', or 'null' (a fixed token, instantly: for measuring the "
+        "serving path without the model).",
+        choices=("model", "null"),
+    )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(
         None, "CPU threads for the model; defaults to the number of cores this process may use."
@@ -90,7 +96,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        for name in ("block_size", "dtype"):
+        for name in ("block_size", "dtype", "runner"):
             allowed = _field_choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(

@@ -20,6 +20,7 @@ from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
+from ketch.engine.worker.null_runner import NullRunner
 from ketch.engine.worker.worker_process import RemoteRunner
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,10 @@ class LLMEngine:
             dtype=dtype,
             num_threads=config.num_threads,
         )
-        if worker_port is None:
-            self.runner: ModelRunner | RemoteRunner = ModelRunner(runner_config)
+        if config.runner == "null":
+            self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner(_null_token(self))
+        elif worker_port is None:
+            self.runner = ModelRunner(runner_config)
         else:
             self.runner = RemoteRunner(runner_config, worker_port)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -304,3 +307,12 @@ def _dtype(config: EngineConfig) -> str:
         f"dtype={config.dtype} needs the GPU engine, which this build does not have yet; "
         "on CPU paddle computes in float32 only (use dtype=auto)"
     )
+
+
+def _null_token(engine: LLMEngine) -> int:
+    """A token that is neither EOS nor special, so null-runner requests run to max_tokens."""
+    for candidate in range(engine.model_config.vocab_size):
+        text = engine.tokenizer.decode([candidate])
+        if candidate not in engine.eos_token_ids and text.strip():
+            return candidate
+    raise ValueError("the tokenizer has no printable token for the null runner")

@@ -41,3 +41,12 @@ def test_streamed_deltas_add_up_to_the_offline_output(llm: LLM, prompt: str, sto
     assert text == offline.text
     assert reason == offline.finish_reason
     assert not any(s in text for s in stop)
+
+
+def test_null_runner_returns_its_token_through_the_whole_engine() -> None:
+    llm = LLM("tiny", runner="null", block_size=16, kv_cache_memory="16MiB")
+    outputs = llm.generate(["Alice", "The Mouse said"], SamplingParams(max_tokens=7))
+    for output in outputs:
+        tokens = output.outputs[0].token_ids
+        assert len(tokens) == 7 and len(set(tokens)) == 1
+        assert tokens[0] not in llm.engine.eos_token_ids

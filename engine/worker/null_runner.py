@@ -1,0 +1,39 @@
+"""A runner without a model: every sampling request gets one fixed token, instantly.
+
+For measuring the serving path alone (HTTP, ZMQ, scheduler, detokenisation) with the model's
+cost removed; selected with ``--runner null``. It keeps only what it needs to know which
+requests sample in a step: each request's token count.
+"""
+
+from __future__ import annotations
+
+from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class NullRunner:
+    """Drop-in for ``ModelRunner`` that always samples ``token_id``."""
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+        self._num_tokens: dict[str, int] = {}
+        self._computed: dict[str, int] = {}
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self._num_tokens.pop(request_id, None)
+            self._computed.pop(request_id, None)
+        for new in sched.new_requests:
+            self._num_tokens[new.request_id] = len(new.token_ids)
+            self._computed[new.request_id] = new.num_computed_tokens
+        cached = sched.cached_requests
+        for request_id, computed in zip(
+            cached.request_ids, cached.num_computed_tokens, strict=True
+        ):
+            self._computed[request_id] = computed
+        sampled = []
+        for request_id, n in sched.num_scheduled_tokens.items():
+            self._computed[request_id] += n
+            if self._computed[request_id] == self._num_tokens[request_id]:
+                sampled.append(request_id)
+                self._num_tokens[request_id] += 1
+        return ModelRunnerOutput(sampled, [self.token_id] * len(sampled))
