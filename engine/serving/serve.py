@@ -18,6 +18,8 @@ import socket
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
@@ -62,6 +64,11 @@ def read_api_key(config: ServerConfig) -> str | None:
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
+    if config.role != "mixed":
+        raise ValueError(
+            f"--role {config.role} needs prefill/decode disaggregation, which is not built yet; "
+            "use --role mixed"
+        )
     check_ports(config)
     api_key = read_api_key(config)
     model_path = resolve_model_path(engine_config.model)
@@ -95,6 +102,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server_task = asyncio.create_task(server.serve())
+    metrics_server = _metrics_server(state)
+    metrics_task = asyncio.create_task(metrics_server.serve()) if metrics_server else None
     logger.info(
         "serving %s on http://%s:%d (max_model_len %d)",
         name,
@@ -106,9 +115,32 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     if code == 0:
         await _drain(state)
     server.should_exit = True
-    await asyncio.gather(server_task, return_exceptions=True)
+    if metrics_server is not None:
+        metrics_server.should_exit = True
+    await asyncio.gather(
+        server_task, *([metrics_task] if metrics_task else []), return_exceptions=True
+    )
     await engine.shutdown()
     return code
+
+
+def _metrics_server(state: ServingState) -> uvicorn.Server | None:
+    """A second listener serving only /metrics, when --metrics-port is set."""
+    port = state.config.metrics_port
+    if port is None:
+        return None
+    app = FastAPI(docs_url=None, redoc_url=None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=state.config.host, port=port, log_level="warning")
+    )
+    server.install_signal_handlers = lambda: None
+    return server
 
 
 async def _wait(state: ServingState, stop: asyncio.Event, server_task: asyncio.Task) -> int:
