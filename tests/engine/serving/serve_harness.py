@@ -29,23 +29,30 @@ KV_MEMORY = "64MiB"
 START_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 class Server:
     """One ``ketch serve`` subprocess; its output goes to a log file shown on failures."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+        # Every port the instance may bind is a free one, so servers never clash.
+        self.port, worker_port, cache_port, pd_port = free_ports(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix=f"ketch-serve-{self.port}-", suffix=".log")[1])
         full_env = {k: v for k, v in os.environ.items() if k != "KETCH_API_KEY"}
         full_env.update(env or {})
         command = [KETCH, "serve", *BASE_ARGS, "--kv-cache-memory", KV_MEMORY]
-        command += ["--port", str(self.port), *args]
+        command += ["--port", str(self.port), "--engine-worker-queue-port", str(worker_port)]
+        command += ["--cache-queue-port", str(cache_port), "--pd-comm-port", str(pd_port), *args]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),

@@ -49,7 +49,9 @@ def test_streaming_completion_equals_llm_generate(client, reference_llm):
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.text
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [expected.finish_reason]
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
