@@ -58,7 +58,7 @@ class Server:
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
                 env=full_env,
             )  # fmt: skip
-        self._children: set[int] = set()
+        self._children: set[tuple[int, str]] = set()  # (pid, start time)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -70,31 +70,46 @@ class Server:
                 raise AssertionError(f"ketch serve exited ({self.proc.returncode}):\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self._children |= set(self.children())
+                    self._children |= {(p, _start_time(p)) for p in self.descendants()}
                     return
             time.sleep(0.1)
         raise AssertionError(f"ketch serve not healthy after {timeout:.0f} s:\n{self.log()}")
 
-    def children(self) -> list[int]:
-        """Direct child pids (the engine process, multiprocessing's resource tracker)."""
+    def children(self, pid: int | None = None) -> list[int]:
+        """Direct child pids of ``pid`` (default: the ``ketch serve`` process)."""
         pids: list[int] = []
-        for path in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
+        for path in Path(f"/proc/{pid or self.proc.pid}/task").glob("*/children"):
             with contextlib.suppress(OSError):
                 pids += [int(p) for p in path.read_text().split()]
         return pids
 
+    def descendants(self) -> list[int]:
+        """Every process below ``ketch serve``: engine, its workers, resource trackers."""
+        found, todo = [], self.children()
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo += self.children(pid)
+        return found
+
     def engine_pid(self) -> int:
         """The engine process: the multiprocessing spawn child (not the resource tracker)."""
-        for pid in self.children():
+        return self._spawned_child(self.proc.pid)
+
+    def worker_pid(self) -> int:
+        """The model worker process: the engine's spawn child."""
+        return self._spawned_child(self.engine_pid())
+
+    def _spawned_child(self, parent: int) -> int:
+        for pid in self.children(parent):
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"spawn_main" in cmdline:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     return pid
-        raise AssertionError(f"no engine child of {self.proc.pid}: {self.children()}")
+        raise AssertionError(f"no spawned child of {parent}: {self.children(parent)}")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; also kills any child left behind. Returns the code."""
-        self._children |= set(self.children())
+        self._children |= {(p, _start_time(p)) for p in self.descendants()}
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -102,21 +117,29 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        for pid in self._children:  # an orphaned engine must not outlive the tests
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if _is_zombie_or_gone(pid):
-                    continue
-                os.kill(pid, signal.SIGKILL)
+        for pid, started in self._children:  # no orphaned engine or worker outlives the tests
+            if _start_time(pid) == started and not _is_zombie(pid):  # same process, still there
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
 
-def _is_zombie_or_gone(pid: int) -> bool:
+def _stat(pid: int) -> list[str]:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+        return []
+
+
+def _start_time(pid: int) -> str:
+    fields = _stat(pid)
+    return fields[19] if fields else ""
+
+
+def _is_zombie(pid: int) -> bool:
+    fields = _stat(pid)
+    return not fields or fields[0] == "Z"
 
 
 @contextlib.contextmanager

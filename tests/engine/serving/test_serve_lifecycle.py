@@ -8,6 +8,7 @@ import signal
 import threading
 
 import httpx
+import pytest
 from serve_harness import metric, running_server, scrape, sse_events, wait_for
 
 LONG = {
@@ -81,11 +82,12 @@ def _start_streams(
     return threads, results
 
 
-def test_killed_engine_makes_health_503_and_serve_exit_nonzero():
+@pytest.mark.parametrize("victim", ["engine", "worker"])
+def test_killed_process_makes_health_503_and_serve_exit_nonzero(victim):
     with running_server() as srv:
         threads, results = _start_streams(srv.url, 1)
-        engine = srv.engine_pid()
-        os.kill(engine, signal.SIGKILL)
+        pid = srv.engine_pid() if victim == "engine" else srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)
         seen: list[int] = []
 
         def unhealthy() -> bool:
