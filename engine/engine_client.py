@@ -33,7 +33,7 @@ from ketch.engine.core.messages import (
 )
 from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
-from ketch.engine.stats import EngineSnapshot
+from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class EngineClient:
         self.dead_reason: str | None = None
         # Called with each EngineSnapshot the engine sends (the server feeds its metrics).
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
+        # Called with the metrics of every request that ends, aborted ones included.
+        self.on_finished: Callable[[RequestMetrics], None] | None = None
 
     @property
     def is_alive(self) -> bool:
@@ -151,6 +153,8 @@ class EngineClient:
                     if message.snapshot is not None and self.on_snapshot is not None:
                         self.on_snapshot(message.snapshot)
                     for delta in message.deltas:
+                        if delta.metrics is not None and self.on_finished is not None:
+                            self.on_finished(delta.metrics)
                         queue = self._queues.get(delta.request_id)
                         if queue is not None:
                             queue.put_nowait(delta)

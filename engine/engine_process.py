@@ -59,6 +59,8 @@ def run_engine_process(
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
+        # Gauges (KV blocks, batch limits) are right from the start, before any request.
+        outputs.send(encode(StepOutputs(deltas=[], snapshot=engine.snapshot())))
         _serve(engine, requests, outputs)
     finally:
         engine.close()
@@ -71,10 +73,10 @@ def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None
     while True:
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
+        if os.getppid() != parent:
+            logger.warning("the server process is gone; the engine exits")
+            return
         if not busy:
-            if os.getppid() != parent:
-                logger.warning("the server process is gone; the engine exits")
-                return
             engine.check_health()  # a dead worker ends this process (non-zero exit)
         deltas: list[RequestDelta] = []
         changed = False
@@ -97,10 +99,8 @@ def _apply(engine: LLMEngine, message: object, rejected: list[RequestDelta]) -> 
         except ValueError as exc:
             rejected.append(RequestDelta(request_id=message.request_id, error=str(exc)))
     elif isinstance(message, AbortRequests):
-        engine.abort_request(message.request_ids)
-        rejected.extend(
-            RequestDelta(request_id=rid, finish_reason="abort") for rid in message.request_ids
-        )
+        for metrics in engine.abort_request(message.request_ids):
+            rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=metrics))
 
 
 def _delta(output: RequestOutput) -> RequestDelta:

@@ -179,10 +179,16 @@ class LLMEngine:
             )
         return text, token_ids
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(self, request_ids: list[str]) -> list[RequestMetrics]:
+        """Ends the requests and frees their blocks; returns the metrics of those that were live."""
+        requests = [self.scheduler.requests.get(rid) for rid in request_ids]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for request_id in request_ids:
-            self._tracked.pop(request_id, None)
+        aborted = []
+        for request in requests:
+            tracked = request and self._tracked.pop(request.request_id, None)
+            if tracked:
+                aborted.append(self._request_metrics(request, tracked))
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

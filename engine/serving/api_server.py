@@ -165,7 +165,7 @@ async def _completions(request: Request) -> Response:
     if body.stream:
         return _sse(state, _completion_events(state, meta, choices, len(prompts)))
     with _InFlight(state):
-        done = await run_to_end(state.engine, state.metrics, choices)
+        done = await run_to_end(state.engine, choices)
     return JSONResponse(
         R.completion_response(meta, request_outputs(done, len(prompts)), state.tokenizer)
     )
@@ -187,7 +187,7 @@ async def _chat_completions(request: Request) -> Response:
     if body.stream:
         return _sse(state, _chat_events(state, meta, choices))
     with _InFlight(state):
-        done = await run_to_end(state.engine, state.metrics, choices)
+        done = await run_to_end(state.engine, choices)
     output = request_outputs(done, 1)[0]
     return JSONResponse(R.chat_completion_response(meta, output, state.tokenizer))
 
@@ -220,7 +220,7 @@ def _sse(state: ServingState, events: AsyncIterator[str]) -> StreamingResponse:
 async def _completion_events(
     state: ServingState, meta: R.ResponseMeta, choices: list[Choice], num_prompts: int
 ) -> AsyncIterator[str]:
-    async for choice in merge_streams(state.engine, state.metrics, choices):
+    async for choice in merge_streams(state.engine, choices):
         yield R.sse(R.completion_chunk(meta, choice.index, choice.output, state.tokenizer))
     if meta.include_usage:
         usage = R.usage_of(request_outputs(choices, num_prompts))
@@ -232,7 +232,7 @@ async def _chat_events(
 ) -> AsyncIterator[str]:
     for choice in choices:
         yield R.sse(R.chat_role_chunk(meta, choice.index))
-    async for choice in merge_streams(state.engine, state.metrics, choices):
+    async for choice in merge_streams(state.engine, choices):
         yield R.sse(R.chat_chunk(meta, choice.index, choice.output, state.tokenizer))
     if meta.include_usage:
         yield R.sse(R.chat_usage_chunk(meta, R.usage_of(request_outputs(choices, 1))))

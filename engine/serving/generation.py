@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 
 from ketch.engine.core.messages import RequestDelta
 from ketch.engine.engine_client import EngineClient, EngineDeadError
-from ketch.engine.metrics import EngineMetrics
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.protocol import ProtocolError
@@ -80,7 +79,7 @@ def _engine_error(message: str, started: bool) -> ProtocolError:
 
 
 async def stream_choice(
-    engine: EngineClient, metrics: EngineMetrics, choice: Choice, final_only: bool
+    engine: EngineClient, choice: Choice, final_only: bool
 ) -> AsyncIterator[Choice]:
     """Runs one choice, yielding it after each delta (with ``final_only``: once, at the end)."""
     request_id = f"req-{uuid.uuid4().hex}"
@@ -88,35 +87,29 @@ async def stream_choice(
         stream = engine.generate(request_id, choice.prompt_token_ids, choice.params, final_only)
         async for delta in stream:
             _apply(choice, delta)
-            if delta.metrics is not None:
-                metrics.observe_finished(delta.metrics)
             yield choice
     except EngineDeadError as exc:
         raise ProtocolError(503, f"the engine is not running: {exc}") from exc
 
 
-async def run_to_end(
-    engine: EngineClient, metrics: EngineMetrics, choices: list[Choice]
-) -> list[Choice]:
+async def run_to_end(engine: EngineClient, choices: list[Choice]) -> list[Choice]:
     """Runs all choices concurrently to completion (non-streaming responses)."""
 
     async def one(choice: Choice) -> None:
-        async for _ in stream_choice(engine, metrics, choice, final_only=True):
+        async for _ in stream_choice(engine, choice, final_only=True):
             pass
 
     await asyncio.gather(*(one(c) for c in choices))
     return choices
 
 
-async def merge_streams(
-    engine: EngineClient, metrics: EngineMetrics, choices: list[Choice]
-) -> AsyncIterator[Choice]:
+async def merge_streams(engine: EngineClient, choices: list[Choice]) -> AsyncIterator[Choice]:
     """Interleaves the choices' updates as they arrive; cancels the rest if the caller stops."""
     queue: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
         try:
-            async for update in stream_choice(engine, metrics, choice, final_only=False):
+            async for update in stream_choice(engine, choice, final_only=False):
                 await queue.put(update)
         except BaseException as exc:
             await queue.put(exc)

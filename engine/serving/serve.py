@@ -87,6 +87,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         api_key=api_key,
     )
     engine.on_snapshot = state.metrics.update
+    engine.on_finished = state.metrics.observe_finished
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(state),

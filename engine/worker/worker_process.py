@@ -63,6 +63,7 @@ def run_worker(config: RunnerConfig, port: int) -> None:
     runner = ModelRunner(config, kv_buffer=kv_shm.buf)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # replaces paddle's fatal-error report
     socket = zmq.Context().socket(zmq.PAIR)
+    socket.setsockopt(zmq.SNDTIMEO, _POLL_MS * 4)  # never block forever on a dead engine
     socket.connect(f"tcp://127.0.0.1:{port}")
     parent = os.getppid()
     status[0] = 1.0
@@ -74,8 +75,13 @@ def run_worker(config: RunnerConfig, port: int) -> None:
                 sys.exit(0)  # the engine is gone
             continue
         output = runner.execute(decode_step(socket.recv()))
-        socket.send(encode_result(output))
+        try:
+            socket.send(encode_result(output))
+        except zmq.Again:
+            sys.exit(0)  # the engine stopped listening
         status[1] += 1
+        if os.getppid() != parent:
+            sys.exit(0)
 
 
 class RemoteRunner:
@@ -94,6 +100,7 @@ class RemoteRunner:
         self._segments = [_fresh_segment(kv_name, size), _fresh_segment(status_name, 8 * 3)]
         self.status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=self._segments[1].buf)
         self._socket = zmq.Context().socket(zmq.PAIR)
+        self._socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         try:
             self._socket.bind(f"tcp://127.0.0.1:{port}")
         except zmq.ZMQError as exc:
@@ -107,7 +114,14 @@ class RemoteRunner:
         self._receive(start_timeout, what="start")
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._socket.send(encode_step(sched))
+        data = encode_step(sched)
+        while True:
+            self.check_alive()
+            try:
+                self._socket.send(data)  # PAIR blocks while no peer is connected: bounded
+                break
+            except zmq.Again:
+                continue
         return decode_result(self._receive(None, what="step"))
 
     def check_alive(self) -> None:
