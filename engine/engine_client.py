@@ -134,7 +134,7 @@ class EngineClient:
                 encode(AddRequest(request_id, prompt_token_ids, params, final_only))
             )
             while not finished:
-                delta = await queue.get()
+                delta = _coalesce(await queue.get(), queue)
                 finished = delta.finished
                 yield delta
         finally:
@@ -186,3 +186,30 @@ class EngineClient:
         for addr in (self.input_addr, self.output_addr):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(addr.removeprefix("ipc://"))
+
+
+def _coalesce(delta: RequestDelta, queue: asyncio.Queue[RequestDelta]) -> RequestDelta:
+    """Folds deltas that queued up while the consumer was busy into one.
+
+    Under load the engine steps faster than a client can be written to; sending what piled up
+    as one update keeps per-token overhead from growing with the backlog.
+    """
+    while not delta.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if nxt.error is not None:
+            return nxt
+        logprobs = delta.logprobs
+        if nxt.logprobs is not None:
+            logprobs = [*(logprobs or []), *nxt.logprobs]
+        delta = RequestDelta(
+            request_id=delta.request_id,
+            new_token_ids=[*delta.new_token_ids, *nxt.new_token_ids],
+            new_text=delta.new_text + nxt.new_text,
+            finish_reason=nxt.finish_reason,
+            stop_reason=nxt.stop_reason,
+            num_prompt_tokens=nxt.num_prompt_tokens,
+            num_cached_tokens=nxt.num_cached_tokens,
+            logprobs=logprobs,
+            metrics=nxt.metrics,
+        )
+    return delta

@@ -105,6 +105,10 @@ async def run_to_end(engine: EngineClient, choices: list[Choice]) -> list[Choice
 
 async def merge_streams(engine: EngineClient, choices: list[Choice]) -> AsyncIterator[Choice]:
     """Interleaves the choices' updates as they arrive; cancels the rest if the caller stops."""
+    if len(choices) == 1:  # the common case: no fan-in task and queue per token
+        async for update in stream_choice(engine, choices[0], final_only=False):
+            yield update
+        return
     queue: asyncio.Queue[Choice | BaseException | None] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
