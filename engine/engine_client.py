@@ -148,20 +148,30 @@ class EngineClient:
     async def _read_outputs(self) -> None:
         while True:
             if await self._outputs.poll(int(_LIVENESS_POLL_S * 1000)):
-                message = decode(await self._outputs.recv())
-                if isinstance(message, StepOutputs):
-                    if message.snapshot is not None and self.on_snapshot is not None:
-                        self.on_snapshot(message.snapshot)
-                    for delta in message.deltas:
-                        if delta.metrics is not None and self.on_finished is not None:
-                            self.on_finished(delta.metrics)
-                        queue = self._queues.get(delta.request_id)
-                        if queue is not None:
-                            queue.put_nowait(delta)
+                # Take everything already queued in one go: one event-loop wake-up per batch
+                # of engine steps, not per step.
+                while True:
+                    try:
+                        data = self._outputs.recv(zmq.NOBLOCK).result()
+                    except zmq.Again:
+                        break
+                    self._dispatch(decode(data))
             elif not self._process or not self._process.is_alive():
                 code = self._process.exitcode if self._process else None
                 self._fail_all(f"the engine process exited (exit code {code})")
                 return
+
+    def _dispatch(self, message: object) -> None:
+        if not isinstance(message, StepOutputs):
+            return
+        if message.snapshot is not None and self.on_snapshot is not None:
+            self.on_snapshot(message.snapshot)
+        for delta in message.deltas:
+            if delta.metrics is not None and self.on_finished is not None:
+                self.on_finished(delta.metrics)
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
