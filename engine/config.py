@@ -85,7 +85,9 @@ class EngineConfig:
     )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(
-        None, "CPU threads for the model; defaults to the number of cores this process may use."
+        None,
+        "CPU threads for the model. Default: every core offline; all but one under "
+        "'ketch serve', whose API server and engine need the other.",
     )
 
     def __post_init__(self) -> None:
