@@ -34,6 +34,7 @@ from ketch.engine.core.messages import (
 from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.worker.shm import remove_segments
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ class EngineClient:
         for addr in (self.input_addr, self.output_addr):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(addr.removeprefix("ipc://"))
+        if self.worker_port is not None:
+            remove_segments(self.worker_port)  # the engine may have died before it could
 
 
 def _coalesce(delta: RequestDelta, queue: asyncio.Queue[RequestDelta]) -> RequestDelta:

@@ -27,6 +27,7 @@ from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutpu
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
 from ketch.engine.worker.model_runner import RunnerConfig
+from ketch.engine.worker.shm import fresh_segment, shm_names
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +37,6 @@ _STATUS_SLOTS = 3  # ready flag, steps done, last heartbeat (monotonic seconds)
 
 class WorkerDiedError(RuntimeError):
     """The worker process exited; the engine cannot step any more."""
-
-
-def shm_names(port: int) -> tuple[str, str]:
-    return f"ketch-kv-{port}", f"ketch-status-{port}"
-
-
-def _fresh_segment(name: str, size: int) -> SharedMemory:
-    """Creates a segment, replacing one left behind by a killed run."""
-    with contextlib.suppress(FileNotFoundError):
-        stale = SharedMemory(name=name)
-        stale.close()
-        stale.unlink()
-    return SharedMemory(name=name, create=True, size=max(size, 1))
 
 
 def run_worker(config: RunnerConfig, port: int) -> None:
@@ -104,7 +92,7 @@ class RemoteRunner:
             mc.head_dim,
         )
         kv_name, status_name = shm_names(port)
-        self._segments = [_fresh_segment(kv_name, size), _fresh_segment(status_name, 8 * 3)]
+        self._segments = [fresh_segment(kv_name, size), fresh_segment(status_name, 8 * 3)]
         self.status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=self._segments[1].buf)
         self._socket = zmq.Context().socket(zmq.PAIR)
         self._socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)

@@ -105,3 +105,31 @@ def test_start_failure_is_reported(tmp_path: Path) -> None:
             await client.start()
 
     asyncio.run(main())
+
+
+def test_segments_of_a_killed_engine_are_removed_by_the_server(tmp_path: Path) -> None:
+    import socket
+
+    from ketch.engine.worker.shm import shm_names
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        worker_port = sock.getsockname()[1]
+    names = [Path("/dev/shm") / n for n in shm_names(worker_port)]
+
+    async def main() -> None:
+        client = EngineClient(EngineConfig(model="tiny", **CONFIG), 5, tmp_path, worker_port)
+        await client.start()
+        try:
+            assert all(n.exists() for n in names)
+            os.kill(client._process.pid, signal.SIGKILL)
+            for _ in range(100):
+                if not client.is_alive:
+                    break
+                await asyncio.sleep(0.1)
+            assert not client.is_alive
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+    assert not any(n.exists() for n in names)

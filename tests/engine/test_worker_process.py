@@ -11,7 +11,8 @@ import pytest
 
 from ketch.engine import LLM, EngineConfig, SamplingParams
 from ketch.engine.llm_engine import LLMEngine
-from ketch.engine.worker.worker_process import WorkerDiedError, shm_names
+from ketch.engine.worker.shm import shm_names
+from ketch.engine.worker.worker_process import WorkerDiedError
 
 CONFIG = dict(block_size=16, kv_cache_memory="32MiB", max_num_batched_tokens=48, max_num_seqs=4)
 PROMPTS = [[5, 6, 7, 8] * k for k in (1, 3, 9, 20)]
