@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from ketch.engine.config import EngineConfig
@@ -37,17 +36,13 @@ class LLM:
         params_list = _as_params_list(params, len(prompt_list))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
         for prompt in prompt_list:
-            self.engine._tokenize(prompt)
+            self.engine.tokenize_prompt(prompt)
         groups: list[list[str]] = []
         for prompt, p in zip(prompt_list, params_list, strict=True):
             ids = []
             for i in range(p.n):
                 request_id = str(next(self._ids))
-                # Wrap to 64 bits (as the sampler does) so seed + i stays a valid seed.
-                seed = None if p.seed is None else (p.seed + i) % (1 << 64)
-                self.engine.add_request(
-                    request_id, prompt, replace(p, n=1, seed=seed), final_only=True
-                )
+                self.engine.add_request(request_id, prompt, p.for_choice(i), final_only=True)
                 ids.append(request_id)
             groups.append(ids)
         finished: dict[str, RequestOutput] = {}

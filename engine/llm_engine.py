@@ -136,7 +136,7 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize_prompt(prompt)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.seed is not None:
@@ -155,7 +155,8 @@ class LLMEngine:
             final_only=final_only,
         )
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Checks a prompt (text or token ids); returns (text, token ids) or raises ValueError."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

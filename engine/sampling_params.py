@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -41,6 +42,12 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+
+    def for_choice(self, i: int) -> SamplingParams:
+        """The params of the i-th of ``n`` sequences: n=1, and a seeded request gets seed + i
+        (wrapped to 64 bits, as the sampler does) so the choices differ but stay reproducible."""
+        seed = None if self.seed is None else (self.seed + i) % (1 << 64)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

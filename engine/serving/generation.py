@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ketch.engine.core.messages import RequestDelta
 from ketch.engine.engine_client import EngineClient, EngineDeadError
@@ -48,9 +48,7 @@ def make_choices(
                 param="prompt",
             )
         for i in range(params.n):
-            seed = None if params.seed is None else (params.seed + i) % (1 << 64)
-            one = replace(params, n=1, seed=seed)
-            choices.append(Choice(len(choices), p, prompt, one))
+            choices.append(Choice(len(choices), p, prompt, params.for_choice(i)))
     return choices
 
 
