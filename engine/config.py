@@ -3,6 +3,11 @@
 Every field carries its user-facing help text in ``metadata["help"]``. That metadata is the
 single source of truth for the engine's command-line flags (and, later, the CRD's ``engine``
 fields), so a flag and the field it sets can never drift apart.
+
+Metadata keys: ``help`` (flag help and CRD description), ``choices`` (flag choices and CRD enum),
+``minimum`` (CRD bound; ``__post_init__`` enforces the same), ``crd`` (the field's path under an
+InferenceService's ``spec``; default ``engine.<camelCase name>``; ``False`` when the operator sets
+the field itself, e.g. ``model`` comes from ``spec.model.uri``).
 """
 
 from __future__ import annotations
@@ -57,21 +62,33 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class EngineConfig:
     """What the engine is asked to do; the model's own facts live in ``ModelConfig``."""
 
-    model: str = _opt("tiny", "Model to serve: 'tiny' (built in) or a Hugging Face checkpoint dir.")
-    max_num_seqs: int = _opt(64, "Most requests that run in one step (the batch size limit).")
+    model: str = _opt(
+        "tiny", "Model to serve: 'tiny' (built in) or a Hugging Face checkpoint dir.", crd=False
+    )
+    max_num_seqs: int = _opt(
+        64, "Most requests that run in one step (the batch size limit).", minimum=1
+    )
     max_model_len: int | None = _opt(
-        None, "Longest prompt + output in tokens; defaults to the model's context length."
+        None,
+        "Longest prompt + output in tokens; defaults to the model's context length.",
+        minimum=1,
     )
     max_num_batched_tokens: int = _opt(
-        2048, "Token budget of one step; longer prompts are prefilled in chunks of this size."
+        2048,
+        "Token budget of one step; longer prompts are prefilled in chunks of this size.",
+        minimum=1,
     )
     block_size: int = _opt(64, "Tokens per KV-cache block.", choices=(16, 32, 64, 128))
     kv_cache_memory: str = _opt("1GiB", "Memory for the KV cache on CPU, e.g. '512MiB' or '4GiB'.")
     num_kv_blocks: int | None = _opt(
-        None, "Exact number of KV-cache blocks; overrides --kv-cache-memory (for testing)."
+        None,
+        "Exact number of KV-cache blocks; overrides --kv-cache-memory (for testing).",
+        minimum=2,
     )
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of prompts that share a prefix.")
-    tensor_parallel_size: int = _opt(1, "Tensor-parallel ranks (GPUs) per engine instance.")
+    tensor_parallel_size: int = _opt(
+        1, "Tensor-parallel ranks (GPUs) per engine instance.", minimum=1
+    )
     dtype: str = _opt(
         "auto",
         "Compute dtype: auto or float32. bfloat16/float16 are for the GPU engine (not built yet).",
@@ -88,6 +105,7 @@ class EngineConfig:
         None,
         "CPU threads for the model. Default: every core offline; all but one under "
         "'ketch serve', whose API server and engine need the other.",
+        minimum=1,
     )
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """What ``ketch serve`` is asked to do beyond the engine: ports, role, limits, access.
 
 Like ``EngineConfig``, every field carries its help text; flags and config-file keys are
-generated from these fields.
+generated from these fields. ``crd`` metadata gives a field's path under an InferenceService's
+``spec`` (``False``: the operator sets it from elsewhere in the spec, e.g. ``role`` from ``roles``).
 """
 
 from __future__ import annotations
@@ -20,31 +21,47 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class ServerConfig:
     """The serving process's settings. Internal ports bind to loopback unless a role needs them."""
 
-    host: str = _opt("0.0.0.0", "Address the HTTP API listens on.")
-    port: int = _opt(8000, "HTTP port of the OpenAI API, /health, /ready and /metrics.")
+    host: str = _opt("0.0.0.0", "Address the HTTP API listens on.", crd=False)
+    port: int = _opt(
+        8000, "HTTP port of the OpenAI API, /health, /ready and /metrics.", crd="ports.http"
+    )
     metrics_port: int | None = _opt(
-        None, "Separate port for /metrics only; by default /metrics is on --port."
+        None,
+        "Separate port for /metrics only; by default /metrics is on --port.",
+        crd="ports.metrics",
     )
     engine_worker_queue_port: int = _opt(
-        8002, "Engine <-> worker queue port (loopback only: the worker runs in this pod)."
+        8002,
+        "Engine <-> worker queue port (loopback only: the worker runs in this pod).",
+        crd="ports.engineWorkerQueue",
     )
     cache_queue_port: int = _opt(
-        8003, "Engine <-> cache-manager port (loopback only: the sidecar shares the pod)."
+        8003,
+        "Engine <-> cache-manager port (loopback only: the sidecar shares the pod).",
+        crd="ports.cacheQueue",
     )
     pd_comm_port: int = _opt(
-        8004, "Prefill/decode control port; reachable from peers only in prefill/decode roles."
+        8004,
+        "Prefill/decode control port; reachable from peers only in prefill/decode roles.",
+        crd="ports.pdComm",
     )
-    role: str = _opt("mixed", "Instance role: mixed, prefill or decode.", choices=ROLES)
+    role: str = _opt("mixed", "Instance role: mixed, prefill or decode.", choices=ROLES, crd=False)
     served_model_name: str | None = _opt(
-        None, "Model name clients use in 'model'; defaults to the --model value."
+        None, "Model name clients use in 'model'; defaults to the --model value.", crd="model.name"
     )
-    max_concurrency: int = _opt(256, "Most requests in flight; more get 429 with Retry-After.")
-    max_request_bytes: int = _opt(1 << 20, "Largest accepted request body in bytes (413 above).")
+    max_concurrency: int = _opt(
+        256, "Most requests in flight; more get 429 with Retry-After.", minimum=1
+    )
+    max_request_bytes: int = _opt(
+        1 << 20, "Largest accepted request body in bytes (413 above).", minimum=1
+    )
     drain_timeout: float = _opt(
-        30.0, "Seconds SIGTERM waits for in-flight requests before exiting."
+        30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
     api_key_file: str | None = _opt(
-        None, "File holding the API key; or set KETCH_API_KEY. Then /v1/* needs 'Bearer <key>'."
+        None,
+        "File holding the API key; or set KETCH_API_KEY. Then /v1/* needs 'Bearer <key>'.",
+        crd=False,
     )
 
     def __post_init__(self) -> None:

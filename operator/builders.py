@@ -1,0 +1,514 @@
+"""Pure builders: a validated InferenceService -> the child objects the operator applies.
+
+No I/O and no clock: the same spec always gives byte-identical children, which is what lets
+``ketch-operator render`` show exactly what the running operator applies, and lets a re-apply be a
+no-op on the server. Children, per InferenceService ``N``:
+
+- ConfigMap ``N-config``: one ``ketch serve`` config file per role (``<role>.yaml``) and the
+  router's (``router.yaml``) when disaggregated.
+- Per role: Deployment ``N-<role>`` (engine container, optional cache-manager sidecar, memory-backed
+  ``/dev/shm``), Service ``N-<role>`` (API), headless Service ``N-<role>-peers`` (peer discovery),
+  PodDisruptionBudget ``N-<role>``.
+- Disaggregated: Deployment, Service and PodDisruptionBudget ``N-router``.
+- NetworkPolicy ``N``: internal ports only from the InferenceService's own pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import yaml
+
+from ketch.operator import crd
+from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
+
+MANAGER = "ketch-operator"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ROLE = "serving.ketch.dev/role"
+ANNOTATION_CONFIG_HASH = "serving.ketch.dev/config-hash"
+CONFIG_DIR = "/etc/ketch"
+RUN_AS_USER = 1000
+# Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
+PRESTOP_SLEEP = 5
+
+Obj = dict[str, Any]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML: no anchors/aliases even where builders share a sub-object."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(value: Any) -> str:
+    return yaml.dump(value, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+def component(role: str) -> str:
+    return "router" if role == "router" else f"engine-{role}"
+
+
+def labels(svc: ServiceSpec, role: str) -> dict[str, str]:
+    out = selector(svc, role)
+    out.update(
+        {
+            "app.kubernetes.io/part-of": "ketch",
+            LABEL_MANAGED_BY: MANAGER,
+            LABEL_ROLE: role,
+        }
+    )
+    return out
+
+
+def selector(svc: ServiceSpec, role: str) -> dict[str, str]:
+    """Labels that pick one role's pods; never changes for a given InferenceService and role."""
+    return {
+        "app.kubernetes.io/name": "ketch",
+        LABEL_INSTANCE: svc.name,
+        LABEL_COMPONENT: component(role),
+    }
+
+
+def instance_labels(svc: ServiceSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "ketch",
+        LABEL_INSTANCE: svc.name,
+        "app.kubernetes.io/part-of": "ketch",
+        LABEL_MANAGED_BY: MANAGER,
+    }
+
+
+def metadata(svc: ServiceSpec, name: str, lbls: dict[str, str]) -> Obj:
+    return {
+        "name": name,
+        "namespace": svc.namespace,
+        "labels": lbls,
+        "ownerReferences": [
+            {
+                "apiVersion": crd.API_VERSION,
+                "kind": crd.KIND,
+                "name": svc.name,
+                "uid": svc.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- config
+
+
+def role_config(svc: ServiceSpec, role: str) -> str:
+    return dump_yaml(svc.engine_settings(role))
+
+
+def router_config(svc: ServiceSpec) -> str:
+    ports = svc.ports
+    domain = f"{svc.namespace}.svc"
+    values = {
+        "port": ports["http"],
+        "policy": svc.spec["router"]["policy"],
+        "prefill": f"{svc.name}-prefill-peers.{domain}",
+        "decode": f"{svc.name}-decode-peers.{domain}",
+        "engine_port": ports["http"],
+        "pd_comm_port": ports["pdComm"],
+    }
+    return dump_yaml(values)
+
+
+def config_map(svc: ServiceSpec) -> Obj:
+    data = {f"{role}.yaml": role_config(svc, role) for role in svc.roles}
+    if svc.disaggregated:
+        data["router.yaml"] = router_config(svc)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(svc, f"{svc.name}-config", instance_labels(svc)),
+        "data": data,
+    }
+
+
+def config_hash(*texts: str) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- pods
+
+
+def container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _http_probe(path: str, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _quantity_plus_gi(quantity: str, extra_gi: int) -> str:
+    """'4Gi' + 1 -> '5Gi' (binary units only; other units get a separate memory field)."""
+    if quantity.endswith("Gi") and quantity[:-2].isdigit():
+        return f"{int(quantity[:-2]) + extra_gi}Gi"
+    return quantity
+
+
+def engine_container(svc: ServiceSpec, role: str) -> Obj:
+    engine = svc.spec["engine"]
+    ports = svc.ports
+    res = svc.role(role)["resources"]
+    container_ports = [{"name": "http", "containerPort": ports["http"], "protocol": "TCP"}]
+    if ports.get("metrics") is not None:
+        container_ports.append(
+            {"name": "metrics", "containerPort": ports["metrics"], "protocol": "TCP"}
+        )
+    container_ports.append(
+        {"name": "worker-queue", "containerPort": ports["engineWorkerQueue"], "protocol": "TCP"}
+    )
+    if role != "mixed":
+        container_ports.append(
+            {"name": "pd-comm", "containerPort": ports["pdComm"], "protocol": "TCP"}
+        )
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    for key in ("cpu", "memory"):
+        if res.get(key):
+            limits[key] = requests[key] = res[key]
+    if res["gpus"] > 0:
+        limits[res["gpuResourceName"]] = requests[res["gpuResourceName"]] = str(res["gpus"])
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if _needs_model_volume(svc):
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if "apiKeySecretRef" in svc.spec.get("auth", {}):
+        mounts.append(
+            {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
+        )
+    env = [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])]
+    out: Obj = {
+        "name": "engine",
+        "image": engine["image"],
+        "imagePullPolicy": engine["imagePullPolicy"],
+        "command": ["ketch", "serve"],
+        "args": ["--config", f"{CONFIG_DIR}/{role}.yaml", *engine.get("extraArgs", [])],
+        "ports": container_ports,
+        "env": env,
+        "resources": {"limits": limits, "requests": requests} if limits else {},
+        "volumeMounts": mounts,
+        # Model loading can take minutes: the startup probe allows 20 before liveness applies.
+        "startupProbe": _http_probe("/health", 10, 120),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "readinessProbe": _http_probe("/ready", 5, 2),
+        # The server drains on SIGTERM (/ready turns 503, in-flight requests finish); the sleep
+        # first lets the endpoints controller take the pod out of its Services.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
+        "securityContext": container_security(),
+    }
+    return out
+
+
+def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
+    cm = svc.spec["cacheManager"]
+    memory = cm.get("memory") or _quantity_plus_gi(cm["hostSwapSpace"], 1)
+    return {
+        "name": "cache-manager",
+        "image": svc.spec["engine"]["image"],
+        "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
+        "command": ["ketch", "cache-manager"],
+        "args": [
+            "--config",
+            f"{CONFIG_DIR}/{role}.yaml",
+            "--host-swap-space",
+            cm["hostSwapSpace"],
+        ],
+        "ports": [
+            {"name": "cache-queue", "containerPort": svc.ports["cacheQueue"], "protocol": "TCP"}
+        ],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {
+            "limits": {"cpu": cm["cpu"], "memory": memory},
+            "requests": {"cpu": cm["cpu"], "memory": memory},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": container_security(),
+    }
+
+
+def _needs_model_volume(svc: ServiceSpec) -> bool:
+    return svc.spec["model"]["uri"].split("://", 1)[0] in ("pvc", "hf", "s3")
+
+
+def model_volume(svc: ServiceSpec) -> Obj:
+    uri = svc.spec["model"]["uri"]
+    scheme, rest = uri.split("://", 1)
+    if scheme == "pvc":
+        claim = rest.split("/", 1)[0]
+        return {"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return {"name": "models", "emptyDir": {}}
+
+
+def model_fetch_container(svc: ServiceSpec) -> Obj:
+    """hf:// and s3:// weights are fetched into the pod's model volume before the engine starts."""
+    engine = svc.spec["engine"]
+    return {
+        "name": "model-fetch",
+        "image": engine["image"],
+        "imagePullPolicy": engine["imagePullPolicy"],
+        "command": ["ketch", "fetch-model"],
+        "args": [svc.spec["model"]["uri"], MODEL_MOUNT],
+        "env": [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])],
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODEL_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": container_security(),
+    }
+
+
+def engine_pod(svc: ServiceSpec, role: str, config_text: str) -> Obj:
+    role_spec = svc.role(role)
+    containers = [engine_container(svc, role)]
+    if svc.spec["cacheManager"]["enabled"]:
+        containers.append(cache_manager_container(svc, role))
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": f"{svc.name}-config"}},
+        {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": svc.spec["engine"]["shmSize"]},
+        },
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if _needs_model_volume(svc):
+        volumes.append(model_volume(svc))
+    auth = svc.spec.get("auth", {}).get("apiKeySecretRef")
+    if auth:
+        key_file = API_KEY_PATH.rsplit("/", 1)[1]
+        volumes.append(
+            {
+                "name": "api-key",
+                "secret": {
+                    "secretName": auth["name"],
+                    "items": [{"key": auth["key"], "path": key_file}],
+                },
+            }
+        )
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(),
+        "terminationGracePeriodSeconds": int(svc.spec["engine"]["drainTimeout"])
+        + PRESTOP_SLEEP
+        + 10,
+    }
+    if svc.spec["model"]["uri"].split("://", 1)[0] in ("hf", "s3"):
+        pod_spec["initContainers"] = [model_fetch_container(svc)]
+    pod_spec["containers"] = containers
+    pod_spec["volumes"] = volumes
+    _add_scheduling(pod_spec, role_spec.get("scheduling", {}))
+    annotations = {
+        ANNOTATION_CONFIG_HASH: config_hash(config_text),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(svc.ports.get("metrics") or svc.ports["http"]),
+        "prometheus.io/path": "/metrics",
+    }
+    return {
+        "metadata": {"labels": labels(svc, role), "annotations": annotations},
+        "spec": pod_spec,
+    }
+
+
+def _add_scheduling(pod_spec: Obj, scheduling: Obj) -> None:
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        if scheduling.get(key):
+            pod_spec[key] = scheduling[key]
+
+
+def deployment(svc: ServiceSpec, role: str, template: Obj, replicas: int | None) -> Obj:
+    spec: Obj = {}
+    if replicas is not None:  # left out when an autoscaler owns the replica count
+        spec["replicas"] = replicas
+    spec.update(
+        {
+            "selector": {"matchLabels": selector(svc, role)},
+            # New pods come up before old ones go: no capacity dip while a rollout runs.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            "template": template,
+        }
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(svc, f"{svc.name}-{role}", labels(svc, role)),
+        "spec": spec,
+    }
+
+
+def engine_deployment(svc: ServiceSpec, role: str) -> Obj:
+    role_spec = svc.role(role)
+    replicas = None if role_spec.get("autoscaling") else role_spec["replicas"]
+    template = engine_pod(svc, role, role_config(svc, role))
+    return deployment(svc, role, template, replicas)
+
+
+def router_deployment(svc: ServiceSpec) -> Obj:
+    text = router_config(svc)
+    container = {
+        "name": "router",
+        "image": svc.spec["engine"]["image"],
+        "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
+        "command": ["ketch", "router"],
+        "args": ["--config", f"{CONFIG_DIR}/router.yaml"],
+        "ports": [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}],
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "readinessProbe": _http_probe("/ready", 5, 2),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
+        "securityContext": container_security(),
+    }
+    template = {
+        "metadata": {
+            "labels": labels(svc, "router"),
+            "annotations": {ANNOTATION_CONFIG_HASH: config_hash(text)},
+        },
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": pod_security(),
+            "containers": [container],
+            "volumes": [{"name": "config", "configMap": {"name": f"{svc.name}-config"}}],
+        },
+    }
+    return deployment(svc, "router", template, svc.spec["router"]["replicas"])
+
+
+# --------------------------------------------------------------------------- networking
+
+
+def _service_port(name: str, port: int) -> Obj:
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
+def api_service(svc: ServiceSpec, role: str) -> Obj:
+    ports = [_service_port("http", svc.ports["http"])]
+    if svc.ports.get("metrics") is not None and role != "router":
+        ports.append(_service_port("metrics", svc.ports["metrics"]))
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(svc, f"{svc.name}-{role}", labels(svc, role)),
+        "spec": {"type": "ClusterIP", "selector": selector(svc, role), "ports": ports},
+    }
+
+
+def peers_service(svc: ServiceSpec, role: str) -> Obj:
+    """Headless: DNS lists every pod of the role, ready or not, for the router and peers."""
+    ports = [_service_port("http", svc.ports["http"])]
+    if role != "mixed":
+        ports.append(_service_port("pd-comm", svc.ports["pdComm"]))
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(svc, f"{svc.name}-{role}-peers", labels(svc, role)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(svc, role),
+            "ports": ports,
+        },
+    }
+
+
+def disruption_budget(svc: ServiceSpec, role: str) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(svc, f"{svc.name}-{role}", labels(svc, role)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(svc, role)}},
+    }
+
+
+def network_policy(svc: ServiceSpec) -> Obj:
+    """The API (and metrics) port is open; every other port only to this InferenceService's pods."""
+    own_pods = {
+        "podSelector": {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}}
+    }
+    public = [{"port": svc.ports["http"], "protocol": "TCP"}]
+    if svc.ports.get("metrics") is not None:
+        public.append({"port": svc.ports["metrics"], "protocol": "TCP"})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(svc, svc.name, instance_labels(svc)),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [own_pods]}, {"ports": public}],
+        },
+    }
+
+
+# --------------------------------------------------------------------------- all of it
+
+
+def build(svc: ServiceSpec) -> list[Obj]:
+    """Every child, in apply order: config first, then what selects pods, then the pods."""
+    roles = list(svc.roles)
+    pod_roles = [*roles, "router"] if svc.disaggregated else roles
+    children: list[Obj] = [config_map(svc), network_policy(svc)]
+    for role in pod_roles:
+        children.append(api_service(svc, role))
+        if role != "router":
+            children.append(peers_service(svc, role))
+        children.append(disruption_budget(svc, role))
+    children += [engine_deployment(svc, role) for role in roles]
+    if svc.disaggregated:
+        children.append(router_deployment(svc))
+    return children
+
+
+def service_url(svc: ServiceSpec) -> str:
+    entry = "router" if svc.disaggregated else "mixed"
+    return f"http://{svc.name}-{entry}.{svc.namespace}.svc.cluster.local:{svc.ports['http']}"
+
+
+def key(obj: Obj) -> tuple[str, str, str]:
+    """Identity of a child: (apiVersion, kind, name)."""
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]

@@ -1,0 +1,581 @@
+"""The InferenceService CRD, generated from Python: one definition for the schema and the flags.
+
+The ``spec.engine``, ``spec.ports`` and ``spec.model.name`` fields are not written here: they are
+generated from ``EngineConfig`` and ``ServerConfig`` (``ketch.engine``), whose field metadata also
+generates ``ketch serve``'s flags. A CRD field and the flag it sets therefore share their name,
+type, default, bounds and description. ``engine_settings`` walks the same metadata the other way,
+turning a spec back into the engine's config file.
+
+``crds/`` holds the output of ``ketch-operator crd``; a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.serving.config import ServerConfig
+
+GROUP = "serving.ketch.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["kisvc"]
+API_VERSION = f"{GROUP}/{VERSION}"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+ROLE_NAMES = ("mixed", "prefill", "decode")
+DEFAULT_IMAGE = "ghcr.io/ketch-dev/ketch-engine:0.1.0"
+ROUTER_POLICIES = ("least-requests", "round-robin", "prefix-hash")
+# Longest suffix the operator adds to the name: "-prefill-peers" (Service names are DNS-1035
+# labels of at most 63 characters).
+LONGEST_CHILD_SUFFIX = len("-prefill-peers")
+MAX_NAME_LENGTH = 63 - LONGEST_CHILD_SUFFIX
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+MEMORY_SIZE_PATTERN = r"^[0-9]*\.?[0-9]+\s*([KkMmGg]([Ii]?[Bb]?)?|[Bb])?$"
+MODEL_URI_PATTERN = (
+    r"^(tiny|file:///.+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/]+/.+|s3://[^/]+/.+)$"
+)
+
+
+# --------------------------------------------------------------------------- schema helpers
+
+
+def _prop(kind: str, description: str, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": kind, "description": description}
+    out.update({k: v for k, v in extra.items() if v is not None})
+    return out
+
+
+def string(description: str, **extra: Any) -> dict[str, Any]:
+    return _prop("string", description, **extra)
+
+
+def integer(description: str, **extra: Any) -> dict[str, Any]:
+    return _prop("integer", description, **extra)
+
+
+def boolean(description: str, **extra: Any) -> dict[str, Any]:
+    return _prop("boolean", description, **extra)
+
+
+def obj(
+    description: str,
+    properties: dict[str, Any],
+    *,
+    required: tuple[str, ...] = (),
+    rules: tuple[tuple[str, str] | tuple[str, str, str], ...] = (),
+    default: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """An object schema. ``rules`` are CEL rules: (rule, message[, fieldPath])."""
+    out: dict[str, Any] = {"type": "object", "description": description, "properties": properties}
+    if required:
+        out["required"] = list(required)
+    if default is not None:
+        out["default"] = default
+    if rules:
+        out["x-kubernetes-validations"] = [_rule(*r) for r in rules]
+    return out
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+def free_form(description: str) -> dict[str, Any]:
+    """A Kubernetes-typed value (affinity, toleration, valueFrom): kept as given."""
+    return {
+        "type": "object",
+        "description": description,
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+
+
+def string_map(description: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": description,
+        "additionalProperties": {"type": "string"},
+    }
+
+
+# --------------------------------------------------------------------------- engine fields
+
+
+def camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigField:
+    """A config-dataclass field as the CRD sees it: where it lives under spec, and its schema."""
+
+    name: str  # the dataclass field (and config-file key)
+    path: tuple[str, ...]  # under spec, e.g. ("engine", "maxNumSeqs")
+    schema: dict[str, Any]
+
+
+def _base_type(hint: Any) -> type:
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return hint
+
+
+def config_fields() -> list[ConfigField]:
+    """Every EngineConfig/ServerConfig field that an InferenceService spec can set."""
+    out: list[ConfigField] = []
+    for cls in (EngineConfig, ServerConfig):
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            path = f.metadata.get("crd", f"engine.{camel(f.name)}")
+            if path is False:
+                continue
+            kind = _base_type(hints[f.name])
+            schema: dict[str, Any] = {
+                "type": {bool: "boolean", int: "integer", float: "number", str: "string"}[kind],
+                "description": f"{f.metadata['help']} (ketch serve --{f.name.replace('_', '-')})",
+            }
+            if f.default is not None:
+                schema["default"] = f.default
+            if "choices" in f.metadata:
+                schema["enum"] = list(f.metadata["choices"])
+            if "minimum" in f.metadata:
+                schema["minimum"] = f.metadata["minimum"]
+            if f.name.endswith("port"):
+                schema.update(minimum=1, maximum=65535)
+            if f.name == "kv_cache_memory":
+                schema["pattern"] = MEMORY_SIZE_PATTERN
+            out.append(ConfigField(f.name, tuple(path.split(".")), schema))
+    return out
+
+
+def config_field_schemas(section: str) -> dict[str, Any]:
+    return {f.path[1]: f.schema for f in config_fields() if f.path[0] == section}
+
+
+def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """The config-file values a (defaulted) spec sets, keyed by dataclass field name."""
+    out: dict[str, Any] = {}
+    for f in config_fields():
+        node: Any = spec
+        for key in f.path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            out[f.name] = node
+    return out
+
+
+def flag_of(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+def _resources() -> dict[str, Any]:
+    return obj(
+        "Compute resources of each engine pod of this role.",
+        {
+            "gpus": integer(
+                "GPUs (nvidia.com/gpu) per pod. 0 runs the engine on CPU. "
+                "engine.tensorParallelSize must not exceed it.",
+                default=1,
+                minimum=0,
+                maximum=16,
+            ),
+            "gpuResourceName": string(
+                "Extended resource name of the GPUs.", default="nvidia.com/gpu", maxLength=253
+            ),
+            "cpu": string(
+                "CPU request and limit of the engine container, e.g. '8'.", pattern=QUANTITY_PATTERN
+            ),
+            "memory": string(
+                "Memory request and limit of the engine container, e.g. '64Gi'.",
+                pattern=QUANTITY_PATTERN,
+            ),
+        },
+        default={},
+    )
+
+
+def _scheduling() -> dict[str, Any]:
+    return obj(
+        "Where the role's pods may run.",
+        {
+            "nodeSelector": string_map("Node labels the pods require (pod spec.nodeSelector)."),
+            "tolerations": {
+                "type": "array",
+                "description": "Taints the pods tolerate (pod spec.tolerations), "
+                "e.g. of GPU node pools.",
+                "items": free_form("A core/v1 Toleration."),
+            },
+            "affinity": free_form("Pod affinity rules (a core/v1 Affinity)."),
+            "priorityClassName": string("PriorityClass of the pods.", maxLength=253),
+        },
+    )
+
+
+def _autoscaling() -> dict[str, Any]:
+    return obj(
+        "Scale this role with a HorizontalPodAutoscaler on the engine's metrics. When set, the "
+        "operator leaves the Deployment's replicas to the autoscaler (spec.roles.*.replicas is "
+        "then only the starting size).",
+        {
+            "minReplicas": integer("Fewest pods.", default=1, minimum=1),
+            "maxReplicas": integer("Most pods.", minimum=1),
+            "targetRunningRequests": integer(
+                "Target of ketch:num_requests_running per pod.", minimum=1
+            ),
+            "targetWaitingRequests": integer(
+                "Target of ketch:num_requests_waiting per pod.", minimum=0
+            ),
+            "targetKVCacheUsagePercent": integer(
+                "Target of ketch:gpu_cache_usage_perc per pod, in percent.",
+                minimum=1,
+                maximum=100,
+            ),
+        },
+        required=("maxReplicas",),
+        rules=(
+            (
+                "self.minReplicas <= self.maxReplicas",
+                "minReplicas must not exceed maxReplicas",
+                ".minReplicas",
+            ),
+        ),
+    )
+
+
+def _role(name: str) -> dict[str, Any]:
+    what = {
+        "mixed": "Engine pods that both prefill and decode (the simple deployment).",
+        "prefill": "Engine pods that only prefill prompts and hand the KV cache to decode pods.",
+        "decode": "Engine pods that decode, with the KV cache received from prefill pods.",
+    }[name]
+    return obj(
+        what,
+        {
+            "replicas": integer(
+                "Pods of this role (ignored while autoscaling is set).", default=1, minimum=0
+            ),
+            "resources": _resources(),
+            "scheduling": _scheduling(),
+            "autoscaling": _autoscaling(),
+        },
+        default=None,
+    )
+
+
+def _engine() -> dict[str, Any]:
+    props = config_field_schemas("engine")
+    owned_flags = [
+        *sorted(flag_of(f.name) for f in config_fields()),
+        "--model",
+        "--role",
+        "--host",
+        "--config",
+        "--api-key-file",
+    ]
+    flags_regex = "|".join(sorted(set(owned_flags)))
+    props.update(
+        {
+            "image": string("Engine container image.", default=DEFAULT_IMAGE, minLength=1),
+            "imagePullPolicy": string(
+                "When to pull the image.",
+                default="IfNotPresent",
+                enum=["Always", "IfNotPresent", "Never"],
+            ),
+            "shmSize": string(
+                "Size of the memory-backed /dev/shm shared by the engine, its workers and the "
+                "cache manager.",
+                default="2Gi",
+                pattern=QUANTITY_PATTERN,
+            ),
+            "extraArgs": {
+                "type": "array",
+                "description": "More 'ketch serve' flags, for settings this spec does not name. "
+                "Flags the spec owns (e.g. --port, --model) are refused here.",
+                "items": {"type": "string"},
+                "maxItems": 64,
+                "x-kubernetes-validations": [
+                    _rule(
+                        f"self.all(a, !a.matches('^({flags_regex})(=.*)?$'))",
+                        "extraArgs may not set a flag that the spec sets; use the spec field "
+                        "(e.g. spec.ports.http for --port, spec.model.uri for --model)",
+                    )
+                ],
+            },
+            "env": {
+                "type": "array",
+                "description": "Extra environment variables of the engine container.",
+                "items": obj(
+                    "A core/v1 EnvVar.",
+                    {
+                        "name": string("Variable name.", minLength=1),
+                        "value": string("Variable value."),
+                        "valueFrom": free_form("A core/v1 EnvVarSource."),
+                    },
+                    required=("name",),
+                ),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
+        }
+    )
+    return obj(
+        "Engine settings. Each field sets the 'ketch serve' flag named in its description.",
+        props,
+        default={},
+    )
+
+
+def _ports() -> dict[str, Any]:
+    props = config_field_schemas("ports")
+    names = list(props)
+    required_ports = [n for n in names if "default" in props[n]]
+    optional_ports = [n for n in names if "default" not in props[n]]
+    listed = "[" + ", ".join(f"self.{n}" for n in required_ports) + "]"
+    for n in optional_ports:
+        listed += f" + (has(self.{n}) ? [self.{n}] : [])"
+    rule = f"({listed}).all(p, ({listed}).filter(q, q == p).size() == 1)"
+    return obj(
+        "Container ports of the engine pods; they must be distinct.",
+        props,
+        default={},
+        rules=((rule, "ports must be distinct"),),
+    )
+
+
+def _model() -> dict[str, Any]:
+    props = {
+        "uri": string(
+            "Where the weights are: 'tiny' (the built-in test model), file:///path/in/image, "
+            "pvc://claim-name/path, hf://org/name or s3://bucket/prefix.",
+            pattern=MODEL_URI_PATTERN,
+            maxLength=1024,
+        ),
+    }
+    props.update(config_field_schemas("model"))
+    return obj("The model to serve.", props, required=("uri",))
+
+
+def _cache_manager() -> dict[str, Any]:
+    return obj(
+        "The cache-manager sidecar: host swap space for KV blocks and KV transfer between "
+        "prefill and decode pods.",
+        {
+            "enabled": boolean("Run the cache-manager sidecar in every engine pod.", default=False),
+            "hostSwapSpace": string(
+                "Host memory for swapped-out KV blocks.", default="4Gi", pattern=QUANTITY_PATTERN
+            ),
+            "cpu": string(
+                "CPU request and limit of the sidecar.", default="1", pattern=QUANTITY_PATTERN
+            ),
+            "memory": string(
+                "Memory request and limit of the sidecar; defaults to hostSwapSpace + 1Gi.",
+                pattern=QUANTITY_PATTERN,
+            ),
+        },
+        default={},
+    )
+
+
+def _router() -> dict[str, Any]:
+    return obj(
+        "The router in front of prefill and decode pods (disaggregated mode only).",
+        {
+            "replicas": integer("Router pods.", default=1, minimum=1),
+            "policy": string(
+                "How the router picks pods: least-requests, round-robin, or prefix-hash (the "
+                "same prompt prefix goes to the same prefill pod, for prefix-cache hits).",
+                default="least-requests",
+                enum=list(ROUTER_POLICIES),
+            ),
+        },
+        default={},
+    )
+
+
+def _auth() -> dict[str, Any]:
+    return obj(
+        "API access control.",
+        {
+            "apiKeySecretRef": obj(
+                "A Secret holding the API key; clients must then send 'Authorization: Bearer "
+                "<key>'.",
+                {
+                    "name": string("Secret name (same namespace).", minLength=1, maxLength=253),
+                    "key": string("Key in the Secret.", default="api-key", minLength=1),
+                },
+                required=("name",),
+            )
+        },
+    )
+
+
+def _tp_rule(role: str) -> tuple[str, str, str]:
+    gpus = f"self.roles.{role}.resources.gpus"
+    return (
+        f"!has(self.roles.{role}) || {gpus} == 0 || self.engine.tensorParallelSize <= {gpus}",
+        f"engine.tensorParallelSize must not exceed roles.{role}.resources.gpus (one GPU per "
+        "tensor-parallel rank)",
+        ".engine.tensorParallelSize",
+    )
+
+
+def spec_schema() -> dict[str, Any]:
+    roles = obj(
+        "The engine pods: either 'mixed', or 'prefill' and 'decode' together (prefill/decode "
+        "disaggregation, with a router in front).",
+        {name: _role(name) for name in ROLE_NAMES},
+        rules=(
+            (
+                "has(self.mixed) != (has(self.prefill) || has(self.decode))",
+                "set either roles.mixed, or roles.prefill and roles.decode (not both, not neither)",
+            ),
+            (
+                "has(self.prefill) == has(self.decode)",
+                "roles.prefill and roles.decode go together",
+            ),
+        ),
+    )
+    return obj(
+        "The desired serving deployment.",
+        {
+            "model": _model(),
+            "engine": _engine(),
+            "roles": roles,
+            "cacheManager": _cache_manager(),
+            "router": _router(),
+            "ports": _ports(),
+            "auth": _auth(),
+        },
+        required=("model", "roles"),
+        rules=(
+            *tuple(_tp_rule(r) for r in ROLE_NAMES),
+            (
+                "!has(self.roles.mixed) || self.engine.tensorParallelSize == 1 "
+                "|| self.roles.mixed.resources.gpus > 0",
+                "engine.tensorParallelSize > 1 needs GPUs (roles.*.resources.gpus)",
+                ".engine.tensorParallelSize",
+            ),
+        ),
+    )
+
+
+def status_schema() -> dict[str, Any]:
+    condition = obj(
+        "A condition of the InferenceService.",
+        {
+            "type": string("Ready, Progressing or Degraded."),
+            "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": string("Why, in one CamelCase word."),
+            "message": string("What to do about it."),
+            "lastTransitionTime": string("When status last changed.", format="date-time"),
+            "observedGeneration": integer("The generation this condition describes."),
+        },
+        required=("type", "status"),
+    )
+    role_status = obj(
+        "Replicas of one role.",
+        {
+            "desired": integer("Pods the role should have."),
+            "ready": integer("Pods that pass their readiness probe."),
+            "updated": integer("Pods running the current pod template."),
+        },
+    )
+    return obj(
+        "What the operator observed.",
+        {
+            "observedGeneration": integer("The spec generation the status describes."),
+            "mode": string("mixed or disaggregated."),
+            "url": string("In-cluster URL of the OpenAI-compatible API."),
+            "replicas": string("Ready/desired engine pods over all roles, e.g. '2/2'."),
+            "roles": {
+                "type": "object",
+                "description": "Per role: desired, ready and updated pods.",
+                "additionalProperties": role_status,
+            },
+            "conditions": {
+                "type": "array",
+                "description": "Ready, Progressing and Degraded.",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        },
+    )
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object, as applied to a cluster."""
+    root = {
+        "type": "object",
+        "description": "An LLM served by Ketch engine pods: the model, the engine settings and "
+        "the pods of each role.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "required": ["spec"],
+        "x-kubernetes-validations": [
+            _rule(
+                f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+                f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the operator "
+                f"names children after it with suffixes of up to {LONGEST_CHILD_SUFFIX}",
+            ),
+            _rule(
+                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                "metadata.name must start with a letter and hold only lowercase letters, digits "
+                "and '-' (it names Services)",
+            ),
+        ],
+    }
+    ready = '.status.conditions[?(@.type=="Ready")].status'
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "ketch", "app.kubernetes.io/part-of": "ketch"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["ketch", "all"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Ready", "type": "string", "jsonPath": ready},
+                        {"name": "Mode", "type": "string", "jsonPath": ".status.mode"},
+                        {"name": "Replicas", "type": "string", "jsonPath": ".status.replicas"},
+                        {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }

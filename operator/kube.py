@@ -1,0 +1,189 @@
+"""A small asyncio Kubernetes client: what the operator needs and nothing else.
+
+kopf watches and handles; this client does the operator's own writes (server-side apply with one
+field manager, status, events, deletes of children no longer wanted). It logs in with the same
+``kopf.ConnectionInfo`` that kopf uses, so both talk to one cluster with one identity.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from ketch.operator import crd
+
+FIELD_MANAGER = "ketch-operator"
+
+# kind -> (apiVersion, plural)
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("v1", "configmaps"),
+    "Service": ("v1", "services"),
+    "Pod": ("v1", "pods"),
+    "Event": ("v1", "events"),
+    "Secret": ("v1", "secrets"),
+    "Deployment": ("apps/v1", "deployments"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    crd.KIND: (crd.API_VERSION, crd.PLURAL),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def resource_path(kind: str, namespace: str | None, name: str | None = None) -> str:
+    api_version, plural = RESOURCES[kind]
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace:
+        base += f"/namespaces/{quote(namespace)}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{quote(name)}"
+    return base
+
+
+def _write_temp(data: str | bytes, suffix: str) -> str:
+    raw = data if isinstance(data, bytes) else data.encode()
+    try:  # kubeconfig *-data fields are base64 of PEM
+        decoded = base64.b64decode(raw, validate=True)
+        raw = decoded if b"-----BEGIN" in decoded else raw
+    except ValueError:
+        pass
+    fd, path = tempfile.mkstemp(suffix=suffix)
+    with os.fdopen(fd, "wb") as f:
+        f.write(raw)
+    return path
+
+
+def ssl_context(info: Any) -> ssl.SSLContext | bool:
+    if not str(info.server).startswith("https"):
+        return False
+    if info.insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        ca_path = info.ca_path or (_write_temp(info.ca_data, ".crt") if info.ca_data else None)
+        context = ssl.create_default_context(cafile=ca_path)
+    cert = info.certificate_path or (
+        _write_temp(info.certificate_data, ".crt") if info.certificate_data else None
+    )
+    key = info.private_key_path or (
+        _write_temp(info.private_key_data, ".key") if info.private_key_data else None
+    )
+    if cert:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+class KubeClient:
+    def __init__(self, info: Any, *, connections: int = 32):
+        self.server = str(info.server).rstrip("/")
+        headers = {"Accept": "application/json", "User-Agent": "ketch-operator"}
+        if info.token:
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+        auth = (
+            aiohttp.BasicAuth(info.username, info.password or "")
+            if info.username and not info.token
+            else None
+        )
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            auth=auth,
+            connector=aiohttp.TCPConnector(limit=connections, ssl=ssl_context(info)),
+            timeout=aiohttp.ClientTimeout(total=30),
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        async with self._session.request(
+            method,
+            self.server + path,
+            params=params,
+            data=data,
+            headers={"Content-Type": content_type} if data is not None else None,
+        ) as response:
+            text = await response.text()
+            payload = json.loads(text) if text else {}
+            if response.status >= 400:
+                if isinstance(payload, dict):
+                    raise ApiError(
+                        response.status,
+                        str(payload.get("reason") or response.reason),
+                        str(payload.get("message") or text),
+                    )
+                raise ApiError(response.status, str(response.reason), text)
+            return payload
+
+    async def apply(self, obj: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        """Server-side apply: the operator owns exactly the fields ``obj`` sets."""
+        meta = obj["metadata"]
+        return await self.request(
+            "PATCH",
+            resource_path(obj["kind"], meta.get("namespace"), meta["name"]),
+            params={"fieldManager": FIELD_MANAGER, "force": "true" if force else "false"},
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", resource_path(kind, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        payload = await self.request(
+            "GET", resource_path(kind, namespace), params={"labelSelector": label_selector}
+        )
+        return payload.get("items") or []
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        try:
+            await self.request(
+                "DELETE",
+                resource_path(kind, namespace, name),
+                body={"propagationPolicy": "Background"},
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        return await self.request(
+            "PATCH",
+            resource_path(kind, namespace, name) + "/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def post(self, kind: str, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", resource_path(kind, namespace), body=obj)

@@ -1,0 +1,223 @@
+"""An InferenceService as the operator sees it: defaulted, validated, with the facts builders need.
+
+The API server defaults and validates a spec against the CRD before the operator ever sees it;
+the operator does it again, with the same schema and the same CEL rules, because ``render`` runs
+without a server, a cluster may still have an older CRD installed, and some checks (the engine's
+own ``__post_init__`` rules) are beyond the schema. A failure is an ``InvalidSpec`` naming every
+problem, never an exception that makes kopf retry.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.serving.config import ServerConfig
+from ketch.operator import crd
+
+
+class InvalidSpec(ValueError):
+    """The InferenceService cannot be deployed as written; ``problems`` says why, field by field."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fills in schema defaults as the API server does (absent properties only, recursively)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        out = dict(value)
+        for name, sub in schema.get("properties", {}).items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if name in out:
+                out[name] = apply_defaults(sub, out[name])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name in set(out) - set(schema.get("properties", {})):
+                out[name] = apply_defaults(extra, out[name])
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@functools.cache
+def _json_schema_validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft7Validator(_to_json_schema(_schema()))
+
+
+def _to_json_schema(schema: Any) -> Any:
+    """OpenAPI v3 (Kubernetes structural) -> JSON Schema: drop the x-kubernetes-* extensions."""
+    if isinstance(schema, dict):
+        out = {k: _to_json_schema(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
+        if schema.get("type") == "object" and "properties" in schema:
+            out.setdefault("additionalProperties", False)
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            out.pop("additionalProperties", None)
+        if "properties" in out:
+            out["properties"] = {k: _to_json_schema(v) for k, v in schema["properties"].items()}
+        return out
+    if isinstance(schema, list):
+        return [_to_json_schema(v) for v in schema]
+    return schema
+
+
+def _path(parts: Any) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _cel_problems(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """Evaluates the CRD's CEL rules on ``value`` (already defaulted), depth first."""
+    problems: list[str] = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        if not _evaluate_rule(rule["rule"], value):
+            where = path + rule.get("fieldPath", "")
+            problems.append(f"{where}: {rule['message']}")
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                problems += _cel_problems(sub, value[name], f"{path}.{name}" if path else name)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            problems += _cel_problems(schema["items"], item, f"{path}[{i}]")
+    return problems
+
+
+@functools.cache
+def _program(rule: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _evaluate_rule(rule: str, value: Any) -> bool:
+    import celpy
+
+    try:
+        result = _program(rule).evaluate({"self": celpy.json_to_cel(value)})
+    except Exception:  # an evaluation error is a failed rule, as in the API server
+        return False
+    return bool(result) if not isinstance(result, Exception) else False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec:
+    """A validated, defaulted InferenceService: the input of every builder."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: dict[str, Any]  # defaulted spec, camelCase as in the CRD
+
+    @property
+    def roles(self) -> list[str]:
+        return [r for r in crd.ROLE_NAMES if r in self.spec["roles"]]
+
+    @property
+    def disaggregated(self) -> bool:
+        return "prefill" in self.spec["roles"]
+
+    @property
+    def mode(self) -> str:
+        return "disaggregated" if self.disaggregated else "mixed"
+
+    def role(self, role: str) -> dict[str, Any]:
+        return self.spec["roles"][role]
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.spec["ports"]
+
+    def engine_settings(self, role: str) -> dict[str, Any]:
+        """The role's config file for 'ketch serve': every field the spec sets, plus the role."""
+        values = crd.engine_settings(self.spec)
+        values["model"] = model_path(self.spec["model"]["uri"])
+        values["served_model_name"] = self.spec["model"].get("name") or default_served_name(
+            self.spec["model"]["uri"], self.name
+        )
+        values["role"] = role
+        if "apiKeySecretRef" in self.spec.get("auth", {}):
+            values["api_key_file"] = API_KEY_PATH
+        return dict(sorted(values.items()))
+
+
+MODEL_MOUNT = "/models"
+API_KEY_PATH = "/var/run/secrets/ketch/api-key"
+
+
+def model_path(uri: str) -> str:
+    """Where the engine finds the weights inside the pod."""
+    if uri == "tiny":
+        return "tiny"
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        return rest
+    if scheme == "pvc":
+        _claim, _, sub = rest.partition("/")
+        return f"{MODEL_MOUNT}/{sub}".rstrip("/") if sub else MODEL_MOUNT
+    return MODEL_MOUNT  # hf:// and s3:// are fetched there by the model-fetch init container
+
+
+def default_served_name(uri: str, service_name: str) -> str:
+    if uri == "tiny":
+        return "tiny"
+    tail = uri.rstrip("/").rsplit("/", 1)[-1]
+    return tail or service_name
+
+
+def parse(body: dict[str, Any]) -> ServiceSpec:
+    """Validates and defaults an InferenceService object; raises ``InvalidSpec``."""
+    metadata = body.get("metadata") or {}
+    name = metadata.get("name") or ""
+    raw = body.get("spec")
+    if not isinstance(raw, dict):
+        raise InvalidSpec(["spec: Required value: an InferenceService needs a spec"])
+    schema = _schema()
+    spec = apply_defaults(schema["properties"]["spec"], raw)
+    problems = [
+        f"{_path(e.absolute_path)}: {e.message}"
+        for e in sorted(
+            _json_schema_validator().iter_errors({"spec": spec}), key=lambda e: list(e.path)
+        )
+    ]
+    if problems:  # CEL rules assume a structurally valid object
+        raise InvalidSpec(problems)
+    problems += _cel_problems(schema["properties"]["spec"], spec, "spec")
+    for rule in schema.get("x-kubernetes-validations", []):
+        if not _evaluate_rule(rule["rule"], {"metadata": {"name": name}}):
+            problems.append(f"metadata.name: {rule['message']}")
+    if problems:
+        raise InvalidSpec(problems)
+    service = ServiceSpec(
+        name=name,
+        namespace=metadata.get("namespace") or "default",
+        uid=metadata.get("uid") or "",
+        generation=int(metadata.get("generation") or 0),
+        spec=spec,
+    )
+    for role in service.roles:  # the engine's own rules, beyond the schema
+        values = service.engine_settings(role)
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        try:
+            EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+            ServerConfig(**{k: v for k, v in values.items() if k not in engine_names})
+        except ValueError as exc:
+            raise InvalidSpec([f"spec.engine: {exc}"]) from exc
+    return service

@@ -1,0 +1,178 @@
+"""Status from observed children: pure functions, so every reason is testable without a cluster.
+
+Three conditions, as Kubernetes API conventions have them:
+
+- ``Ready``: every role has all its desired pods ready on the current template.
+- ``Progressing``: a rollout or scale-up is under way (``Updating``).
+- ``Degraded``: something needs a person: ``InvalidSpec`` (the spec can't be deployed),
+  ``CrashLoop`` (a container keeps crashing), ``ImagePullError`` (the image can't be pulled),
+  ``InsufficientCapacity`` (pods can't be scheduled, e.g. no free GPUs).
+
+``lastTransitionTime`` only moves when a condition's status changes, so recomputing the status of
+an unchanged deployment gives an identical object and the operator writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Obj = dict[str, Any]
+
+IMAGE_PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull")
+CRASH_REASONS = ("CrashLoopBackOff",)
+
+
+def _condition(kind: str, status: bool, reason: str, message: str, generation: int) -> Obj:
+    return {
+        "type": kind,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def pod_problem(pod: Obj) -> tuple[str, str] | None:
+    """(reason, message) for a pod that needs attention, or None."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            detail = cond.get("message") or "no node fits the pod"
+            return (
+                "InsufficientCapacity",
+                f"pod {name} cannot be scheduled: {detail} Free GPUs on matching nodes, lower "
+                "roles.*.resources.gpus, or relax roles.*.scheduling.",
+            )
+    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason in IMAGE_PULL_REASONS:
+            detail = waiting.get("message") or f"cannot pull image {cs.get('image')}"
+            return (
+                "ImagePullError",
+                f"pod {name} container {cs.get('name')}: {reason}: {detail}. Check "
+                "spec.engine.image and the image pull secrets.",
+            )
+        if reason in CRASH_REASONS:
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            exit_info = ""
+            if last:
+                exit_info = f" (last exit code {last.get('exitCode')}"
+                exit_info += f", {last.get('reason')})" if last.get("reason") else ")"
+            return (
+                "CrashLoop",
+                f"pod {name} container {cs.get('name')} is crash-looping after "
+                f"{cs.get('restartCount', 0)} restarts{exit_info}. See "
+                f"'kubectl logs {name} -c {cs.get('name')} --previous'.",
+            )
+    return None
+
+
+def role_counts(deployment: Obj | None, generation_current: bool) -> Obj:
+    if deployment is None:
+        return {"desired": 0, "ready": 0, "updated": 0}
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    updated = int(status.get("updatedReplicas") or 0) if generation_current else 0
+    return {
+        "desired": desired,
+        "ready": int(status.get("readyReplicas") or 0),
+        "updated": updated,
+    }
+
+
+def compute(
+    *,
+    generation: int,
+    mode: str,
+    url: str,
+    deployments: dict[str, Obj | None],
+    pods: list[Obj],
+    old: Obj | None,
+    now: str,
+) -> Obj:
+    """The InferenceService's status. ``deployments`` maps every role (and router) to its live
+    Deployment or None when it doesn't exist yet."""
+    roles: dict[str, Obj] = {}
+    rolling: list[str] = []
+    for role, dep in deployments.items():
+        current = dep is not None and int(
+            (dep.get("status") or {}).get("observedGeneration") or 0
+        ) >= int((dep.get("metadata") or {}).get("generation") or 1)
+        counts = role_counts(dep, current)
+        roles[role] = counts
+        if dep is None:
+            rolling.append(f"{role}: Deployment not created yet")
+        elif not current:
+            rolling.append(f"{role}: rollout starting")
+        elif counts["updated"] < counts["desired"] or counts["ready"] < counts["desired"]:
+            rolling.append(
+                f"{role}: {counts['ready']}/{counts['desired']} ready, "
+                f"{counts['updated']}/{counts['desired']} updated"
+            )
+    problems = [p for p in (pod_problem(pod) for pod in pods) if p]
+    ready_pods = sum(r["ready"] for r in roles.values())
+    desired_pods = sum(r["desired"] for r in roles.values())
+    if problems:
+        reason, message = sorted(problems)[0]
+        degraded = _condition("Degraded", True, reason, message, generation)
+    else:
+        degraded = _condition("Degraded", False, "AsExpected", "no problems seen", generation)
+    if rolling:
+        progressing = _condition("Progressing", True, "Updating", "; ".join(rolling), generation)
+        ready_reason = (problems and sorted(problems)[0][0]) or "Updating"
+        ready = _condition("Ready", False, ready_reason, "; ".join(rolling), generation)
+    else:
+        progressing = _condition(
+            "Progressing", False, "Complete", "every role runs the current spec", generation
+        )
+        ready = _condition(
+            "Ready", True, "AllReplicasReady", f"{ready_pods}/{desired_pods} pods ready", generation
+        )
+    return {
+        "observedGeneration": generation,
+        "mode": mode,
+        "url": url,
+        "replicas": f"{ready_pods}/{desired_pods}",
+        "roles": roles,
+        "conditions": _with_times([ready, progressing, degraded], old, now),
+    }
+
+
+def invalid(*, generation: int, message: str, old: Obj | None, now: str) -> Obj:
+    """Status of a spec that can't be deployed: children are left as they were."""
+    base = dict(old or {})
+    base.pop("conditions", None)
+    conditions = [
+        _condition("Ready", False, "InvalidSpec", message, generation),
+        _condition("Progressing", False, "InvalidSpec", "waiting for a valid spec", generation),
+        _condition("Degraded", True, "InvalidSpec", message, generation),
+    ]
+    base["observedGeneration"] = generation
+    base["conditions"] = _with_times(conditions, old, now)
+    return base
+
+
+def _with_times(conditions: list[Obj], old: Obj | None, now: str) -> list[Obj]:
+    previous = {c.get("type"): c for c in (old or {}).get("conditions") or []}
+    out = []
+    for cond in conditions:
+        before = previous.get(cond["type"])
+        same = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime") if same and before else None
+        out.append({**cond, "lastTransitionTime": stamp or now})
+    return out
+
+
+def condition(status: Obj | None, kind: str) -> Obj | None:
+    for cond in (status or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
