@@ -102,7 +102,7 @@ def string_map(description: str) -> dict[str, Any]:
     return {
         "type": "object",
         "description": description,
-        "additionalProperties": {"type": "string"},
+        "additionalProperties": {"type": "string", "description": "A label value."},
     }
 
 
@@ -303,7 +303,7 @@ def _engine() -> dict[str, Any]:
                 "type": "array",
                 "description": "More 'ketch serve' flags, for settings this spec does not name. "
                 "Flags the spec owns (e.g. --port, --model) are refused here.",
-                "items": {"type": "string"},
+                "items": {"type": "string", "description": "A flag or a flag's value."},
                 "maxItems": 64,
                 "x-kubernetes-validations": [
                     _rule(

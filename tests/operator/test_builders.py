@@ -1,0 +1,311 @@
+"""Builders and render: valid Kubernetes objects, secure by default, deterministic."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ketch.engine.cli_args import read_config_file
+from ketch.engine.config import EngineConfig
+from ketch.engine.serving.config import ServerConfig
+from ketch.operator import builders, crd
+from ketch.operator.cli import main as operator_main
+from ketch.operator.cli import render_object
+from ketch.operator.spec import InvalidSpec, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+UID = "5f1c2a8e-0000-4000-8000-000000000001"
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+
+
+def children(body: dict) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in render_object(body, owner_uid=UID)}
+
+
+def _validator() -> str:
+    exe = shutil.which("kubernetes-validate") or str(
+        Path(sys.executable).parent / "kubernetes-validate"
+    )
+    if not Path(exe).exists():
+        pytest.skip("kubernetes-validate is not installed")
+    return exe
+
+
+def test_examples_exist():
+    assert {p.stem for p in EXAMPLES} >= {"mixed", "disaggregated", "autoscaled"}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
+def test_every_rendered_child_passes_kubernetes_validate_strict(version, tmp_path, capsys):
+    assert operator_main(["render", *map(str, EXAMPLES)]) == 0
+    rendered = capsys.readouterr().out
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    assert len(docs) >= 20
+    path = tmp_path / "children.yaml"
+    path.write_text(rendered)
+    result = subprocess.run(
+        [_validator(), "--strict", "-k", version, str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(docs)
+
+
+def test_mixed_children_and_wiring():
+    kids = children(example("mixed"))
+    assert set(kids) == {
+        ("ConfigMap", "tiny-config"),
+        ("NetworkPolicy", "tiny"),
+        ("Service", "tiny-mixed"),
+        ("Service", "tiny-mixed-peers"),
+        ("PodDisruptionBudget", "tiny-mixed"),
+        ("Deployment", "tiny-mixed"),
+    }
+    for child in kids.values():
+        meta = child["metadata"]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": crd.API_VERSION,
+                "kind": crd.KIND,
+                "name": "tiny",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        for label in ("name", "instance", "managed-by", "part-of"):
+            assert f"app.kubernetes.io/{label}" in meta["labels"]
+    dep = kids[("Deployment", "tiny-mixed")]
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert kids[("Service", "tiny-mixed")]["spec"]["selector"] == selector
+    engine = pod["spec"]["containers"][0]
+    assert engine["command"] == ["ketch", "serve"]
+    assert engine["args"] == ["--config", "/etc/ketch/mixed.yaml"]
+    assert all(p.get("name") for c in pod["spec"]["containers"] for p in c["ports"])
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["lifecycle"]["preStop"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 30  # the engine's drain timeout
+    # gpus: 0 -> no GPU resources; cpu/memory as asked
+    assert engine["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def test_engine_config_file_is_what_ketch_serve_reads(tmp_path):
+    """The ConfigMap's role file parses with the engine's own reader into valid configs."""
+    kids = children(example("mixed"))
+    text = kids[("ConfigMap", "tiny-config")]["data"]["mixed.yaml"]
+    path = tmp_path / "mixed.yaml"
+    path.write_text(text)
+    values = read_config_file(str(path), EngineConfig, ServerConfig)
+    engine_names = {f for f in EngineConfig.__dataclass_fields__}
+    engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+    server = ServerConfig(**{k: v for k, v in values.items() if k not in engine_names})
+    assert engine.model == "tiny" and engine.max_num_seqs == 32
+    assert engine.kv_cache_memory == "256MiB"
+    assert server.role == "mixed" and server.port == 8000
+
+
+def test_disaggregated_children():
+    kids = children(example("disaggregated"))
+    names = {k for k in kids if k[0] == "Deployment"}
+    assert names == {
+        ("Deployment", "qwen-pd-prefill"),
+        ("Deployment", "qwen-pd-decode"),
+        ("Deployment", "qwen-pd-router"),
+    }
+    assert ("Service", "qwen-pd-router") in kids and ("Service", "qwen-pd-prefill-peers") in kids
+    assert ("Deployment", "qwen-pd-mixed") not in kids
+    config = kids[("ConfigMap", "qwen-pd-config")]["data"]
+    assert set(config) == {"prefill.yaml", "decode.yaml", "router.yaml"}
+    assert yaml.safe_load(config["prefill.yaml"])["role"] == "prefill"
+    assert yaml.safe_load(config["router.yaml"])["policy"] == "prefix-hash"
+    prefill = kids[("Deployment", "qwen-pd-prefill")]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in prefill["containers"]}
+    assert set(containers) == {"engine", "cache-manager"}
+    assert containers["engine"]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    mounts = {m["name"] for m in containers["cache-manager"]["volumeMounts"]}
+    assert "dshm" in mounts  # the sidecar shares the engine's /dev/shm
+    assert prefill["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # pvc:// mounts the claim read-only; the API key comes from the Secret as a file
+    volumes = {v["name"]: v for v in prefill["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"] == {
+        "claimName": "model-store",
+        "readOnly": True,
+    }
+    assert volumes["api-key"]["secret"]["secretName"] == "qwen-api-key"
+    settings = yaml.safe_load(config["decode.yaml"])
+    assert settings["model"] == "/models/Qwen2.5-7B-Instruct"
+    assert settings["api_key_file"] == "/var/run/secrets/ketch/api-key"
+    assert settings["tensor_parallel_size"] == 2
+
+
+def test_autoscaled_role_leaves_replicas_to_the_hpa():
+    kids = children(example("autoscaled"))
+    dep = kids[("Deployment", "llama-chat-mixed")]
+    assert "replicas" not in dep["spec"]
+    init = dep["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"] == ["ketch", "fetch-model"]
+    assert init["args"] == ["hf://meta-llama/Llama-3.1-8B-Instruct", "/models"]
+
+
+@pytest.mark.parametrize("name", ["mixed", "disaggregated", "autoscaled"])
+def test_pods_meet_restricted_pod_security_standard(name):
+    for child in children(example(name)).values():
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"] + pod.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert not any("hostPath" in v for v in pod["volumes"])
+
+
+def test_network_policy_keeps_internal_ports_internal():
+    kids = children(example("autoscaled"))
+    policy = kids[("NetworkPolicy", "llama-chat")]["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    own, public = policy["ingress"]
+    assert (
+        own["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "llama-chat"
+    )
+    assert "ports" not in own  # own pods reach every port
+    assert "from" not in public  # anyone reaches the API and metrics ports, nothing else
+    assert {p["port"] for p in public["ports"]} == {8000, 9090}
+
+
+def test_config_change_changes_the_pod_template_hash_and_nothing_else_does():
+    body = example("mixed")
+    before = children(body)[("Deployment", "tiny-mixed")]
+    changed = copy.deepcopy(body)
+    changed["spec"]["engine"]["maxNumSeqs"] = 16
+    after = children(changed)[("Deployment", "tiny-mixed")]
+    key = builders.ANNOTATION_CONFIG_HASH
+    assert (
+        before["spec"]["template"]["metadata"]["annotations"][key]
+        != after["spec"]["template"]["metadata"]["annotations"][key]
+    )
+    scaled = copy.deepcopy(body)
+    scaled["spec"]["roles"]["mixed"]["replicas"] = 5
+    rescaled = children(scaled)[("Deployment", "tiny-mixed")]
+    assert rescaled["spec"]["template"] == before["spec"]["template"]  # scaling rolls nothing
+
+
+def test_render_is_deterministic(capsys):
+    assert operator_main(["render", *map(str, EXAMPLES)]) == 0
+    first = capsys.readouterr().out
+    assert operator_main(["render", *map(str, EXAMPLES)]) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_render_uses_uid_and_namespace_from_the_file_or_flags(capsys, tmp_path):
+    body = example("mixed")
+    body["metadata"].update(namespace="prod", uid=UID)
+    path = tmp_path / "live.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert operator_main(["render", str(path)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {d["metadata"]["namespace"] for d in docs if d} == {"prod"}
+    assert {d["metadata"]["ownerReferences"][0]["uid"] for d in docs if d} == {UID}
+    assert operator_main(["render", "-n", "x", "--owner-uid", "u-1", str(EXAMPLES[0])]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert {d["metadata"]["namespace"] for d in docs} == {"x"}
+
+
+def test_render_reports_invalid_files(capsys, tmp_path):
+    bad = example("mixed")
+    bad["spec"]["engine"]["blockSize"] = 48
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert operator_main(["render", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "spec.engine.blockSize" in err and "48" in err
+    assert operator_main(["render", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert operator_main(["render", str(tmp_path / "cm.yaml")]) == 1
+    assert "not an InferenceService" in capsys.readouterr().err
+
+
+# Invalid specs, each with the field the message must name. The same list is applied through
+# the API-server emulator and kubectl in test_e2e (schema + CEL there; the operator's own
+# validation here).
+INVALID: list[tuple[str, dict, str]] = [
+    ("no model uri", {"model": {}}, "uri"),
+    ("bad uri scheme", {"model": {"uri": "ftp://x/y"}}, "spec.model.uri"),
+    ("block size", {"engine": {"blockSize": 48}}, "spec.engine.blockSize"),
+    ("negative replicas", {"roles": {"mixed": {"replicas": -1}}}, "spec.roles.mixed.replicas"),
+    ("mixed and prefill", {"roles": {"mixed": {}, "prefill": {}, "decode": {}}}, "spec.roles"),
+    ("prefill alone", {"roles": {"prefill": {}}}, "spec.roles"),
+    ("no roles", {"roles": {}}, "spec.roles"),
+    (
+        "min > max",
+        {"roles": {"mixed": {"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}}},
+        "spec.roles.mixed.autoscaling.minReplicas",
+    ),
+    ("ports clash", {"ports": {"http": 8002}}, "spec.ports"),
+    (
+        "tp > gpus",
+        {"engine": {"tensorParallelSize": 4}, "roles": {"mixed": {"resources": {"gpus": 2}}}},
+        "spec.engine.tensorParallelSize",
+    ),
+    ("dtype", {"engine": {"dtype": "int3"}}, "spec.engine.dtype"),
+    ("kv memory", {"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+    ("extra args own flag", {"engine": {"extraArgs": ["--port=1"]}}, "spec.engine.extraArgs"),
+    ("port range", {"ports": {"http": 70000}}, "spec.ports.http"),
+    ("router policy", {"router": {"policy": "random"}}, "spec.router.policy"),
+    (
+        "min replicas 0",
+        {"roles": {"mixed": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}}},
+        "spec.roles.mixed.autoscaling.minReplicas",
+    ),
+    ("gpus", {"roles": {"mixed": {"resources": {"gpus": 99}}}}, "spec.roles.mixed.resources.gpus"),
+    ("max num seqs", {"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs"),
+    ("type", {"engine": {"maxNumSeqs": "many"}}, "spec.engine.maxNumSeqs"),
+    ("swap", {"cacheManager": {"hostSwapSpace": "much"}}, "spec.cacheManager.hostSwapSpace"),
+]
+
+
+def invalid_body(patch: dict) -> dict:
+    body = example("mixed")
+
+    def merge(dst: dict, src: dict) -> None:
+        for k, v in src.items():
+            if isinstance(v, dict) and v and isinstance(dst.get(k), dict):
+                merge(dst[k], v)
+            else:
+                dst[k] = copy.deepcopy(v)
+
+    merge(body["spec"], patch)
+    return body
+
+
+@pytest.mark.parametrize(("case", "patch", "field"), INVALID, ids=[c[0] for c in INVALID])
+def test_operator_rejects_invalid_specs_naming_the_field(case, patch, field):
+    with pytest.raises(InvalidSpec) as info:
+        parse(invalid_body(patch))
+    assert field in str(info.value), info.value.problems
+
+
+def test_name_too_long_for_children():
+    body = example("mixed")
+    body["metadata"]["name"] = "n" * (crd.MAX_NAME_LENGTH + 1)
+    with pytest.raises(InvalidSpec, match=r"metadata\.name"):
+        parse(body)
