@@ -58,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine log level",
     )
     add_engine_args(generate)
+    fetch = commands.add_parser(
+        "fetch-model",
+        help="download a model (hf:// or s3://) into a directory",
+        description="Fetches a model's config, tokenizer and safetensors weights into DEST, as the "
+        "operator's init container does. tiny, file:// and pvc:// models need no fetching. hf:// "
+        "uses $HF_TOKEN; s3:// uses the usual AWS_* variables (AWS_ENDPOINT_URL for S3-compatible "
+        "stores). Needs: pip install 'ketch[fetch]'.",
+    )
+    fetch.add_argument("uri", help="hf://org/name[@revision] or s3://bucket/prefix")
+    fetch.add_argument("dest", help="directory to fill")
+    fetch.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     from ketch.engine.serving.serve import add_serve_parser
 
     add_serve_parser(commands)
@@ -71,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(levelname)s %(name)s: %(message)s", force=True
     )
     try:
+        if args.command == "fetch-model":
+            from ketch.engine.models.fetch import fetch_model
+
+            print(fetch_model(args.uri, args.dest))
+            return 0
         if args.command == "serve":
             from ketch.engine.serving.serve import run_serve
 
