@@ -105,6 +105,7 @@ class Controller:
         self._pending: dict[Key, Work] = {}
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._resync_task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.last_api_error: str | None = None
         self.reporter = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -199,6 +200,7 @@ class Controller:
             self._tasks.pop(key, None)
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         if self._resync_task is None and self.resync_seconds > 0:
             self._resync_task = asyncio.get_running_loop().create_task(self._resync())
 

@@ -1,0 +1,245 @@
+"""Benchmark: how fast the operator turns a burst of InferenceServices into Ready ones.
+
+Against the API-server emulator of the tests (tests/kubeemu, one subprocess), two runs:
+
+- baseline: a no-op kopf operator (one event handler that only notes the time it saw each
+  object) on a trivial custom resource; a burst of N objects is created. objects/s = N / (time
+  from the first create to the handler seeing the last object): the ceiling of kopf + emulator.
+- ketch: the real operator (same kopf, in-process the same way) and a burst of N
+  InferenceServices (examples/mixed.yaml with one CPU pod each). Each must get its ConfigMap,
+  NetworkPolicy, Services, PodDisruptionBudget and Deployment applied, the emulator's Deployment
+  controller must report the pod ready, and the operator must write status Ready=True.
+  InferenceServices/s = N / (first create -> last Ready); latency = create -> Ready, per object.
+
+Targets (issue #4): ketch ≥ 25% of the no-op ceiling, p99 create -> Ready under 2 s.
+
+Run as a script: ``.venv/bin/python benchmarks/bench_operator.py [--count 200]`` (never
+``python -m`` from the repository root: its ``operator/`` shadows the standard library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kopf
+import yaml
+from kopf.testing import KopfRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from ketch.operator import crd  # noqa: E402
+from ketch.operator.handlers import make_registry  # noqa: E402
+from kubeemu import start_emulator  # noqa: E402
+
+NOOP_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "noops.bench.ketch.dev"},
+    "spec": {
+        "group": "bench.ketch.dev",
+        "scope": "Namespaced",
+        "names": {"kind": "Noop", "plural": "noops", "singular": "noop", "listKind": "NoopList"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with session.post(url, json=body) as response:
+        if response.status >= 300:
+            raise RuntimeError(f"POST {url}: {response.status} {await response.text()}")
+
+
+async def create_burst(
+    base: str, path: str, bodies: list[dict[str, Any]], concurrency: int = 16
+) -> dict[str, float]:
+    """Creates every object as fast as ``concurrency`` connections allow; returns create times."""
+    created: dict[str, float] = {}
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    async with aiohttp.ClientSession() as session:
+
+        async def worker() -> None:
+            while not queue.empty():
+                body = queue.get_nowait()
+                created[body["metadata"]["name"]] = time.monotonic()
+                await post(session, base + path, body)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return created
+
+
+async def setup(base: str, namespace: str, crds: list[dict[str, Any]]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for obj in crds:
+            await post(
+                session, base + "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", obj
+            )
+        await post(
+            session,
+            base + "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        )
+    await asyncio.sleep(0.5)  # CRDs become served
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_noop(base: str, count: int) -> dict[str, float]:
+    namespace = "bench-noop"
+    asyncio.run(setup(base, namespace, [NOOP_CRD]))
+    seen: dict[str, float] = {}
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.event("bench.ketch.dev", "v1", "noops", registry=registry)
+    def noop(name: str, **_: Any) -> None:
+        seen.setdefault(name, time.monotonic())
+
+    bodies = [
+        {
+            "apiVersion": "bench.ketch.dev/v1",
+            "kind": "Noop",
+            "metadata": {"name": f"noop-{i}", "namespace": namespace},
+            "spec": {"i": i},
+        }
+        for i in range(count)
+    ]
+    with KopfRunner(["run", "--standalone", "--namespace", namespace], registry=registry):
+        time.sleep(1.0)  # the watch is up
+        created = asyncio.run(
+            create_burst(base, f"/apis/bench.ketch.dev/v1/namespaces/{namespace}/noops", bodies)
+        )
+        deadline = time.monotonic() + 120
+        while len(seen) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return summarise("no-op kopf handler", created, seen, count)
+
+
+def run_ketch(base: str, count: int) -> dict[str, float]:
+    namespace = "bench-ketch"
+    crd_obj = crd.crd()
+    asyncio.run(setup(base, namespace, [crd_obj]))
+    template = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
+    template["spec"]["roles"]["mixed"]["replicas"] = 1
+    bodies = []
+    for i in range(count):
+        body = json.loads(json.dumps(template))
+        body["metadata"] = {"name": f"svc-{i}", "namespace": namespace}
+        bodies.append(body)
+    ready: dict[str, float] = {}
+    stop = threading.Event()
+
+    async def watch() -> None:
+        url = f"{base}/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}"
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not stop.is_set():
+                params = {"watch": "true", "timeoutSeconds": "5"}
+                async with session.get(url, params=params) as response:
+                    async for line in response.content:
+                        obj = json.loads(line).get("object") or {}
+                        for cond in (obj.get("status") or {}).get("conditions") or []:
+                            if cond["type"] == "Ready" and cond["status"] == "True":
+                                ready.setdefault(obj["metadata"]["name"], time.monotonic())
+                        if len(ready) >= count:
+                            return
+
+    watcher = threading.Thread(target=lambda: asyncio.run(watch()), daemon=True)
+    registry = make_registry(resync_seconds=0)
+    with KopfRunner(["run", "--standalone", "--namespace", namespace], registry=registry):
+        watcher.start()
+        time.sleep(1.0)
+        created = asyncio.run(
+            create_burst(
+                base, f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}", bodies
+            )
+        )
+        deadline = time.monotonic() + 300
+        while len(ready) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+    return summarise("ketch operator (create -> Ready)", created, ready, count)
+
+
+def summarise(label: str, created: dict[str, float], done: dict[str, float], count: int) -> dict:
+    latencies = [done[n] - created[n] for n in created if n in done]
+    start = min(created.values())
+    wall = max(done.values()) - start if done else float("nan")
+    return {
+        "label": label,
+        "done": len(done),
+        "count": count,
+        "wall": wall,
+        "rate": len(done) / wall if done else 0.0,
+        "p50": percentile(latencies, 0.5) if latencies else float("nan"),
+        "p99": percentile(latencies, 0.99) if latencies else float("nan"),
+        "mean": statistics.fmean(latencies) if latencies else float("nan"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=200, help="objects per burst (200)")
+    args = parser.parse_args()
+    os.environ.setdefault("KOPF_LOG_LEVEL", "WARNING")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    emulator = start_emulator()
+    os.environ["KUBECONFIG"] = str(emulator.kubeconfig)
+    try:
+        base = emulator.url
+        noop = run_noop(base, args.count)
+        ketch = run_ketch(base, args.count)
+    finally:
+        emulator.stop()
+    print(f"\nburst of {args.count} objects against the API-server emulator\n")
+    print(
+        f"{'run':36} {'done':>7} {'wall s':>8} {'obj/s':>8} {'p50 s':>7} {'p99 s':>7} {'ratio':>7}"
+    )
+    for row in (noop, ketch):
+        ratio = row["rate"] / noop["rate"] if noop["rate"] else float("nan")
+        print(
+            f"{row['label']:36} {row['done']:>3}/{row['count']:<3} {row['wall']:>8.2f} "
+            f"{row['rate']:>8.1f} {row['p50']:>7.3f} {row['p99']:>7.3f} {ratio:>7.2f}"
+        )
+    ratio = ketch["rate"] / noop["rate"] if noop["rate"] else 0
+    print(
+        f"\ntargets: ratio >= 0.25 ({'met' if ratio >= 0.25 else 'MISSED'}), "
+        f"p99 < 2 s ({'met' if ketch['p99'] < 2 else 'MISSED'})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

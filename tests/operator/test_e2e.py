@@ -1,0 +1,451 @@
+"""End to end: the operator running for real (kopf's KopfRunner) against an API server.
+
+The API server is the stateful emulator in tests/kubeemu (or a real cluster when
+KETCH_TEST_KUBECONFIG is set); the tests talk to it only through the real ``kubectl``, as a
+user would. Fault injection (crash-looping, unschedulable pods) and the server-side-apply log
+exist only in the emulator; those tests skip on a real cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_builders import INVALID, invalid_body
+
+from ketch.operator import builders, crd
+from ketch.operator.cli import render_documents, render_object
+from ketch.operator.controller import Controller, Work
+from ketch.operator.handlers import make_registry
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Cluster:
+    """kubectl against the test API server, in one namespace."""
+
+    def __init__(self, kube: Any, namespace: str):
+        self.kube = kube
+        self.namespace = namespace
+
+    def run(self, *args: str, input: str | None = None, check: bool = True, ns: bool = True):
+        cmd = ["kubectl", "--kubeconfig", str(self.kube.kubeconfig)]
+        if ns:
+            cmd += ["-n", self.namespace]
+        result = subprocess.run(
+            [*cmd, *args], input=input, capture_output=True, text=True, timeout=60
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def apply(self, body: dict[str, Any], *extra: str, check: bool = True):
+        return self.run("apply", "-f", "-", *extra, input=yaml.safe_dump(body), check=check)
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        result = self.run("get", kind, name, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr or "not found" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def items(self, kind: str, selector: str) -> list[dict[str, Any]]:
+        result = self.run("get", kind, "-l", selector, "-o", "json")
+        return json.loads(result.stdout)["items"]
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def condition(body: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for cond in ((body or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+def example(name: str, new_name: str) -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    body["metadata"]["name"] = new_name
+    return body
+
+
+def cpu_example(name: str) -> dict[str, Any]:
+    """examples/mixed.yaml under another name (CPU pods, 2 replicas)."""
+    return example("mixed", name)
+
+
+CHILD_KINDS = ("configmaps", "services", "deployments", "poddisruptionbudgets", "networkpolicies")
+
+
+def children(cluster: Cluster, name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for kind in CHILD_KINDS:
+        for item in cluster.items(kind, f"app.kubernetes.io/instance={name}"):
+            out[(item["kind"], item["metadata"]["name"])] = item
+    return out
+
+
+def ready(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    body = cluster.get(crd.PLURAL, name)
+    gen = (body or {}).get("metadata", {}).get("generation")
+    if (
+        condition(body, "Ready").get("status") == "True"
+        and body["status"].get("observedGeneration") == gen
+    ):
+        return body
+    return None
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def cluster(kube) -> Iterator[Cluster]:
+    namespace = f"e2e-{uuid.uuid4().hex[:8]}"
+    c = Cluster(kube, namespace)
+    c.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE), ns=False)
+    c.run("create", "namespace", namespace, ns=False)
+    yield c
+    c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster) -> Iterator[Controller]:
+    from kopf.testing import KopfRunner
+
+    controllers: list[Controller] = []
+    registry = make_registry(resync_seconds=0, on_controller=controllers.append)
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kube.kubeconfig)
+    try:
+        with KopfRunner(
+            ["run", "--standalone", "--namespace", cluster.namespace],
+            registry=registry,
+            timeout=30,
+        ) as runner:
+            wait_for(lambda: controllers, "the operator to start")
+            yield controllers[0]
+        assert runner.exit_code == 0, runner.output
+    finally:
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+
+
+def settle(controller: Controller) -> None:
+    """Waits until the operator has no queued or running work twice in a row."""
+    for _ in range(2):
+        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while controller._tasks or controller._pending:
+            assert time.monotonic() < deadline, "operator did not settle"
+            time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_create_gives_children_with_owners_and_ready_status(cluster, operator):
+    cluster.apply(cpu_example("alpha"))
+    body = wait_for(lambda: ready(cluster, "alpha"), "alpha Ready")
+    uid = body["metadata"]["uid"]
+    kids = children(cluster, "alpha")
+    assert set(kids) == {
+        ("ConfigMap", "alpha-config"),
+        ("NetworkPolicy", "alpha"),
+        ("Service", "alpha-mixed"),
+        ("Service", "alpha-mixed-peers"),
+        ("PodDisruptionBudget", "alpha-mixed"),
+        ("Deployment", "alpha-mixed"),
+    }
+    for child in kids.values():
+        owners = child["metadata"]["ownerReferences"]
+        assert [(o["kind"], o["name"], o["uid"]) for o in owners] == [
+            ("InferenceService", "alpha", uid)
+        ]
+    status = body["status"]
+    assert status["mode"] == "mixed"
+    assert status["replicas"] == "2/2"
+    assert status["url"] == f"http://alpha-mixed.{cluster.namespace}.svc.cluster.local:8000"
+    assert condition(body, "Degraded")["status"] == "False"
+    assert "spec" in body and "kopf" not in json.dumps(body["metadata"])  # nothing of ours in it
+    events = cluster.run("get", "events", "-o", "json").stdout
+    reasons = {
+        e["reason"] for e in json.loads(events)["items"] if e["involvedObject"]["name"] == "alpha"
+    }
+    assert {"Reconciled", "Ready"} <= reasons
+
+
+def test_render_is_byte_identical_to_what_the_operator_applied(cluster, operator):
+    if not getattr(cluster.kube, "is_emulator", True):
+        pytest.skip("the apply log exists only in the emulator")
+    names = {"mixed": "render-m", "disaggregated": "render-d", "autoscaled": "render-a"}
+    for example_name, name in names.items():
+        cluster.apply(example(example_name, name))
+    for name in names.values():
+        wait_for(lambda n=name: cluster.get(crd.PLURAL, n), f"{name} created")
+        wait_for(lambda n=name: len(children(cluster, n)) >= 6, f"{name} children")
+    settle(operator)
+    applied: dict[tuple[str, str], Any] = {}
+    for entry in cluster.kube.applied(manager=builders.MANAGER):
+        if entry["namespace"] == cluster.namespace:
+            applied[(entry["kind"], entry["name"])] = entry["body"]
+    for example_name, name in names.items():
+        live = cluster.get(crd.PLURAL, name)
+        source = example(example_name, name)
+        rendered = subprocess.run(
+            [
+                str(Path(os.sys.executable).parent / "ketch-operator"),
+                "render",
+                "-",
+                "--namespace",
+                cluster.namespace,
+                "--owner-uid",
+                live["metadata"]["uid"],
+            ],
+            input=yaml.safe_dump(source),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        kids = render_object(source, namespace=cluster.namespace, owner_uid=live["metadata"]["uid"])
+        operator_applied = [applied[(c["kind"], c["metadata"]["name"])] for c in kids]
+        assert rendered == render_documents(operator_applied)
+
+
+def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
+    cluster.apply(cpu_example("beta"))
+    before = wait_for(lambda: ready(cluster, "beta"), "beta Ready")
+    dep = cluster.get("deployments", "beta-mixed")
+    old_hash = dep["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    cluster.run(
+        "patch",
+        crd.PLURAL,
+        "beta",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"maxNumSeqs": 8}}}),
+    )
+    after = wait_for(
+        lambda: (
+            (b := ready(cluster, "beta"))
+            and b["metadata"]["generation"] > before["metadata"]["generation"]
+            and b
+        ),
+        "beta Ready at the new generation",
+    )
+    assert after["status"]["observedGeneration"] == after["metadata"]["generation"]
+    dep = cluster.get("deployments", "beta-mixed")
+    new_hash = dep["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    assert new_hash != old_hash
+    config = cluster.get("configmaps", "beta-config")["data"]["mixed.yaml"]
+    assert yaml.safe_load(config)["max_num_seqs"] == 8
+    if getattr(cluster.kube, "is_emulator", True):  # the emulated pods carry the new template
+        pods = cluster.items("pods", "app.kubernetes.io/instance=beta")
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        assert live and all(
+            p["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH] == new_hash for p in live
+        )
+
+
+def test_children_edited_or_deleted_by_hand_are_put_back(cluster, operator):
+    cluster.apply(cpu_example("gamma"))
+    wait_for(lambda: ready(cluster, "gamma"), "gamma Ready")
+    svc_uid = cluster.get("services", "gamma-mixed")["metadata"]["uid"]
+    cluster.run("delete", "service", "gamma-mixed")
+    restored = wait_for(
+        lambda: (
+            (s := cluster.get("services", "gamma-mixed")) and s["metadata"]["uid"] != svc_uid and s
+        ),
+        "the deleted Service to come back",
+    )
+    assert restored["spec"]["ports"][0]["port"] == 8000
+    cluster.run("set", "image", "deployment/gamma-mixed", "engine=evil:latest")
+    wait_for(
+        lambda: (
+            cluster.get("deployments", "gamma-mixed")["spec"]["template"]["spec"]["containers"][0][
+                "image"
+            ]
+            == crd.DEFAULT_IMAGE
+        ),
+        "the edited image to be put back",
+    )
+    cluster.run(
+        "patch",
+        "configmap",
+        "gamma-config",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"data": {"mixed.yaml": "port: 1\n"}}),
+    )
+    wait_for(
+        lambda: "port: 8000" in cluster.get("configmaps", "gamma-config")["data"]["mixed.yaml"],
+        "the edited ConfigMap to be put back",
+    )
+    # a field the operator does not manage is left alone (another manager owns it)
+    cluster.run("annotate", "service", "gamma-mixed", "team=search")
+    settle(operator)
+    assert cluster.get("services", "gamma-mixed")["metadata"]["annotations"]["team"] == "search"
+
+
+def test_applying_the_same_object_twice_changes_no_child(cluster, operator):
+    body = cpu_example("delta")
+    cluster.apply(body)
+    wait_for(lambda: ready(cluster, "delta"), "delta Ready")
+    settle(operator)
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, "delta").items()}
+    isvc_rv = cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"]
+    cluster.apply(body)  # kubectl apply, unchanged
+    cluster.apply(body, "--server-side", "--force-conflicts")
+    # and a full reconcile, as after an operator restart or a resync
+    operator.loop.call_soon_threadsafe(
+        operator.enqueue, (cluster.namespace, "delta"), Work(full=True, status=True)
+    )
+    settle(operator)
+    after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, "delta").items()}
+    assert after == before
+    assert cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("crashloop", "CrashLoop"),
+        ("unschedulable", "InsufficientCapacity"),
+        ("imagepull", "ImagePullError"),
+    ],
+)
+def test_pod_problems_degrade_with_a_reason(cluster, operator, mode, reason):
+    if not getattr(cluster.kube, "is_emulator", True):
+        pytest.skip("fault injection exists only in the emulator")
+    name = f"fault-{mode}"
+    cluster.apply(cpu_example(name))
+    wait_for(lambda: ready(cluster, name), f"{name} Ready")
+    cluster.kube.set_fault(cluster.namespace, f"{name}-mixed", mode)
+    body = wait_for(
+        lambda: (
+            (b := cluster.get(crd.PLURAL, name))
+            and condition(b, "Degraded").get("reason") == reason
+            and b
+        ),
+        f"Degraded/{reason}",
+    )
+    assert condition(body, "Degraded")["status"] == "True"
+    assert condition(body, "Ready")["status"] == "False"
+    warnings = json.loads(cluster.run("get", "events", "-o", "json").stdout)["items"]
+    assert any(
+        e["reason"] == reason and e["type"] == "Warning" and e["involvedObject"]["name"] == name
+        for e in warnings
+    )
+    cluster.kube.set_fault(cluster.namespace, f"{name}-mixed", "ready")
+    wait_for(lambda: ready(cluster, name), f"{name} Ready again")
+    cluster.run("delete", crd.PLURAL, name)
+
+
+def test_deleting_the_service_garbage_collects_children(cluster, operator):
+    cluster.apply(cpu_example("epsilon"))
+    wait_for(lambda: ready(cluster, "epsilon"), "epsilon Ready")
+    cluster.run("delete", crd.PLURAL, "epsilon")
+    wait_for(lambda: not children(cluster, "epsilon"), "children to be garbage-collected")
+    settle(operator)
+    assert not children(cluster, "epsilon")  # and the operator did not re-create them
+
+
+def test_switching_to_disaggregated_prunes_the_mixed_role(cluster, operator):
+    cluster.apply(cpu_example("zeta"))
+    wait_for(lambda: ready(cluster, "zeta"), "zeta Ready")
+    role = {"replicas": 1, "resources": {"gpus": 0}}
+    patch = {"spec": {"roles": {"mixed": None, "prefill": role, "decode": role}}}
+    cluster.run("patch", crd.PLURAL, "zeta", "--type", "merge", "-p", json.dumps(patch))
+    wait_for(
+        lambda: (
+            ("Deployment", "zeta-mixed") not in children(cluster, "zeta")
+            and ("Deployment", "zeta-router") in children(cluster, "zeta")
+        ),
+        "the mixed role to be replaced by prefill, decode and router",
+    )
+    body = wait_for(lambda: ready(cluster, "zeta"), "zeta Ready when disaggregated")
+    assert body["status"]["mode"] == "disaggregated"
+    assert set(body["status"]["roles"]) == {"prefill", "decode", "router"}
+    assert body["status"]["url"].startswith("http://zeta-router.")
+
+
+@pytest.mark.parametrize(("case", "patch", "field"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_objects_are_rejected_by_the_api_server_naming_the_field(
+    cluster, case, patch, field
+):
+    body = invalid_body(copy.deepcopy(patch))
+    body["metadata"]["name"] = "bad-" + uuid.uuid4().hex[:6]
+    result = cluster.apply(body, check=False)
+    assert result.returncode != 0, f"{case}: accepted"
+    assert field.removeprefix("spec.").split(".")[-1] in result.stderr, result.stderr
+    assert cluster.get(crd.PLURAL, body["metadata"]["name"]) is None
+
+
+def test_unknown_fields_and_bad_names_are_rejected(cluster):
+    body = cpu_example("eta")
+    body["spec"]["engine"]["maxNumSeq"] = 3  # a typo
+    result = cluster.apply(body, check=False)
+    assert result.returncode != 0 and "maxNumSeq" in result.stderr
+    long = cpu_example("n" * (crd.MAX_NAME_LENGTH + 1))
+    result = cluster.apply(long, check=False)
+    assert result.returncode != 0 and "metadata.name" in result.stderr
+    result = cluster.apply(cpu_example("theta"), "--dry-run=server")
+    assert result.returncode == 0
+    assert cluster.get(crd.PLURAL, "theta") is None
+
+
+def test_a_spec_the_engine_refuses_degrades_without_hurting_others(cluster, operator):
+    """kvCacheMemory '0MiB' passes the schema but not the engine's own check: the operator sets
+    Degraded/InvalidSpec once and leaves other InferenceServices alone."""
+    bad = cpu_example("iota")
+    bad["spec"]["engine"]["kvCacheMemory"] = "0MiB"
+    cluster.apply(bad)
+    body = wait_for(
+        lambda: (
+            (b := cluster.get(crd.PLURAL, "iota"))
+            and condition(b, "Degraded").get("reason") == "InvalidSpec"
+            and b
+        ),
+        "iota Degraded/InvalidSpec",
+    )
+    assert "kv_cache_memory" in condition(body, "Degraded")["message"]
+    assert not children(cluster, "iota")
+    cluster.apply(cpu_example("kappa"))
+    wait_for(lambda: ready(cluster, "kappa"), "kappa Ready next to an invalid one")
+    settle(operator)
+    errors_before = operator.metrics.errors.labels("InvalidSpec")._value.get()
+    settle(operator)
+    assert (
+        operator.metrics.errors.labels("InvalidSpec")._value.get() == errors_before
+    )  # no hot loop
+    fixed = copy.deepcopy(bad)
+    fixed["spec"]["engine"]["kvCacheMemory"] = "128MiB"
+    cluster.apply(fixed)
+    wait_for(lambda: ready(cluster, "iota"), "iota Ready once fixed")
