@@ -1,0 +1,50 @@
+# The Ketch engine image for NVIDIA GPUs: `ketch serve`, and `ketch fetch-model` for the operator's
+# model-fetch init container. The operator sets every container's command (`ketch serve`, ...),
+# so the image has no ENTRYPOINT. Built from the repository root:
+#
+#   docker build -f docker/engine.Dockerfile -t ghcr.io/ketch-dev/ketch:0.1.0 .
+#
+# Base image: Paddle's own GPU images (paddlepaddle/paddle:<version>-gpu-cuda12.6-cudnn9.5) are
+# Ubuntu 22.04 with Python 3.10, and Ketch needs Python >= 3.11. So the default base is plain
+# Python, and paddlepaddle-gpu comes from Paddle's CUDA 12.6 wheel index: those wheels pull the
+# CUDA and cuDNN libraries in as pip packages, and the node's NVIDIA container runtime supplies
+# the driver. Any Debian-based image with Python >= 3.11 works as BASE_IMAGE; PADDLE_INDEX picks
+# the CUDA build of the wheel (the node's driver must support that CUDA version).
+ARG BASE_IMAGE=python:3.11-slim
+ARG PADDLE_INDEX=https://www.paddlepaddle.org.cn/packages/stable/cu126/
+
+FROM ${BASE_IMAGE} AS build
+ARG PADDLE_INDEX
+# The venv is created before WORKDIR /src: with the source tree as the working directory,
+# `python -m` would import the repository's operator/ instead of the standard library's operator.
+RUN python -m venv /opt/ketch
+WORKDIR /src
+COPY . .
+# pyproject.toml is the one list of dependencies: paddlepaddle-gpu from the `gpu` extra instead
+# of the CPU paddlepaddle wheel, every other dependency, and the `fetch` extra for
+# `ketch fetch-model`. (`python -I` keeps the working directory off sys.path, see above.)
+RUN /opt/ketch/bin/python -I -c 'import tomllib; \
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+open("/tmp/gpu.txt", "w").write("\n".join(p["optional-dependencies"]["gpu"])); \
+deps = [d for d in p["dependencies"] if not d.startswith("paddlepaddle")]; \
+open("/tmp/deps.txt", "w").write("\n".join(deps + p["optional-dependencies"]["fetch"]))' \
+ && /opt/ketch/bin/pip install --no-cache-dir --index-url "${PADDLE_INDEX}" -r /tmp/gpu.txt \
+ && /opt/ketch/bin/pip install --no-cache-dir -r /tmp/deps.txt \
+ && /opt/ketch/bin/pip install --no-cache-dir --no-deps .
+
+FROM ${BASE_IMAGE}
+# libgomp: OpenMP runtime that Paddle's libraries link against (not in the slim images).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
+ENV PATH=/opt/ketch/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+COPY --from=build /opt/ketch /opt/ketch
+RUN groupadd --gid 1000 ketch \
+ && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin ketch
+USER 1000:1000
+# OpenAI API, /health, /ready and /metrics
+EXPOSE 8000
+CMD ["ketch", "--help"]
