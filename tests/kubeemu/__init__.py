@@ -1,0 +1,314 @@
+"""Test-side helpers for the Kubernetes API-server emulator (tests/kubeemu/server.py).
+
+    emu = start_emulator()          # a subprocess; emu.url, emu.kubeconfig
+    emu.set_fault("ns", "deploy", "crashloop")
+    emu.applied(manager="ketch")    # every server-side apply request, as received
+    kubectl(emu, "get", "pods", "-n", "ns")
+    emu.stop()
+
+`RealCluster` offers the same surface for a real cluster (KETCH_TEST_KUBECONFIG); emulator-only
+features raise pytest.skip there. This module stays import-light (no aiohttp).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVER_SCRIPT = Path(__file__).resolve().parent / "server.py"
+
+__all__ = [
+    "ApiResponse",
+    "Emulator",
+    "RealCluster",
+    "kubectl",
+    "start_emulator",
+    "write_kubeconfig",
+]
+
+
+@dataclass
+class ApiResponse:
+    status: int
+    body: Any
+    headers: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def ok(self) -> Any:
+        """The body, or AssertionError with the Status message when the call failed."""
+        if self.status >= 400:
+            raise AssertionError(f"HTTP {self.status}: {self.body}")
+        return self.body
+
+
+def write_kubeconfig(path: Path, url: str, namespace: str = "default") -> Path:
+    """A kubeconfig with one context: the server `url`, TLS checks off, a static token."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kubeemu", "cluster": {"server": url,
+                                                     "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "kubeemu", "user": {"token": "kubeemu-token"}}],
+        "contexts": [{"name": "kubeemu", "context": {"cluster": "kubeemu", "user": "kubeemu",
+                                                     "namespace": namespace}}],
+        "current-context": "kubeemu",
+        "preferences": {},
+    }
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+class _Client:
+    """A tiny synchronous JSON client for the emulator (tests use it to set up and assert)."""
+
+    url: str
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, Any] | None = None,
+        content_type: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> ApiResponse:
+        url = self.url.rstrip("/") + path
+        if params:
+            url += "?" + urllib.parse.urlencode(params, doseq=True)
+        data = None
+        hdrs = {"Accept": "application/json", "User-Agent": "kubeemu-tests/1.0"}
+        if body is not None:
+            if isinstance(body, bytes | str):
+                data = body.encode() if isinstance(body, str) else body
+            else:
+                data = json.dumps(body).encode()
+            hdrs["Content-Type"] = content_type or "application/json"
+        hdrs.update(headers or {})
+        req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw, status, rh = resp.read(), resp.status, resp.headers
+        except urllib.error.HTTPError as err:
+            raw, status, rh = err.read(), err.code, err.headers
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        return ApiResponse(status, parsed, dict(rh.items()), rh.get_all("Warning") or [])
+
+    def get(self, path: str, **kw: Any) -> ApiResponse:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: Any, **kw: Any) -> ApiResponse:
+        return self.request("POST", path, body, **kw)
+
+    def put(self, path: str, body: Any, **kw: Any) -> ApiResponse:
+        return self.request("PUT", path, body, **kw)
+
+    def patch(self, path: str, body: Any, kind: str = "merge", **kw: Any) -> ApiResponse:
+        ctype = {
+            "merge": "application/merge-patch+json",
+            "json": "application/json-patch+json",
+            "strategic": "application/strategic-merge-patch+json",
+        }[kind]
+        return self.request("PATCH", path, body, content_type=ctype, **kw)
+
+    def apply(
+        self, path: str, body: Any, *, manager: str, force: bool = False, **kw: Any
+    ) -> ApiResponse:
+        params = {"fieldManager": manager, **(kw.pop("params", None) or {})}
+        if force:
+            params["force"] = "true"
+        return self.request(
+            "PATCH", path, body, content_type="application/apply-patch+yaml", params=params, **kw
+        )
+
+    def delete(self, path: str, **kw: Any) -> ApiResponse:
+        return self.request("DELETE", path, **kw)
+
+    def watch(
+        self, path: str, params: dict[str, Any] | None = None, timeout: float = 30
+    ) -> Iterator[dict[str, Any]]:
+        """Yield watch events until the server closes the stream (use timeoutSeconds)."""
+        parsed = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+        query = urllib.parse.urlencode({"watch": "true", **(params or {})})
+        conn.request("GET", f"{path}?{query}", headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        try:
+            if resp.status != 200:
+                raise AssertionError(f"watch failed: HTTP {resp.status}: {resp.read()!r}")
+            while True:
+                line = resp.readline()
+                if not line:
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            conn.close()
+
+
+class Emulator(_Client):
+    """A running emulator subprocess."""
+
+    is_emulator = True
+
+    def __init__(self, proc: subprocess.Popen[str], url: str, workdir: Path, log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.workdir = workdir
+        self.log_path = log_path
+        self.kubeconfig = str(write_kubeconfig(workdir / "kubeconfig", url))
+        self.cache_dir = str(workdir / "kubectl-cache")
+
+    def set_fault(
+        self, namespace: str, deployment: str, mode: str, ready_delay: float = 0
+    ) -> None:
+        """Make the pods of a Deployment ready / crashloop / imagepull / unschedulable / pending."""
+        self.post("/_emulator/faults", {"namespace": namespace, "deployment": deployment,
+                                        "mode": mode, "readyDelaySeconds": ready_delay}).ok()
+
+    def applied(self, manager: str | None = None, **filters: str) -> list[dict[str, Any]]:
+        """Server-side apply requests received (oldest first), optionally for one manager."""
+        params = {k: v for k, v in {"manager": manager, **filters}.items() if v is not None}
+        return self.get("/_emulator/applied", params=params).ok()["items"]
+
+    def stats(self) -> dict[str, Any]:
+        return self.get("/_emulator/stats").ok()
+
+    def reset_stats(self) -> None:
+        self.post("/_emulator/reset", {}).ok()
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Emulator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_emulator(port: int = 0, *, timeout: float = 30, log_level: str = "WARNING") -> Emulator:
+    """Start tests/kubeemu/server.py in a subprocess and wait until it answers."""
+    workdir = Path(tempfile.mkdtemp(prefix="kubeemu-"))
+    log_path = workdir / "server.log"
+    log_file = open(log_path, "w")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER_SCRIPT), "--port", str(port), "--log-level", log_level],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        cwd=str(workdir),
+    )
+    log_file.close()
+    found: list[str] = []
+
+    def read_first_line() -> None:
+        assert proc.stdout is not None
+        found.append(proc.stdout.readline())
+
+    reader = threading.Thread(target=read_first_line, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    line = found[0].strip() if found else ""
+    if not line.startswith("KUBEEMU_LISTENING "):
+        proc.kill()
+        raise RuntimeError(f"emulator did not start: {line!r}\n{log_path.read_text()}")
+    url = line.split(" ", 1)[1]
+    emu = Emulator(proc, url, workdir, log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if emu.get("/version", timeout=2).status == 200:
+                return emu
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            emu.stop()
+            raise RuntimeError("emulator did not answer /version")
+        time.sleep(0.05)
+
+
+class RealCluster:
+    """A real cluster from a kubeconfig: same surface as Emulator, minus the emulator extras."""
+
+    is_emulator = False
+
+    def __init__(self, kubeconfig: str):
+        self.kubeconfig = kubeconfig
+        self.cache_dir: str | None = None
+        self.url = self._server_url()
+
+    def _server_url(self) -> str:
+        out = subprocess.run(
+            ["kubectl", "--kubeconfig", self.kubeconfig, "config", "view", "--minify",
+             "-o", "jsonpath={.clusters[0].cluster.server}"],
+            capture_output=True, text=True, check=False,
+        )
+        return out.stdout.strip()
+
+    @staticmethod
+    def _skip(what: str) -> None:
+        import pytest
+
+        pytest.skip(f"{what} needs the emulator (KETCH_TEST_KUBECONFIG points at a real cluster)")
+
+    def set_fault(self, *args: Any, **kwargs: Any) -> None:
+        self._skip("fault injection")
+
+    def applied(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        self._skip("the apply log")
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        self._skip("API statistics")
+        return {}
+
+    def stop(self) -> None:
+        pass
+
+
+def kubectl(
+    kube: Emulator | RealCluster,
+    *args: str,
+    input: str | None = None,
+    check: bool = False,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """Run the real kubectl against `kube` (text mode; stdout/stderr captured)."""
+    cmd = ["kubectl", "--kubeconfig", kube.kubeconfig]
+    if getattr(kube, "cache_dir", None):
+        cmd += ["--cache-dir", str(kube.cache_dir)]
+    env = dict(os.environ)
+    env.pop("KUBECONFIG", None)
+    return subprocess.run(
+        [*cmd, *args], input=input, capture_output=True, text=True, check=check,
+        timeout=timeout, env=env,
+    )
