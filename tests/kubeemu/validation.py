@@ -36,6 +36,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -472,6 +473,125 @@ def find_all(s: Any, pattern: Any, n: Any = -1) -> celtypes.ListType:
     return _cel_list(out if n < 0 else out[:n])
 
 
+_QUANTITY_RE = re.compile(
+    r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
+_QUANTITY_SUFFIX = {
+    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50), "Ei": Fraction(2**60), "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": Fraction(1), "k": Fraction(10**3),
+    "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12), "P": Fraction(10**15),
+    "E": Fraction(10**18),
+}
+
+
+class _Quantity:
+    """A Kubernetes resource.Quantity for CEL's quantity library (exact rational value)."""
+
+    __slots__ = ("text", "value")
+
+    def __init__(self, text: str, value: Fraction) -> None:
+        self.text = text
+        self.value = value
+
+    @classmethod
+    def parse(cls, text: str) -> _Quantity:
+        m = _QUANTITY_RE.match(text)
+        if m is None:
+            raise ValueError("quantities must match the regular expression "
+                             "'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'")
+        number, suffix = m.group(1), m.group(2) or ""
+        scale = (Fraction(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E")
+                 else _QUANTITY_SUFFIX[suffix])
+        return cls(text, Fraction(decimal.Decimal(number)) * scale)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Quantity) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return f"quantity({self.text!r})"
+
+
+def _quantity_operand(x: Any) -> Fraction:
+    if isinstance(x, _Quantity):
+        return x.value
+    if type(x) is celtypes.IntType or type(x) is int:
+        return Fraction(int(x))
+    raise TypeError("no such overload")
+
+
+@_ext("quantity")
+def quantity(s: Any) -> _Quantity:
+    _need(isinstance(s, str), "quantity")
+    return _Quantity.parse(s)
+
+
+@_ext("isQuantity")
+def is_quantity(s: Any) -> celtypes.BoolType:
+    _need(isinstance(s, str), "isQuantity")
+    return celtypes.BoolType(_QUANTITY_RE.match(s) is not None)
+
+
+@_ext("isInteger")
+def q_is_integer(q: Any) -> celtypes.BoolType:
+    _need(isinstance(q, _Quantity), "isInteger")
+    return celtypes.BoolType(q.value.denominator == 1 and _INT64_MIN <= q.value <= _INT64_MAX)
+
+
+@_ext("asInteger")
+def q_as_integer(q: Any) -> celtypes.IntType:
+    _need(isinstance(q, _Quantity), "asInteger")
+    if q.value.denominator != 1 or not _INT64_MIN <= q.value <= _INT64_MAX:
+        raise ValueError("cannot convert value to integer")
+    return celtypes.IntType(int(q.value))
+
+
+@_ext("asApproximateFloat")
+def q_as_float(q: Any) -> celtypes.DoubleType:
+    _need(isinstance(q, _Quantity), "asApproximateFloat")
+    return celtypes.DoubleType(float(q.value))
+
+
+@_ext("sign")
+def q_sign(q: Any) -> celtypes.IntType:
+    _need(isinstance(q, _Quantity), "sign")
+    return celtypes.IntType((q.value > 0) - (q.value < 0))
+
+
+@_ext("add")
+def q_add(q: Any, other: Any) -> _Quantity:
+    _need(isinstance(q, _Quantity), "add")
+    v = q.value + _quantity_operand(other)
+    return _Quantity(str(v), v)
+
+
+@_ext("sub")
+def q_sub(q: Any, other: Any) -> _Quantity:
+    _need(isinstance(q, _Quantity), "sub")
+    v = q.value - _quantity_operand(other)
+    return _Quantity(str(v), v)
+
+
+@_ext("isGreaterThan")
+def q_gt(q: Any, other: Any) -> celtypes.BoolType:
+    _need(isinstance(q, _Quantity) and isinstance(other, _Quantity), "isGreaterThan")
+    return celtypes.BoolType(q.value > other.value)
+
+
+@_ext("isLessThan")
+def q_lt(q: Any, other: Any) -> celtypes.BoolType:
+    _need(isinstance(q, _Quantity) and isinstance(other, _Quantity), "isLessThan")
+    return celtypes.BoolType(q.value < other.value)
+
+
+@_ext("compareTo")
+def q_cmp(q: Any, other: Any) -> celtypes.IntType:
+    _need(isinstance(q, _Quantity) and isinstance(other, _Quantity), "compareTo")
+    return celtypes.IntType((q.value > other.value) - (q.value < other.value))
+
+
 # Macros celpy expands itself (the bind-variable forms) and function-like macros.
 _MACROS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 _FUNC_MACROS = frozenset({"has", "dyn"})
@@ -698,7 +818,8 @@ def _eval_error_text(err: CELEvalError) -> str:
     if cls is ZeroDivisionError:
         return "division by zero"
     if cls is IndexError:
-        return "index out of bounds" + (f": {exargs[0]}" if exargs else "")
+        detail = str(exargs[0]) if exargs else ""
+        return "index out of bounds" + (f": {detail}" if detail.startswith("index") else "")
     if cls is TypeError or msg.startswith("no such overload"):
         return "no such overload"
     if cls is NameError:
