@@ -319,6 +319,14 @@ def _need(cond: bool, what: str) -> None:
         raise TypeError(what)
 
 
+@_ext("size")
+def size(x: Any) -> Any:
+    """``size()``; celpy's builds its int through a per-call decorator, this is hot."""
+    if isinstance(x, (str, bytes, list, dict)):
+        return int.__new__(celtypes.IntType, len(x))
+    raise TypeError("size")
+
+
 @_ext("isSorted")
 def is_sorted(lst: Any) -> celtypes.BoolType:
     _need(isinstance(lst, list), "isSorted")
@@ -619,10 +627,68 @@ _CEL_TRUE = celtypes.BoolType(True)
 _CEL_FALSE = celtypes.BoolType(False)
 
 
+class _Str(celtypes.StringType):
+    """StringType with C-level hashing/equality (celpy's delegate to str in Python code, which
+    made every map lookup in a rule a pair of Python calls)."""
+
+    __slots__ = ()
+    __eq__ = str.__eq__
+    __ne__ = str.__ne__
+    __hash__ = str.__hash__
+
+
+class _Map(celtypes.MapType):
+    """MapType whose ``get`` (how transpiled code reads ``self.field``) is a plain lookup."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return dict.__getitem__(self, key)
+        except KeyError:
+            if default is not None:
+                return default
+            raise KeyError(key) from None
+
+
+_CANONICAL_TYPES: dict[type, type] = {_Str: celtypes.StringType, _Map: celtypes.MapType}
+
+
+def _cel_type(x: Any) -> Any:
+    """``type(x)``, reporting our fast subclasses as the CEL types they stand for."""
+    t = celtypes.TypeType(x)
+    return _CANONICAL_TYPES.get(t, t)
+
+
+_RESULT_TEXT: dict[type, str] = {
+    ValueError: "return error for overflow",
+    TypeError: "no such overload",
+    ZeroDivisionError: "divide by zero",
+    OverflowError: "return error for overflow",
+    IndexError: "invalid_argument",
+}
+
+
+def _result(activation: Any, expr: Callable[[Any], Any]) -> Any:
+    """celpy.evaluation.result without its per-call debug logging (same error mapping)."""
+    try:
+        return expr(activation)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, OverflowError, IndexError,
+            NameError) as ex:
+        if isinstance(ex, KeyError):
+            text = f"no such member in mapping: {ex.args[0]!r}"
+        elif isinstance(ex, NameError):
+            text = f"undeclared reference to {ex.args[0]!r}"
+        else:
+            text = _RESULT_TEXT.get(type(ex)) or next(
+                (v for k, v in _RESULT_TEXT.items() if isinstance(ex, k)), "evaluation error")
+        err = CELEvalError(text, ex.__class__, ex.args)
+        err.__cause__ = ex
+        return err
+
+
 def _has(activation: Any, expr: Callable[[Any], Any]) -> celtypes.BoolType:
     """``has(e.f)`` as a CEL bool (celpy's transpiled form yields a Python bool, which its own
     ``!``, ``&&`` and ``||`` then reject)."""
-    found = not isinstance(_celev.result(activation, expr), CELEvalError)
+    found = not isinstance(_result(activation, expr), CELEvalError)
     return _CEL_TRUE if found else _CEL_FALSE
 
 
@@ -672,12 +738,14 @@ class _EvalGlobals:
                              ("bool_gt", operator.gt), ("bool_ge", operator.ge),
                              ("bool_eq", operator.eq), ("bool_ne", operator.ne)):
                 setattr(ev, name, _celev.boolean(op))
+            ev.result = _result  # type: ignore[attr-defined]
             ct = types.ModuleType("_kubeemu_celpy_celtypes")
             ct.__dict__.update(celtypes.__dict__)
             ct.IntType = _fast_int  # type: ignore[attr-defined]
             ct.logical_not = _logical_not  # type: ignore[attr-defined]
             ct.logical_and = _logical_and  # type: ignore[attr-defined]
             ct.logical_or = _logical_or  # type: ignore[attr-defined]
+            ct.TypeType = _cel_type  # type: ignore[attr-defined]
             g = dict(_celev.__dict__)
             g["celpy"] = types.SimpleNamespace(evaluation=ev, celtypes=ct)
             g[_EXT_MODULE] = _EXT_NS
@@ -1537,10 +1605,10 @@ def _fmt_bound(v: int | float, bound: int | float) -> str:
 # --------------------------------------------------------------------------------------------
 # JSON -> CEL values, following the schema (escaped property names, typed formats).
 
-_StringType = celtypes.StringType
+_StringType = _Str
 _IntType = celtypes.IntType
 _DoubleType = celtypes.DoubleType
-_MapType = celtypes.MapType
+_MapType = _Map
 _ListType = celtypes.ListType
 _TRUE = celtypes.BoolType(True)
 _FALSE = celtypes.BoolType(False)
