@@ -60,11 +60,16 @@ def write_kubeconfig(path: Path, url: str, namespace: str = "default") -> Path:
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "kubeemu", "cluster": {"server": url,
-                                                     "insecure-skip-tls-verify": True}}],
+        "clusters": [
+            {"name": "kubeemu", "cluster": {"server": url, "insecure-skip-tls-verify": True}}
+        ],
         "users": [{"name": "kubeemu", "user": {"token": "kubeemu-token"}}],
-        "contexts": [{"name": "kubeemu", "context": {"cluster": "kubeemu", "user": "kubeemu",
-                                                     "namespace": namespace}}],
+        "contexts": [
+            {
+                "name": "kubeemu",
+                "context": {"cluster": "kubeemu", "user": "kubeemu", "namespace": namespace},
+            }
+        ],
         "current-context": "kubeemu",
         "preferences": {},
     }
@@ -177,12 +182,17 @@ class Emulator(_Client):
         self.kubeconfig = str(write_kubeconfig(workdir / "kubeconfig", url))
         self.cache_dir = str(workdir / "kubectl-cache")
 
-    def set_fault(
-        self, namespace: str, deployment: str, mode: str, ready_delay: float = 0
-    ) -> None:
+    def set_fault(self, namespace: str, deployment: str, mode: str, ready_delay: float = 0) -> None:
         """Make the pods of a Deployment ready / crashloop / imagepull / unschedulable / pending."""
-        self.post("/_emulator/faults", {"namespace": namespace, "deployment": deployment,
-                                        "mode": mode, "readyDelaySeconds": ready_delay}).ok()
+        self.post(
+            "/_emulator/faults",
+            {
+                "namespace": namespace,
+                "deployment": deployment,
+                "mode": mode,
+                "readyDelaySeconds": ready_delay,
+            },
+        ).ok()
 
     def applied(self, manager: str | None = None, **filters: str) -> list[dict[str, Any]]:
         """Server-side apply requests received (oldest first), optionally for one manager."""
@@ -215,13 +225,24 @@ class Emulator(_Client):
         self.stop()
 
 
-def start_emulator(port: int = 0, *, timeout: float = 30, log_level: str = "WARNING") -> Emulator:
-    """Start tests/kubeemu/server.py in a subprocess and wait until it answers."""
+def start_emulator(
+    port: int = 0,
+    *,
+    timeout: float = 30,
+    log_level: str = "WARNING",
+    watch_history: int | None = None,
+) -> Emulator:
+    """Start tests/kubeemu/server.py in a subprocess and wait until it answers.
+
+    watch_history: watch events kept per resource type (default 10000); a watch from an older
+    resourceVersion gets a 410 Gone ERROR event.
+    """
+    extra = ["--watch-history", str(watch_history)] if watch_history else []
     workdir = Path(tempfile.mkdtemp(prefix="kubeemu-"))
     log_path = workdir / "server.log"
     log_file = open(log_path, "w")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(
-        [sys.executable, str(SERVER_SCRIPT), "--port", str(port), "--log-level", log_level],
+        [sys.executable, str(SERVER_SCRIPT), "--port", str(port), "--log-level", log_level, *extra],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,
@@ -268,9 +289,19 @@ class RealCluster:
 
     def _server_url(self) -> str:
         out = subprocess.run(
-            ["kubectl", "--kubeconfig", self.kubeconfig, "config", "view", "--minify",
-             "-o", "jsonpath={.clusters[0].cluster.server}"],
-            capture_output=True, text=True, check=False,
+            [
+                "kubectl",
+                "--kubeconfig",
+                self.kubeconfig,
+                "config",
+                "view",
+                "--minify",
+                "-o",
+                "jsonpath={.clusters[0].cluster.server}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         return out.stdout.strip()
 
@@ -309,6 +340,11 @@ def kubectl(
     env = dict(os.environ)
     env.pop("KUBECONFIG", None)
     return subprocess.run(
-        [*cmd, *args], input=input, capture_output=True, text=True, check=check,
-        timeout=timeout, env=env,
+        [*cmd, *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+        env=env,
     )

@@ -8,6 +8,7 @@ reconciles the Deployments marked dirty, in batches. Only changed statuses are w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -75,10 +76,8 @@ class DeploymentController:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     def on_event(self, key: tuple[str, str], etype: str, obj: dict[str, Any], prev: Any) -> None:
         meta = obj["metadata"]
@@ -101,7 +100,9 @@ class DeploymentController:
     def set_fault(self, namespace: str, deployment: str, mode: str, ready_delay: float = 0) -> None:
         if mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {mode!r}; one of {', '.join(FAULT_MODES)}")
-        self.faults[(namespace, deployment)] = Fault(mode, float(ready_delay or 0), time.monotonic())
+        self.faults[(namespace, deployment)] = Fault(
+            mode, float(ready_delay or 0), time.monotonic()
+        )
         self._mark((namespace, deployment))
 
     def _schedule(self, key: tuple[str, str], delay: float) -> None:
@@ -199,8 +200,14 @@ class DeploymentController:
         deadline = spec.get("progressDeadlineSeconds", 600)
         since = self.rollout_start[(ns, name)][1]
         status = self._deployment_status(
-            dep, tmpl_hash, want, len(current) + len(old), len(current),
-            ready_current + ready_old, now - since, deadline,
+            dep,
+            tmpl_hash,
+            want,
+            len(current) + len(old),
+            len(current),
+            ready_current + ready_old,
+            now - since,
+            deadline,
         )
         store.internal_status(DEPLOYMENTS, ns, name, status)
         complete = ready_current == want and not old
@@ -231,14 +238,16 @@ class DeploymentController:
             "generateName": f"{meta['name']}-{tmpl_hash}-",
             "namespace": meta["namespace"],
             "labels": labels,
-            "ownerReferences": [{
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "name": meta["name"],
-                "uid": meta["uid"],
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }],
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
         }
         if tmeta.get("annotations"):
             pod_meta["annotations"] = dict(tmeta["annotations"])
@@ -246,8 +255,13 @@ class DeploymentController:
         if fault.mode != "unschedulable":
             spec["nodeName"] = "kubeemu-node-1"
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": spec}
-        pod, _ = self.store.create(self.store.rt("", "pods"), meta["namespace"], body,
-                                   manager=CONTROLLER_MANAGER, field_validation="Ignore")
+        pod, _ = self.store.create(
+            self.store.rt("", "pods"),
+            meta["namespace"],
+            body,
+            manager=CONTROLLER_MANAGER,
+            field_validation="Ignore",
+        )
         self.pod_born[pod["metadata"]["uid"]] = time.monotonic()
         return pod
 
@@ -284,9 +298,14 @@ class DeploymentController:
         def cond(ctype: str, ok: bool, reason: str | None = None, message: str | None = None):
             prev = old_conds.get(ctype)
             value = "True" if ok else "False"
-            c: dict[str, Any] = {"type": ctype, "status": value, "lastProbeTime": None,
-                                 "lastTransitionTime": prev["lastTransitionTime"]
-                                 if prev and prev.get("status") == value else stamp}
+            c: dict[str, Any] = {
+                "type": ctype,
+                "status": value,
+                "lastProbeTime": None,
+                "lastTransitionTime": prev["lastTransitionTime"]
+                if prev and prev.get("status") == value
+                else stamp,
+            }
             if reason:
                 c["reason"] = reason
             if message:
@@ -295,49 +314,95 @@ class DeploymentController:
 
         if mode == "unschedulable":
             resource = _requested_extended_resource(containers) or "nvidia.com/gpu"
-            msg = (f"0/3 nodes are available: 3 Insufficient {resource}. preemption: 0/3 nodes "
-                   "are available: 3 No preemption victims found for incoming pod.")
-            return {"phase": "Pending", "qosClass": _qos(containers),
-                    "conditions": [cond("PodScheduled", False, "Unschedulable", msg)]}
+            msg = (
+                f"0/3 nodes are available: 3 Insufficient {resource}. preemption: 0/3 nodes "
+                "are available: 3 No preemption victims found for incoming pod."
+            )
+            return {
+                "phase": "Pending",
+                "qosClass": _qos(containers),
+                "conditions": [cond("PodScheduled", False, "Unschedulable", msg)],
+            }
 
         names = [c.get("name", "") for c in containers]
         unready_msg = f"containers with unready status: [{' '.join(names)}]"
         pod_ip = self._pod_ip(pod)
-        base = {"hostIP": "172.18.0.2", "hostIPs": [{"ip": "172.18.0.2"}], "podIP": pod_ip,
-                "podIPs": [{"ip": pod_ip}], "qosClass": _qos(containers), "startTime": start}
+        base = {
+            "hostIP": "172.18.0.2",
+            "hostIPs": [{"ip": "172.18.0.2"}],
+            "podIP": pod_ip,
+            "podIPs": [{"ip": pod_ip}],
+            "qosClass": _qos(containers),
+            "startTime": start,
+        }
         old_cs = {c.get("name"): c for c in old.get("containerStatuses") or []}
         statuses = []
         for i, c in enumerate(containers):
             cname, image = c.get("name", ""), c.get("image", "")
-            cid = "containerd://" + hashlib.sha256(
-                f"{pod['metadata'].get('uid')}/{cname}".encode()).hexdigest()
-            cs: dict[str, Any] = {"name": cname, "image": image, "imageID": "", "ready": False,
-                                  "restartCount": 0, "started": False}
+            cid = (
+                "containerd://"
+                + hashlib.sha256(f"{pod['metadata'].get('uid')}/{cname}".encode()).hexdigest()
+            )
+            cs: dict[str, Any] = {
+                "name": cname,
+                "image": image,
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "started": False,
+            }
             prev = old_cs.get(cname) or {}
-            running_since = ((prev.get("state") or {}).get("running") or {}).get("startedAt") or stamp
+            running_since = ((prev.get("state") or {}).get("running") or {}).get(
+                "startedAt"
+            ) or stamp
             if mode == "ready":
-                cs.update(containerID=cid, imageID=f"{image}@sha256:{'0' * 64}", ready=ready,
-                          started=True, state={"running": {"startedAt": running_since}},
-                          lastState={})
+                cs.update(
+                    containerID=cid,
+                    imageID=f"{image}@sha256:{'0' * 64}",
+                    ready=ready,
+                    started=True,
+                    state={"running": {"startedAt": running_since}},
+                    lastState={},
+                )
             elif mode == "crashloop" and i == 0:
                 cs.update(
-                    containerID=cid, imageID=f"{image}@sha256:{'0' * 64}", restartCount=5,
-                    state={"waiting": {
-                        "reason": "CrashLoopBackOff",
-                        "message": f"back-off 5m0s restarting failed container={cname} "
-                        f"pod={pod['metadata']['name']}_{pod['metadata']['namespace']}"
-                        f"({pod['metadata'].get('uid')})"}},
-                    lastState={"terminated": {"exitCode": 1, "reason": "Error",
-                                              "startedAt": start, "finishedAt": start,
-                                              "containerID": cid}},
+                    containerID=cid,
+                    imageID=f"{image}@sha256:{'0' * 64}",
+                    restartCount=5,
+                    state={
+                        "waiting": {
+                            "reason": "CrashLoopBackOff",
+                            "message": f"back-off 5m0s restarting failed container={cname} "
+                            f"pod={pod['metadata']['name']}_{pod['metadata']['namespace']}"
+                            f"({pod['metadata'].get('uid')})",
+                        }
+                    },
+                    lastState={
+                        "terminated": {
+                            "exitCode": 1,
+                            "reason": "Error",
+                            "startedAt": start,
+                            "finishedAt": start,
+                            "containerID": cid,
+                        }
+                    },
                 )
             elif mode == "crashloop":
-                cs.update(containerID=cid, imageID=f"{image}@sha256:{'0' * 64}", ready=True,
-                          started=True, state={"running": {"startedAt": running_since}},
-                          lastState={})
+                cs.update(
+                    containerID=cid,
+                    imageID=f"{image}@sha256:{'0' * 64}",
+                    ready=True,
+                    started=True,
+                    state={"running": {"startedAt": running_since}},
+                    lastState={},
+                )
             elif mode == "imagepull":
-                cs["state"] = {"waiting": {"reason": "ImagePullBackOff",
-                                           "message": f'Back-off pulling image "{image}"'}}
+                cs["state"] = {
+                    "waiting": {
+                        "reason": "ImagePullBackOff",
+                        "message": f'Back-off pulling image "{image}"',
+                    }
+                }
                 cs["lastState"] = {}
             else:  # pending
                 cs["state"] = {"waiting": {"reason": "ContainerCreating"}}
@@ -348,17 +413,32 @@ class DeploymentController:
         conds = [
             cond("PodReadyToStartContainers", mode != "pending"),
             cond("Initialized", True),
-            cond("Ready", all_ready, None if all_ready else "ContainersNotReady",
-                 None if all_ready else unready_msg),
-            cond("ContainersReady", all_ready, None if all_ready else "ContainersNotReady",
-                 None if all_ready else unready_msg),
+            cond(
+                "Ready",
+                all_ready,
+                None if all_ready else "ContainersNotReady",
+                None if all_ready else unready_msg,
+            ),
+            cond(
+                "ContainersReady",
+                all_ready,
+                None if all_ready else "ContainersNotReady",
+                None if all_ready else unready_msg,
+            ),
             cond("PodScheduled", True),
         ]
         return {"phase": phase, "conditions": conds, **base, "containerStatuses": statuses}
 
     def _deployment_status(
-        self, dep: dict[str, Any], tmpl_hash: str, want: int, total: int, updated: int,
-        ready: int, rollout_age: float, deadline: Any,
+        self,
+        dep: dict[str, Any],
+        tmpl_hash: str,
+        want: int,
+        total: int,
+        updated: int,
+        ready: int,
+        rollout_age: float,
+        deadline: Any,
     ) -> dict[str, Any]:
         spec = dep.get("spec") or {}
         old = dep.get("status") or {}
@@ -380,8 +460,12 @@ class DeploymentController:
             return {
                 "type": ctype,
                 "status": value,
-                "lastUpdateTime": prev.get("lastUpdateTime", stamp) if unchanged and prev else stamp,
-                "lastTransitionTime": prev.get("lastTransitionTime", stamp) if same and prev else stamp,
+                "lastUpdateTime": prev.get("lastUpdateTime", stamp)
+                if unchanged and prev
+                else stamp,
+                "lastTransitionTime": prev.get("lastTransitionTime", stamp)
+                if same and prev
+                else stamp,
                 "reason": reason,
                 "message": message,
             }
@@ -389,24 +473,40 @@ class DeploymentController:
         rs_name = f"{dep['metadata']['name']}-{tmpl_hash}"
         is_available = available >= want - max_unavailable
         available_cond = cond(
-            "Available", is_available,
+            "Available",
+            is_available,
             "MinimumReplicasAvailable" if is_available else "MinimumReplicasUnavailable",
-            "Deployment has minimum availability." if is_available
+            "Deployment has minimum availability."
+            if is_available
             else "Deployment does not have minimum availability.",
         )
         complete = updated == want and available >= want and total == want
         if complete:
-            progressing = cond("Progressing", True, "NewReplicaSetAvailable",
-                               f'ReplicaSet "{rs_name}" has successfully progressed.')
+            progressing = cond(
+                "Progressing",
+                True,
+                "NewReplicaSetAvailable",
+                f'ReplicaSet "{rs_name}" has successfully progressed.',
+            )
         elif isinstance(deadline, int) and rollout_age > deadline:
-            progressing = cond("Progressing", False, "ProgressDeadlineExceeded",
-                               f'ReplicaSet "{rs_name}" has timed out progressing.')
+            progressing = cond(
+                "Progressing",
+                False,
+                "ProgressDeadlineExceeded",
+                f'ReplicaSet "{rs_name}" has timed out progressing.',
+            )
         else:
-            progressing = cond("Progressing", True, "ReplicaSetUpdated",
-                               f'ReplicaSet "{rs_name}" is progressing.')
+            progressing = cond(
+                "Progressing", True, "ReplicaSetUpdated", f'ReplicaSet "{rs_name}" is progressing.'
+            )
         status: dict[str, Any] = {"observedGeneration": dep["metadata"].get("generation", 1)}
-        for k, v in (("replicas", total), ("updatedReplicas", updated), ("readyReplicas", ready),
-                     ("availableReplicas", available), ("unavailableReplicas", unavailable)):
+        for k, v in (
+            ("replicas", total),
+            ("updatedReplicas", updated),
+            ("readyReplicas", ready),
+            ("availableReplicas", available),
+            ("unavailableReplicas", unavailable),
+        ):
             if v:
                 status[k] = v
         status["conditions"] = [available_cond, progressing]
@@ -437,7 +537,7 @@ def _requested_extended_resource(containers: list[dict[str, Any]]) -> str | None
     for c in containers:
         res = c.get("resources") or {}
         for section in ("limits", "requests"):
-            for name in (res.get(section) or {}):
+            for name in res.get(section) or {}:
                 if "/" in name:
                     return name
     return None
@@ -451,7 +551,11 @@ def _qos(containers: list[dict[str, Any]]) -> str:
         req, lim = res.get("requests") or {}, res.get("limits") or {}
         if req or lim:
             any_res = True
-        if not lim or any(req.get(k, lim[k]) != lim[k] for k in lim) or not {"cpu", "memory"} <= set(lim):
+        if (
+            not lim
+            or any(req.get(k, lim[k]) != lim[k] for k in lim)
+            or not {"cpu", "memory"} <= set(lim)
+        ):
             guaranteed = False
     if not any_res:
         return "BestEffort"

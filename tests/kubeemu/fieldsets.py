@@ -332,9 +332,7 @@ def serialize_managed(entries: list[Entry]) -> list[dict[str, Any]]:
     return [e.to_wire() for e in entries if e.fields]
 
 
-def _diff(
-    old: dict[Path, str], new: dict[Path, str]
-) -> tuple[set[Path], set[Path], set[Path]]:
+def _diff(old: dict[Path, str], new: dict[Path, str]) -> tuple[set[Path], set[Path], set[Path]]:
     added = {p for p in new if p not in old}
     removed = {p for p in old if p not in new}
     modified = {p for p, v in new.items() if p in old and old[p] != v}
@@ -408,9 +406,7 @@ class ApplyConflict(Exception):
             text = f"conflict with {json.dumps(e.manager)}"
             if e.operation == "Update":
                 text += f" using {e.api_version}"
-            out.append(
-                {"reason": "FieldManagerConflict", "message": text, "field": path_string(p)}
-            )
+            out.append({"reason": "FieldManagerConflict", "message": text, "field": path_string(p)})
         return out
 
 
@@ -526,7 +522,8 @@ def apply_config(
     others = [e for e in entries if e is not own]
     others_prefixes = _prefixes(p for e in others for p in e.fields)
     stale = (own.fields if own else set()) - new_set
-    to_remove = sorted((p for p in stale if p not in others_prefixes), key=len, reverse=True)
+    # parents first: removing an item first makes its fields' removal a no-op (not a half item)
+    to_remove = sorted((p for p in stale if p not in others_prefixes), key=len)
     if to_remove:
         keep = _prefixes(new_set) | others_prefixes
         merged = dcopy(merged)

@@ -115,19 +115,40 @@ BUILTIN_TYPES: list[ResourceType] = [
         status=True,
         scale=ScaleSpec(label_selector=".status.selector"),
     ),
-    _t("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",),
-       status=True),
+    _t(
+        "policy",
+        "v1",
+        "poddisruptionbudgets",
+        "PodDisruptionBudget",
+        short_names=("pdb",),
+        status=True,
+    ),
     _t("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
-    _t("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler",
-       short_names=("hpa",), categories=("all",), status=True),
+    _t(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        "HorizontalPodAutoscaler",
+        short_names=("hpa",),
+        categories=("all",),
+        status=True,
+    ),
     _t("rbac.authorization.k8s.io", "v1", "roles", "Role"),
     _t("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     _t("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False),
     _t("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False),
     _t("coordination.k8s.io", "v1", "leases", "Lease"),
     _t("events.k8s.io", "v1", "events", "Event", short_names=("ev",)),
-    _t("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
-       False, short_names=("crd", "crds"), categories=("api-extensions",), status=True),
+    _t(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        short_names=("crd", "crds"),
+        categories=("api-extensions",),
+        status=True,
+    ),
 ]
 
 
@@ -464,8 +485,10 @@ def validate_builtin(
     elif rt.key == ("", "pods"):
         errs += _validate_pod_spec(spec, "spec")
     elif rt.key == ("", "services") and spec is not None:
-        if spec.get("type", "ClusterIP") != "ExternalName" and not spec.get("ports") and (
-            spec.get("clusterIP") != "None"
+        if (
+            spec.get("type", "ClusterIP") != "ExternalName"
+            and not spec.get("ports")
+            and (spec.get("clusterIP") != "None")
         ):
             errs.append(_cause("spec.ports", "FieldValueRequired", "Required value"))
         seen = set()
@@ -555,7 +578,7 @@ def validate_crd(crd: dict[str, Any]) -> list[dict[str, str]]:
                 _cause(
                     "metadata.name",
                     "FieldValueInvalid",
-                    f"Invalid value: {_go_quote(name)}: must be spec.names.plural+\".\"+spec.group",
+                    f'Invalid value: {_go_quote(name)}: must be spec.names.plural+"."+spec.group',
                 )
             )
     if spec.get("scope") not in ("Namespaced", "Cluster"):
@@ -563,14 +586,19 @@ def validate_crd(crd: dict[str, Any]) -> list[dict[str, str]]:
             _cause(
                 "spec.scope",
                 "FieldValueNotSupported",
-                f'Unsupported value: {_go_quote(spec.get("scope"))}: supported values: '
+                f"Unsupported value: {_go_quote(spec.get('scope'))}: supported values: "
                 '"Cluster", "Namespaced"',
             )
         )
     versions = spec.get("versions") or []
     if not versions:
-        errs.append(_cause("spec.versions", "FieldValueInvalid", "Invalid value: must have "
-                           "exactly one version marked as storage version"))
+        errs.append(
+            _cause(
+                "spec.versions",
+                "FieldValueInvalid",
+                "Invalid value: must have exactly one version marked as storage version",
+            )
+        )
     elif sum(1 for v in versions if v.get("storage")) != 1:
         errs.append(
             _cause(

@@ -31,6 +31,7 @@ from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
 from kubeemu.store import (
     APPLY_PATCH,
+    HISTORY_PER_TYPE,
     ApiError,
     Store,
     bad_request,
@@ -56,8 +57,7 @@ VERSION_INFO = {
 
 def _json(data: Any, status: int = 200, headers: Any = None) -> web.Response:
     body = json.dumps(data, separators=(",", ":")).encode()
-    return web.Response(body=body, status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
 
 
 def _status_response(err: ApiError) -> web.Response:
@@ -66,8 +66,7 @@ def _status_response(err: ApiError) -> web.Response:
 
 
 def _generic_not_found() -> ApiError:
-    return ApiError(404, "NotFound", "the server could not find the requested resource",
-                    {})
+    return ApiError(404, "NotFound", "the server could not find the requested resource", {})
 
 
 def _version_key(v: str) -> tuple[int, int, int, str]:
@@ -85,8 +84,8 @@ def _agent(request: web.Request) -> str:
 
 
 class Emulator:
-    def __init__(self) -> None:
-        self.store = Store(load_validator_factory())
+    def __init__(self, history: int = HISTORY_PER_TYPE) -> None:
+        self.store = Store(load_validator_factory(), history=history)
         self.controller = DeploymentController(self.store)
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -121,13 +120,15 @@ class Emulator:
                 return self.openapi_v3(parts[2:])
             if head == "api":
                 if len(parts) == 1:
-                    return _json({
-                        "kind": "APIVersions",
-                        "versions": ["v1"],
-                        "serverAddressByClientCIDRs": [
-                            {"clientCIDR": "0.0.0.0/0", "serverAddress": self.host}
-                        ],
-                    })
+                    return _json(
+                        {
+                            "kind": "APIVersions",
+                            "versions": ["v1"],
+                            "serverAddressByClientCIDRs": [
+                                {"clientCIDR": "0.0.0.0/0", "serverAddress": self.host}
+                            ],
+                        }
+                    )
                 if len(parts) == 2:
                     return self.resource_list("", parts[1])
                 return await self.resource(request, "", parts[1], parts[2:])
@@ -194,17 +195,36 @@ class Emulator:
                 entry["categories"] = list(rt.categories)
             resources.append(entry)
             if rt.status:
-                resources.append({"name": f"{rt.plural}/status", "singularName": "",
-                                  "namespaced": rt.namespaced, "kind": rt.kind,
-                                  "verbs": ["get", "patch", "update"]})
+                resources.append(
+                    {
+                        "name": f"{rt.plural}/status",
+                        "singularName": "",
+                        "namespaced": rt.namespaced,
+                        "kind": rt.kind,
+                        "verbs": ["get", "patch", "update"],
+                    }
+                )
             if rt.scale is not None:
-                resources.append({"name": f"{rt.plural}/scale", "singularName": "",
-                                  "namespaced": rt.namespaced, "group": "autoscaling",
-                                  "version": "v1", "kind": "Scale",
-                                  "verbs": ["get", "patch", "update"]})
+                resources.append(
+                    {
+                        "name": f"{rt.plural}/scale",
+                        "singularName": "",
+                        "namespaced": rt.namespaced,
+                        "group": "autoscaling",
+                        "version": "v1",
+                        "kind": "Scale",
+                        "verbs": ["get", "patch", "update"],
+                    }
+                )
         gv = f"{group}/{version}" if group else version
-        return _json({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
-                      "resources": resources})
+        return _json(
+            {
+                "kind": "APIResourceList",
+                "apiVersion": "v1",
+                "groupVersion": gv,
+                "resources": resources,
+            }
+        )
 
     def openapi_v3(self, gv_parts: list[str]) -> web.Response:
         """Just enough OpenAPI v3 for kubectl: which PATCH endpoints take `fieldValidation`.
@@ -219,9 +239,13 @@ class Emulator:
         if not gv_parts:
             paths = {}
             for gv, types in sorted(gvs.items()):
-                digest = hashlib.sha256(
-                    json.dumps(sorted((t.plural, t.kind, t.namespaced) for t in types)).encode()
-                ).hexdigest()[:16].upper()
+                digest = (
+                    hashlib.sha256(
+                        json.dumps(sorted((t.plural, t.kind, t.namespaced) for t in types)).encode()
+                    )
+                    .hexdigest()[:16]
+                    .upper()
+                )
                 paths[gv] = {"serverRelativeURL": f"/openapi/v3/{gv}?hash={digest}"}
             return _json({"paths": paths})
         gv = "/".join(gv_parts)
@@ -244,9 +268,14 @@ class Emulator:
                     "parameters": params,
                     "responses": {"200": {"description": "OK"}},
                 }
-        return _json({"openapi": "3.0.0",
-                      "info": {"title": "Kubernetes", "version": VERSION_INFO["gitVersion"]},
-                      "paths": out_paths, "components": {"schemas": {}}})
+        return _json(
+            {
+                "openapi": "3.0.0",
+                "info": {"title": "Kubernetes", "version": VERSION_INFO["gitVersion"]},
+                "paths": out_paths,
+                "components": {"schemas": {}},
+            }
+        )
 
     # ------------------------------------------------------------------------------------------
     # resources
@@ -361,35 +390,64 @@ class Emulator:
                 return _json(store.get_scale(rt, ns, name))
             obj = store.get(rt, ns, name)
             if self._wants_table(request):
-                return _json(to_table(rt, [obj], resource_version=obj["metadata"]["resourceVersion"],
-                                      include_object=q.get("includeObject", "Metadata")))
+                return _json(
+                    to_table(
+                        rt,
+                        [obj],
+                        resource_version=obj["metadata"]["resourceVersion"],
+                        include_object=q.get("includeObject", "Metadata"),
+                    )
+                )
             return _json(obj)
         if verb == "create":
             if name is not None:
-                raise ApiError(405, "MethodNotAllowed",
-                               "the server does not allow this method on the requested resource")
+                raise ApiError(
+                    405,
+                    "MethodNotAllowed",
+                    "the server does not allow this method on the requested resource",
+                )
             if ns is None and rt.namespaced:
                 raise _generic_not_found()
             body = await self._body(request)
-            obj, warnings = store.create(rt, ns, body, manager=default_manager, dry_run=dry_run,
-                                         field_validation=field_validation)
+            obj, warnings = store.create(
+                rt,
+                ns,
+                body,
+                manager=default_manager,
+                dry_run=dry_run,
+                field_validation=field_validation,
+            )
             return self._with_warnings(_json(obj, 201), warnings)
         assert name is not None or verb == "deletecollection"
         if verb == "update":
             assert name is not None
             body = await self._body(request)
-            obj, warnings = store.update(rt, ns, name, body, manager=default_manager,
-                                         subresource=sub, dry_run=dry_run,
-                                         field_validation=field_validation)
+            obj, warnings = store.update(
+                rt,
+                ns,
+                name,
+                body,
+                manager=default_manager,
+                subresource=sub,
+                dry_run=dry_run,
+                field_validation=field_validation,
+            )
             return self._with_warnings(_json(obj), warnings)
         if verb in ("patch", "apply"):
             assert name is not None
             raw = await request.read()
             force = q.get("force") in ("true", "1")
             obj, warnings, created = store.patch(
-                rt, ns, name, raw, request.headers.get("Content-Type", ""),
-                manager=manager if verb == "apply" else default_manager, subresource=sub,
-                force=force, dry_run=dry_run, field_validation=field_validation,
+                rt,
+                ns,
+                name,
+                raw,
+                request.headers.get("Content-Type", ""),
+                manager=manager if verb == "apply" else default_manager,
+                subresource=sub,
+                force=force,
+                dry_run=dry_run,
+                field_validation=field_validation,
             )
             return self._with_warnings(_json(obj, 201 if created else 200), warnings)
         if verb in ("delete", "deletecollection"):
@@ -403,24 +461,54 @@ class Emulator:
                 dry_run = dry_run or "All" in body["dryRun"]
             if verb == "deletecollection":
                 items = store.delete_collection(
-                    rt, ns, parse_labels(q.get("labelSelector")),
-                    parse_fields(q.get("fieldSelector")), propagation=policy, dry_run=dry_run)
-                return _json({"kind": rt.list_kind, "apiVersion": rt.api_version,
-                              "metadata": {"resourceVersion": str(store.rv)}, "items": items})
+                    rt,
+                    ns,
+                    parse_labels(q.get("labelSelector")),
+                    parse_fields(q.get("fieldSelector")),
+                    propagation=policy,
+                    dry_run=dry_run,
+                )
+                return _json(
+                    {
+                        "kind": rt.list_kind,
+                        "apiVersion": rt.api_version,
+                        "metadata": {"resourceVersion": str(store.rv)},
+                        "items": items,
+                    }
+                )
             assert name is not None
-            obj = store.delete(rt, ns, name, propagation=policy,
-                               preconditions=body.get("preconditions"), dry_run=dry_run)
+            obj = store.delete(
+                rt,
+                ns,
+                name,
+                propagation=policy,
+                preconditions=body.get("preconditions"),
+                dry_run=dry_run,
+            )
             still_there = store.peek(rt.key, ns, name) is not None
             if still_there or rt.is_crd or rt.key in (("", "pods"), ("", "services")):
                 return _json(obj)
-            details: dict[str, Any] = {"name": name, "kind": rt.plural,
-                                       "uid": obj["metadata"].get("uid")}
+            details: dict[str, Any] = {
+                "name": name,
+                "kind": rt.plural,
+                "uid": obj["metadata"].get("uid"),
+            }
             if rt.group:
                 details["group"] = rt.group
-            return _json({"kind": "Status", "apiVersion": "v1", "metadata": {},
-                          "status": "Success", "details": details})
-        raise ApiError(405, "MethodNotAllowed",
-                       "the server does not allow this method on the requested resource")
+            return _json(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Success",
+                    "details": details,
+                }
+            )
+        raise ApiError(
+            405,
+            "MethodNotAllowed",
+            "the server does not allow this method on the requested resource",
+        )
 
     @staticmethod
     def _with_warnings(resp: web.Response, warnings: list[str]) -> web.Response:
@@ -439,23 +527,37 @@ class Emulator:
         except ValueError as exc:
             raise bad_request(f"invalid limit: {q.get('limit')}") from exc
         items, rv, cont, remaining = self.store.list(
-            rt, ns, parse_labels(q.get("labelSelector")), parse_fields(q.get("fieldSelector")),
-            limit=limit, cont=q.get("continue"),
+            rt,
+            ns,
+            parse_labels(q.get("labelSelector")),
+            parse_fields(q.get("fieldSelector")),
+            limit=limit,
+            cont=q.get("continue"),
         )
         if self._wants_table(request):
-            return _json(to_table(rt, items, resource_version=rv,
-                                  include_object=q.get("includeObject", "Metadata"), cont=cont))
+            return _json(
+                to_table(
+                    rt,
+                    items,
+                    resource_version=rv,
+                    include_object=q.get("includeObject", "Metadata"),
+                    cont=cont,
+                )
+            )
         meta: dict[str, Any] = {"resourceVersion": rv}
         if cont:
             meta["continue"] = cont
             meta["remainingItemCount"] = remaining
-        return _json({"kind": rt.list_kind, "apiVersion": rt.api_version, "metadata": meta,
-                      "items": items})
+        return _json(
+            {"kind": rt.list_kind, "apiVersion": rt.api_version, "metadata": meta, "items": items}
+        )
 
     # ------------------------------------------------------------------------------------------
     # watch
 
-    async def watch(self, request: web.Request, rt: ResourceType, ns: str | None) -> web.StreamResponse:
+    async def watch(
+        self, request: web.Request, rt: ResourceType, ns: str | None
+    ) -> web.StreamResponse:
         q = request.query
         store = self.store
         send_initial = q.get("sendInitialEvents") == "true"
@@ -468,7 +570,10 @@ class Emulator:
             except ValueError as exc:
                 raise bad_request(f"invalid timeoutSeconds: {q['timeoutSeconds']}") from exc
         watcher, initial = store.watch(
-            rt, ns, parse_labels(q.get("labelSelector")), parse_fields(q.get("fieldSelector")),
+            rt,
+            ns,
+            parse_labels(q.get("labelSelector")),
+            parse_fields(q.get("fieldSelector")),
             since,
         )
         loop = asyncio.get_running_loop()
@@ -483,8 +588,9 @@ class Emulator:
             meta: dict[str, Any] = {"resourceVersion": str(store.rv)}
             if initial_end:
                 meta["annotations"] = {"k8s.io/initial-events-end": "true"}
-            return line("BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version,
-                                     "metadata": meta})
+            return line(
+                "BOOKMARK", {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta}
+            )
 
         resp = web.StreamResponse(status=200)
         resp.content_type = "application/json"
@@ -543,7 +649,9 @@ class Emulator:
                 body = await self._body(request) or {}
                 try:
                     self.controller.set_fault(
-                        body["namespace"], body["deployment"], body.get("mode", "ready"),
+                        body["namespace"],
+                        body["deployment"],
+                        body.get("mode", "ready"),
                         float(body.get("readyDelaySeconds", 0) or 0),
                     )
                 except (KeyError, ValueError, TypeError) as exc:
@@ -552,8 +660,11 @@ class Emulator:
         if what == "applied":
             q = request.query
             items = [
-                e for e in store.apply_log
-                if all(q.get(k) in (None, e.get(k)) for k in ("manager", "namespace", "name", "kind"))
+                e
+                for e in store.apply_log
+                if all(
+                    q.get(k) in (None, e.get(k)) for k in ("manager", "namespace", "name", "kind")
+                )
             ]
             return _json({"items": items})
         if what == "stats":
@@ -561,7 +672,8 @@ class Emulator:
             out["resourceVersion"] = store.rv
             out["objects"] = {
                 (f"{k[1]}.{k[0]}" if k[0] else k[1]): len(v)
-                for k, v in sorted(store.objects.items()) if v
+                for k, v in sorted(store.objects.items())
+                if v
             }
             out["watchers"] = sum(len(ws) for ws in store.watchers.values())
             return _json(out)
@@ -573,8 +685,10 @@ class Emulator:
         raise _generic_not_found()
 
 
-async def serve(host: str, port: int, ready_line: bool = True) -> None:
-    emu = Emulator()
+async def serve(
+    host: str, port: int, ready_line: bool = True, history: int = HISTORY_PER_TYPE
+) -> None:
+    emu = Emulator(history)
     runner = web.AppRunner(emu.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -608,10 +722,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument(
+        "--watch-history",
+        type=int,
+        default=HISTORY_PER_TYPE,
+        help="watch events kept per resource type (older resourceVersions get 410)",
+    )
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args.host, args.port))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    asyncio.run(serve(args.host, args.port, history=args.watch_history))
 
 
 if __name__ == "__main__":

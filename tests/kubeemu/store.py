@@ -113,7 +113,9 @@ def not_found(rt: ResourceType, name: str) -> ApiError:
 
 
 def namespace_not_found(ns: str) -> ApiError:
-    return ApiError(404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"})
+    return ApiError(
+        404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"}
+    )
 
 
 def already_exists(rt: ResourceType, name: str) -> ApiError:
@@ -144,8 +146,11 @@ def invalid(rt: ResourceType, name: str, causes: list[dict[str, str]]) -> ApiErr
     joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
     details = _details(rt, name, rt.kind)
     details["causes"] = [
-        {"reason": c.get("reason", "FieldValueInvalid"), "message": c.get("message", ""),
-         "field": c.get("field", "")}
+        {
+            "reason": c.get("reason", "FieldValueInvalid"),
+            "message": c.get("message", ""),
+            "field": c.get("field", ""),
+        }
         for c in causes
     ]
     return ApiError(422, "Invalid", f'{rt.qualified_kind} "{name}" is invalid: {joined}', details)
@@ -223,8 +228,13 @@ class Stats:
 
 
 class Store:
-    def __init__(self, validator_factory: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        validator_factory: Callable[..., Any] | None = None,
+        history: int = HISTORY_PER_TYPE,
+    ) -> None:
         self.rv = 0
+        self.history_size = history
         self.validator_factory = validator_factory
         self.types: dict[tuple[str, str], dict[str, ResourceType]] = {}
         self.objects: dict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = {}
@@ -243,8 +253,12 @@ class Store:
         for rt in kinds.BUILTIN_TYPES:
             self._register(rt)
         for ns in ("default", "kube-system", "kube-public", "kube-node-lease"):
-            self.create(self.rt("", "namespaces"), None, {"metadata": {"name": ns}},
-                        manager="kube-apiserver")
+            self.create(
+                self.rt("", "namespaces"),
+                None,
+                {"metadata": {"name": ns}},
+                manager="kube-apiserver",
+            )
 
     # ------------------------------------------------------------------------------------------
     # types
@@ -252,7 +266,7 @@ class Store:
     def _register(self, rt: ResourceType) -> None:
         self.types.setdefault(rt.key, {})[rt.version] = rt
         self.objects.setdefault(rt.key, {})
-        self.history.setdefault(rt.key, deque(maxlen=HISTORY_PER_TYPE))
+        self.history.setdefault(rt.key, deque(maxlen=self.history_size))
 
     def rt(self, group: str, plural: str, version: str | None = None) -> ResourceType:
         versions = self.types[(group, plural)]
@@ -278,7 +292,9 @@ class Store:
         new_types = kinds.crd_types(crd, self.validator_factory)
         name = crd["metadata"]["name"]
         keys = {rt.key for rt in new_types}
-        for key in [k for k, v in self.types.items() if any(r.crd_name == name for r in v.values())]:
+        for key in [
+            k for k, v in self.types.items() if any(r.crd_name == name for r in v.values())
+        ]:
             if key not in keys:
                 self._unregister(key)
         for key in keys:
@@ -306,9 +322,13 @@ class Store:
                 raise invalid(
                     crd_rt,
                     crd["metadata"].get("name", ""),
-                    [{"reason": "FieldValueInvalid",
-                      "field": f"spec.versions[{i}].schema.openAPIV3Schema",
-                      "message": f"Invalid value: {exc}"}],
+                    [
+                        {
+                            "reason": "FieldValueInvalid",
+                            "field": f"spec.versions[{i}].schema.openAPIV3Schema",
+                            "message": f"Invalid value: {exc}",
+                        }
+                    ],
                 ) from exc
 
     # ------------------------------------------------------------------------------------------
@@ -361,7 +381,9 @@ class Store:
             if limit and len(items) >= limit:
                 rest = keys[i:]
                 remaining = sum(
-                    1 for kk in rest if match_labels(labels, objs[kk]) and match_fields(fields, objs[kk])
+                    1
+                    for kk in rest
+                    if match_labels(labels, objs[kk]) and match_fields(fields, objs[kk])
                 )
                 token = {"rv": list_rv, "start": list(items_last)}
                 next_token = base64.urlsafe_b64encode(json.dumps(token).encode()).decode()
@@ -376,7 +398,7 @@ class Store:
     def _emit(self, key: tuple[str, str], etype: str, obj: dict[str, Any], prev: Any) -> None:
         self.commits += 1
         ev = Event(self.rv, etype, obj, prev)
-        hist = self.history.setdefault(key, deque(maxlen=HISTORY_PER_TYPE))
+        hist = self.history.setdefault(key, deque(maxlen=self.history_size))
         if len(hist) == hist.maxlen:
             self.compacted[key] = hist[0].rv
         hist.append(ev)
@@ -391,8 +413,12 @@ class Store:
             if o is not None:
                 ref = (key, o["metadata"].get("namespace", ""), o["metadata"]["name"])
         assert ref is not None
-        old_owners = {r.get("uid") for r in (old or {}).get("metadata", {}).get("ownerReferences") or []}
-        new_owners = {r.get("uid") for r in (new or {}).get("metadata", {}).get("ownerReferences") or []}
+        old_owners = {
+            r.get("uid") for r in (old or {}).get("metadata", {}).get("ownerReferences") or []
+        }
+        new_owners = {
+            r.get("uid") for r in (new or {}).get("metadata", {}).get("ownerReferences") or []
+        }
         for uid in old_owners - new_owners:
             deps = self.dependents.get(uid)
             if deps is not None:
@@ -411,7 +437,9 @@ class Store:
             if ref[1]:
                 self.ns_counts[ref[1]] -= 1
 
-    def _commit(self, rt: ResourceType, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    def _commit(
+        self, rt: ResourceType, old: dict[str, Any] | None, new: dict[str, Any]
+    ) -> dict[str, Any]:
         self.rv += 1
         new["metadata"]["resourceVersion"] = str(self.rv)
         new["apiVersion"] = rt.storage_api_version
@@ -433,10 +461,16 @@ class Store:
                 "Forbidden",
                 f'{rt.qualified} "{name}" is forbidden: unable to create new content in '
                 f"namespace {ns} because it is being terminated",
-                {**_details(rt, name), "causes": [{
-                    "reason": "NamespaceTerminating",
-                    "message": f"namespace {ns} is being terminated",
-                    "field": "metadata.namespace"}]},
+                {
+                    **_details(rt, name),
+                    "causes": [
+                        {
+                            "reason": "NamespaceTerminating",
+                            "message": f"namespace {ns} is being terminated",
+                            "field": "metadata.namespace",
+                        }
+                    ],
+                },
             )
 
     def _check_type(self, rt: ResourceType, body: dict[str, Any]) -> None:
@@ -536,8 +570,17 @@ class Store:
                 if self.peek(rt.key, ns, name) is None:
                     break
         if not name:
-            raise invalid(rt, "", [{"reason": "FieldValueRequired", "field": "metadata.name",
-                                    "message": "Required value: name or generateName is required"}])
+            raise invalid(
+                rt,
+                "",
+                [
+                    {
+                        "reason": "FieldValueRequired",
+                        "field": "metadata.name",
+                        "message": "Required value: name or generateName is required",
+                    }
+                ],
+            )
         if meta.get("resourceVersion"):
             raise bad_request("resourceVersion should not be set on objects to be created")
         self._ns_check(rt, ns, name)
@@ -564,17 +607,25 @@ class Store:
         if rt.status:
             new.pop("status", None)
         request_managed = new_meta.pop("managedFields", None)
-        new, warnings = self._admit(rt, new, None, subresource=None,
-                                    field_validation=field_validation)
+        new, warnings = self._admit(
+            rt, new, None, subresource=None, field_validation=field_validation
+        )
         new_meta = new["metadata"]
         if entries is None:
             if _explicit_managed(request_managed):
-                entries = [] if request_managed == [{}] else parse_managed(
-                    {"metadata": {"managedFields": request_managed}})
+                entries = (
+                    []
+                    if request_managed == [{}]
+                    else parse_managed({"metadata": {"managedFields": request_managed}})
+                )
             else:
                 entries = record_update(
-                    [], manager=manager, api_version=rt.api_version, subresource="",
-                    old_flat={}, new_flat=flatten(tracked_view(new, rt.scope), rt.resolver),
+                    [],
+                    manager=manager,
+                    api_version=rt.api_version,
+                    subresource="",
+                    old_flat={},
+                    new_flat=flatten(tracked_view(new, rt.scope), rt.resolver),
                     now=now_rfc3339(),
                 )
         managed = serialize_managed(entries)
@@ -612,8 +663,15 @@ class Store:
         if not isinstance(meta, dict):
             meta = new["metadata"] = {}
         old_meta = old["metadata"]
-        for k in ("name", "namespace", "uid", "creationTimestamp", "generation",
-                  "deletionTimestamp", "deletionGracePeriodSeconds"):
+        for k in (
+            "name",
+            "namespace",
+            "uid",
+            "creationTimestamp",
+            "generation",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+        ):
             if k in old_meta:
                 meta[k] = old_meta[k]
             else:
@@ -645,18 +703,34 @@ class Store:
         meta = new["metadata"]
         old_meta = old["metadata"]
         if old_meta.get("deletionTimestamp"):
-            added = [f for f in meta.get("finalizers") or [] if f not in (old_meta.get("finalizers") or [])]
+            added = [
+                f
+                for f in meta.get("finalizers") or []
+                if f not in (old_meta.get("finalizers") or [])
+            ]
             if added:
-                raise invalid(rt, meta["name"], [{
-                    "reason": "FieldValueForbidden", "field": "metadata.finalizers",
-                    "message": "Forbidden: no new finalizers can be added if the object is being "
-                    f"deleted, found new finalizers []string{{{', '.join(json.dumps(f) for f in added)}}}"}])
+                raise invalid(
+                    rt,
+                    meta["name"],
+                    [
+                        {
+                            "reason": "FieldValueForbidden",
+                            "field": "metadata.finalizers",
+                            "message": "Forbidden: no new finalizers can be added if the object "
+                            "is being deleted, found new finalizers "
+                            f"[]string{{{', '.join(json.dumps(f) for f in added)}}}",
+                        }
+                    ],
+                )
         scope = "status" if subresource == "status" else rt.scope
         if entries is None:
             old_managed = old_meta.get("managedFields")
             if _explicit_managed(request_managed) and canon(request_managed) != canon(old_managed):
-                entries = [] if request_managed == [{}] else parse_managed(
-                    {"metadata": {"managedFields": request_managed}})
+                entries = (
+                    []
+                    if request_managed == [{}]
+                    else parse_managed({"metadata": {"managedFields": request_managed}})
+                )
             else:
                 entries = record_update(
                     parse_managed(old),
@@ -679,14 +753,20 @@ class Store:
         new["apiVersion"] = old["apiVersion"]
         if canon(new) == canon(old):
             return self.view(rt, old), warnings
+        if old_meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            # the last finalizer went: the object is deleted, not updated (one DELETED event,
+            # carrying the last stored state, as etcd reports it)
+            if dry_run:
+                return self.view(rt, new), warnings
+            final = self._remove(rt, old, "Background")
+            new["metadata"]["resourceVersion"] = final["metadata"]["resourceVersion"]
+            return self.view(rt, new), warnings
         if dry_run:
             return self.view(rt, new), warnings
         stored = self._commit(rt, old, new)
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
             self._sync_crd_types(stored)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            stored = self._remove(rt, stored, "Background")
-        elif canon(meta.get("ownerReferences")) != canon(old_meta.get("ownerReferences")):
+        if canon(meta.get("ownerReferences")) != canon(old_meta.get("ownerReferences")):
             self._later(self._collect_if_orphaned, rt.key, meta.get("namespace"), meta["name"])
         return self.view(rt, stored), warnings
 
@@ -709,14 +789,7 @@ class Store:
             raise bad_request("the body of the request must be a JSON object")
         self._check_type(rt, body)
         meta = body.get("metadata") or {}
-        if meta.get("name") and meta["name"] != name:
-            raise bad_request(
-                f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
-            )
-        if rt.namespaced and meta.get("namespace") and meta["namespace"] != ns:
-            raise bad_request(
-                "the namespace of the provided object does not match the namespace sent on the request"
-            )
+        _check_identity(rt, ns, name, meta)
         rv = meta.get("resourceVersion")
         if rv and rv != old["metadata"]["resourceVersion"]:
             raise conflict(rt, name)
@@ -724,8 +797,14 @@ class Store:
             return self._write_scale(rt, old, body, manager=manager, dry_run=dry_run, verb="update")
         new = self._compose(rt, old, body, subresource)
         return self._write(
-            rt, old, new, verb="update", manager=manager, subresource=subresource,
-            dry_run=dry_run, field_validation=field_validation,
+            rt,
+            old,
+            new,
+            verb="update",
+            manager=manager,
+            subresource=subresource,
+            dry_run=dry_run,
+            field_validation=field_validation,
             request_managed=meta.get("managedFields"),
         )
 
@@ -746,11 +825,21 @@ class Store:
         """Returns (object, warnings, created)."""
         ctype = content_type.split(";")[0].strip().lower()
         if ctype == APPLY_PATCH:
-            return self.apply(rt, ns, name, raw, manager=manager, subresource=subresource,
-                              force=force, dry_run=dry_run, field_validation=field_validation)
+            return self.apply(
+                rt,
+                ns,
+                name,
+                raw,
+                manager=manager,
+                subresource=subresource,
+                force=force,
+                dry_run=dry_run,
+                field_validation=field_validation,
+            )
         if ctype not in (MERGE_PATCH, JSON_PATCH, STRATEGIC_PATCH):
             raise ApiError(
-                415, "UnsupportedMediaType",
+                415,
+                "UnsupportedMediaType",
                 f"the body of the request was in an unknown format - accepted media types "
                 f"include: {JSON_PATCH}, {MERGE_PATCH}, {APPLY_PATCH}"
                 + ("" if rt.is_crd else f", {STRATEGIC_PATCH}"),
@@ -783,7 +872,8 @@ class Store:
         else:
             if rt.is_crd:
                 raise ApiError(
-                    415, "UnsupportedMediaType",
+                    415,
+                    "UnsupportedMediaType",
                     f"strategic merge patch is not supported for {rt.api_version}, Kind={rt.kind}",
                 )
             if not isinstance(patch, dict):
@@ -792,16 +882,26 @@ class Store:
         if not isinstance(patched, dict):
             raise bad_request("the patched object must be a JSON object")
         pmeta = patched.get("metadata") or {}
-        if pmeta.get("resourceVersion") and pmeta["resourceVersion"] != old["metadata"]["resourceVersion"]:
+        if (
+            pmeta.get("resourceVersion")
+            and pmeta["resourceVersion"] != old["metadata"]["resourceVersion"]
+        ):
             raise conflict(rt, name)
         if subresource == "scale":
-            obj, warnings = self._write_scale(rt, old, patched, manager=manager or "unknown",
-                                              dry_run=dry_run, verb="patch")
+            obj, warnings = self._write_scale(
+                rt, old, patched, manager=manager or "unknown", dry_run=dry_run, verb="patch"
+            )
             return obj, warnings, False
         new = self._compose(rt, old, patched, subresource)
         obj, warnings = self._write(
-            rt, old, new, verb="patch", manager=manager or "unknown", subresource=subresource,
-            dry_run=dry_run, field_validation=field_validation,
+            rt,
+            old,
+            new,
+            verb="patch",
+            manager=manager or "unknown",
+            subresource=subresource,
+            dry_run=dry_run,
+            field_validation=field_validation,
             request_managed=pmeta.get("managedFields"),
         )
         return obj, warnings, False
@@ -823,39 +923,38 @@ class Store:
             cfg = yaml.safe_load(raw.decode("utf-8")) if raw else None
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise bad_request(f"error decoding YAML: {exc}") from exc
-        self.apply_log.append({
-            "seq": len(self.apply_log) + 1,
-            "time": now_rfc3339(),
-            "manager": manager,
-            "apiVersion": cfg.get("apiVersion") if isinstance(cfg, dict) else None,
-            "kind": cfg.get("kind") if isinstance(cfg, dict) else None,
-            "namespace": ns,
-            "name": name,
-            "subresource": subresource,
-            "force": force,
-            "dryRun": dry_run,
-            "body": cfg,
-        })
+        self.apply_log.append(
+            {
+                "seq": len(self.apply_log) + 1,
+                "time": now_rfc3339(),
+                "manager": manager,
+                "apiVersion": cfg.get("apiVersion") if isinstance(cfg, dict) else None,
+                "kind": cfg.get("kind") if isinstance(cfg, dict) else None,
+                "namespace": ns,
+                "name": name,
+                "subresource": subresource,
+                "force": force,
+                "dryRun": dry_run,
+                "body": cfg,
+            }
+        )
         if not manager:
-            raise bad_request("PATCH, application/apply-patch+yaml requests must have a fieldManager")
+            raise bad_request(
+                "PATCH, application/apply-patch+yaml requests must have a fieldManager"
+            )
         if not isinstance(cfg, dict):
             raise bad_request("the apply configuration must be an object")
         if subresource == "scale":
-            raise ApiError(405, "MethodNotAllowed", "apply is not supported on the scale subresource")
+            raise ApiError(
+                405, "MethodNotAllowed", "apply is not supported on the scale subresource"
+            )
         if not cfg.get("apiVersion") or not cfg.get("kind"):
             raise bad_request("apiVersion and kind must be set in an apply configuration")
         self._check_type(rt, cfg)
         meta = cfg.get("metadata") or {}
         if not isinstance(meta, dict):
             raise bad_request("metadata must be an object")
-        if meta.get("name") and meta["name"] != name:
-            raise bad_request(
-                f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
-            )
-        if rt.namespaced and meta.get("namespace") and meta["namespace"] != ns:
-            raise bad_request(
-                "the namespace of the provided object does not match the namespace sent on the request"
-            )
+        _check_identity(rt, ns, name, meta)
         old = self.peek(rt.key, ns, name)
         if old is None and subresource:
             raise not_found(rt, name)
@@ -873,9 +972,15 @@ class Store:
             base = {"apiVersion": rt.api_version, "kind": rt.kind, "metadata": base_meta}
         try:
             merged, entries = apply_config(
-                base, cfg, manager=manager, api_version=rt.api_version,
-                subresource=subresource or "", scope=scope, force=force,
-                resolver=rt.resolver, now=now_rfc3339(),
+                base,
+                cfg,
+                manager=manager,
+                api_version=rt.api_version,
+                subresource=subresource or "",
+                scope=scope,
+                force=force,
+                resolver=rt.resolver,
+                now=now_rfc3339(),
             )
         except ApplyConflict as exc:
             details = _details(rt, name)
@@ -883,13 +988,27 @@ class Store:
             raise ApiError(409, "Conflict", exc.message(), details) from exc
         if old is None:
             merged.setdefault("metadata", {})
-            obj, warnings = self.create(rt, ns, merged, manager=manager, dry_run=dry_run,
-                                        field_validation=field_validation, entries=entries)
+            obj, warnings = self.create(
+                rt,
+                ns,
+                merged,
+                manager=manager,
+                dry_run=dry_run,
+                field_validation=field_validation,
+                entries=entries,
+            )
             return obj, warnings, True
         new = self._compose(rt, old, merged, subresource)
         obj, warnings = self._write(
-            rt, old, new, verb="apply", manager=manager, subresource=subresource,
-            dry_run=dry_run, field_validation=field_validation, entries=entries,
+            rt,
+            old,
+            new,
+            verb="apply",
+            manager=manager,
+            subresource=subresource,
+            dry_run=dry_run,
+            field_validation=field_validation,
+            entries=entries,
         )
         return obj, warnings, False
 
@@ -912,8 +1031,11 @@ class Store:
             sel = selector_to_string((obj.get("spec") or {}).get("selector"))
             if sel:
                 status["selector"] = sel
-        out_meta = {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
-                                         "creationTimestamp") if k in meta}
+        out_meta = {
+            k: meta[k]
+            for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+            if k in meta
+        }
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
@@ -929,26 +1051,51 @@ class Store:
         return self._scale_of(rt, obj)
 
     def _write_scale(
-        self, rt: ResourceType, old: dict[str, Any], scale: dict[str, Any], *, manager: str,
-        dry_run: bool, verb: str,
+        self,
+        rt: ResourceType,
+        old: dict[str, Any],
+        scale: dict[str, Any],
+        *,
+        manager: str,
+        dry_run: bool,
+        verb: str,
     ) -> tuple[dict[str, Any], list[str]]:
         assert rt.scale is not None
         replicas = (scale.get("spec") or {}).get("replicas")
         name = old["metadata"]["name"]
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise ApiError(422, "Invalid",
-                           f'Scale.autoscaling "{name}" is invalid: spec.replicas: Invalid value: '
-                           f"{replicas}: must be greater than or equal to 0",
-                           {"name": name, "group": "autoscaling", "kind": "Scale", "causes": [
-                               {"reason": "FieldValueInvalid", "field": "spec.replicas",
-                                "message": f"Invalid value: {replicas}: must be greater than or "
-                                "equal to 0"}]})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Scale.autoscaling "{name}" is invalid: spec.replicas: Invalid value: '
+                f"{replicas}: must be greater than or equal to 0",
+                {
+                    "name": name,
+                    "group": "autoscaling",
+                    "kind": "Scale",
+                    "causes": [
+                        {
+                            "reason": "FieldValueInvalid",
+                            "field": "spec.replicas",
+                            "message": f"Invalid value: {replicas}: must be greater than or "
+                            "equal to 0",
+                        }
+                    ],
+                },
+            )
         new = dcopy(self.view(rt, old))
         _set_path(new, rt.scale.spec_replicas, replicas)
         new = self._compose(rt, old, new, None)
-        obj, warnings = self._write(rt, old, new, verb=verb, manager=manager,
-                                    subresource="scale", dry_run=dry_run,
-                                    field_validation="Ignore")
+        obj, warnings = self._write(
+            rt,
+            old,
+            new,
+            verb=verb,
+            manager=manager,
+            subresource="scale",
+            dry_run=dry_run,
+            field_validation="Ignore",
+        )
         return self._scale_of(rt, obj), warnings
 
     # ------------------------------------------------------------------------------------------
@@ -970,24 +1117,36 @@ class Store:
         meta = old["metadata"]
         pre = preconditions or {}
         if pre.get("uid") and pre["uid"] != meta["uid"]:
-            raise conflict(rt, name, f"Precondition failed: UID in precondition: {pre['uid']}, "
-                           f"UID in object meta: {meta['uid']}")
+            raise conflict(
+                rt,
+                name,
+                f"Precondition failed: UID in precondition: {pre['uid']}, "
+                f"UID in object meta: {meta['uid']}",
+            )
         if pre.get("resourceVersion") and pre["resourceVersion"] != meta["resourceVersion"]:
-            raise conflict(rt, name, "Precondition failed: ResourceVersion in precondition: "
-                           f"{pre['resourceVersion']}, ResourceVersion in object meta: "
-                           f"{meta['resourceVersion']}")
+            raise conflict(
+                rt,
+                name,
+                "Precondition failed: ResourceVersion in precondition: "
+                f"{pre['resourceVersion']}, ResourceVersion in object meta: "
+                f"{meta['resourceVersion']}",
+            )
         policy = propagation or "Background"
         if rt.key == ("", "namespaces") or rt.key == (
-            "apiextensions.k8s.io", "customresourcedefinitions"
+            "apiextensions.k8s.io",
+            "customresourcedefinitions",
         ):
             return self._delete_container(rt, old, dry_run)
         if meta.get("finalizers"):
             if meta.get("deletionTimestamp"):
                 return self.view(rt, old)
             new = dict(old)
-            new["metadata"] = {**meta, "deletionTimestamp": now_rfc3339(),
-                               "deletionGracePeriodSeconds": 0,
-                               "generation": meta.get("generation", 1) + 1}
+            new["metadata"] = {
+                **meta,
+                "deletionTimestamp": now_rfc3339(),
+                "deletionGracePeriodSeconds": 0,
+                "generation": meta.get("generation", 1) + 1,
+            }
             if dry_run:
                 return self.view(rt, new)
             return self.view(rt, self._commit(rt, old, new))
@@ -995,23 +1154,37 @@ class Store:
             return self.view(rt, old)
         return self.view(rt, self._remove(rt, old, policy))
 
-    def _delete_container(self, rt: ResourceType, old: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+    def _delete_container(
+        self, rt: ResourceType, old: dict[str, Any], dry_run: bool
+    ) -> dict[str, Any]:
         """Namespaces and CRDs: terminate (delete contents), then go away once empty."""
         meta = old["metadata"]
         if meta.get("deletionTimestamp"):
             return self.view(rt, old)
         new = dict(old)
-        new["metadata"] = {**meta, "deletionTimestamp": now_rfc3339(),
-                           "deletionGracePeriodSeconds": 0}
+        new["metadata"] = {
+            **meta,
+            "deletionTimestamp": now_rfc3339(),
+            "deletionGracePeriodSeconds": 0,
+        }
         if rt.key == ("", "namespaces"):
             new["status"] = {**(old.get("status") or {}), "phase": "Terminating"}
         else:
             new["metadata"]["finalizers"] = ["customresourcecleanup.apiextensions.k8s.io"]
-            conds = [c for c in (old.get("status") or {}).get("conditions") or []
-                     if c.get("type") != "Terminating"]
-            conds.append({"type": "Terminating", "status": "True",
-                          "lastTransitionTime": now_rfc3339(), "reason": "InstanceDeletionInProgress",
-                          "message": "CustomResource deletion is in progress"})
+            conds = [
+                c
+                for c in (old.get("status") or {}).get("conditions") or []
+                if c.get("type") != "Terminating"
+            ]
+            conds.append(
+                {
+                    "type": "Terminating",
+                    "status": "True",
+                    "lastTransitionTime": now_rfc3339(),
+                    "reason": "InstanceDeletionInProgress",
+                    "message": "CustomResource deletion is in progress",
+                }
+            )
             new["status"] = {**(old.get("status") or {}), "conditions": conds}
         if dry_run:
             return self.view(rt, new)
@@ -1044,7 +1217,9 @@ class Store:
             return not self.ns_counts.get(name)
         return not any(self.objects.get(key) for key in self._crd_keys(name))
 
-    def _finalize_container(self, rt: ResourceType, container: dict[str, Any]) -> dict[str, Any] | None:
+    def _finalize_container(
+        self, rt: ResourceType, container: dict[str, Any]
+    ) -> dict[str, Any] | None:
         if not self._is_empty(rt, container):
             return None
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
@@ -1072,14 +1247,24 @@ class Store:
                 continue
             drt = self.storage_rt(dkey)
             if policy == "Orphan":
-                refs = [r for r in dep["metadata"].get("ownerReferences") or [] if r.get("uid") != uid]
+                refs = [
+                    r for r in dep["metadata"].get("ownerReferences") or [] if r.get("uid") != uid
+                ]
                 new = dcopy(dep)
                 if refs:
                     new["metadata"]["ownerReferences"] = refs
                 else:
                     new["metadata"].pop("ownerReferences", None)
-                self._write(drt, dep, new, verb="gc", manager="kube-controller-manager",
-                            subresource=None, dry_run=False, field_validation="Ignore")
+                self._write(
+                    drt,
+                    dep,
+                    new,
+                    verb="gc",
+                    manager="kube-controller-manager",
+                    subresource=None,
+                    dry_run=False,
+                    field_validation="Ignore",
+                )
             elif not self._has_live_owner(dep):
                 self.delete(drt, dns or None, dname, propagation="Background")
         if ns and key != ("", "namespaces"):
@@ -1087,10 +1272,13 @@ class Store:
             if ns_obj is not None and ns_obj["metadata"].get("deletionTimestamp"):
                 self._finalize_container(self.rt("", "namespaces"), ns_obj)
         if rt.crd_name:
-            crd = self.peek(("apiextensions.k8s.io", "customresourcedefinitions"), None, rt.crd_name)
+            crd = self.peek(
+                ("apiextensions.k8s.io", "customresourcedefinitions"), None, rt.crd_name
+            )
             if crd is not None and crd["metadata"].get("deletionTimestamp"):
                 self._finalize_container(
-                    self.rt("apiextensions.k8s.io", "customresourcedefinitions"), crd)
+                    self.rt("apiextensions.k8s.io", "customresourcedefinitions"), crd
+                )
         return final
 
     def _has_live_owner(self, obj: dict[str, Any]) -> bool:
@@ -1102,9 +1290,13 @@ class Store:
         obj = self.peek(key, ns, name)
         if obj is None or key not in self.types:
             return
-        if obj["metadata"].get("ownerReferences") and not self._has_live_owner(obj):
-            if not obj["metadata"].get("deletionTimestamp"):
-                self.delete(self.storage_rt(key), ns or None, name)
+        meta = obj["metadata"]
+        if (
+            meta.get("ownerReferences")
+            and not self._has_live_owner(obj)
+            and not meta.get("deletionTimestamp")
+        ):
+            self.delete(self.storage_rt(key), ns or None, name)
 
     def _later(self, fn: Callable[..., None], *args: Any) -> None:
         if self.loop is not None:
@@ -1128,8 +1320,15 @@ class Store:
             meta = obj["metadata"]
             if self.peek(rt.key, meta.get("namespace"), meta["name"]) is None:
                 continue
-            out.append(self.delete(rt, meta.get("namespace"), meta["name"],
-                                   propagation=propagation, dry_run=dry_run))
+            out.append(
+                self.delete(
+                    rt,
+                    meta.get("namespace"),
+                    meta["name"],
+                    propagation=propagation,
+                    dry_run=dry_run,
+                )
+            )
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -1164,7 +1363,8 @@ class Store:
             oldest = self.compacted.get(rt.key, 0)
             if since_rv < oldest:
                 gone = ApiError(
-                    410, "Expired",
+                    410,
+                    "Expired",
                     f"too old resource version: {since_rv} ({hist[0].rv if hist else self.rv})",
                 ).status()
                 return w, [("ERROR", gone)]
@@ -1187,16 +1387,36 @@ class Store:
     # ------------------------------------------------------------------------------------------
     # helpers for the in-process controllers
 
-    def internal_status(self, key: tuple[str, str], ns: str | None, name: str,
-                        status: dict[str, Any]) -> None:
+    def internal_status(
+        self, key: tuple[str, str], ns: str | None, name: str, status: dict[str, Any]
+    ) -> None:
         """Write `.status` as kube-controller-manager would (no-op when unchanged)."""
         old = self.peek(key, ns, name)
         if old is None or canon(old.get("status")) == canon(status):
             return
         rt = self.storage_rt(key)
         new = self._compose(rt, old, {"status": status}, "status")
-        self._write(rt, old, new, verb="controller", manager=CONTROLLER_MANAGER,
-                    subresource="status", dry_run=False, field_validation="Ignore")
+        self._write(
+            rt,
+            old,
+            new,
+            verb="controller",
+            manager=CONTROLLER_MANAGER,
+            subresource="status",
+            dry_run=False,
+            field_validation="Ignore",
+        )
+
+
+def _check_identity(rt: ResourceType, ns: str | None, name: str, meta: dict[str, Any]) -> None:
+    if meta.get("name") and meta["name"] != name:
+        raise bad_request(
+            f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
+        )
+    if rt.namespaced and meta.get("namespace") and meta["namespace"] != ns:
+        raise bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request"
+        )
 
 
 def _explicit_managed(value: Any) -> bool:

@@ -92,8 +92,13 @@ def _cell(values: list[Any], col_type: str) -> Any:
         if col_type == "string" and not isinstance(v, str):
             import json
 
-            return json.dumps(v) if isinstance(v, dict | list) else str(v).lower() if isinstance(
-                v, bool) else str(v)
+            return (
+                json.dumps(v)
+                if isinstance(v, dict | list)
+                else str(v).lower()
+                if isinstance(v, bool)
+                else str(v)
+            )
         return v
     return ",".join(str(v) for v in values)
 
@@ -134,9 +139,7 @@ def _deployment_cells(obj: dict[str, Any]) -> list[Any]:
 
 def _service_cells(obj: dict[str, Any]) -> list[Any]:
     spec = obj.get("spec") or {}
-    ports = ",".join(
-        f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in spec.get("ports") or []
-    )
+    ports = ",".join(f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in spec.get("ports") or [])
     sel = spec.get("selector") or {}
     return [
         spec.get("type", "ClusterIP"),
@@ -154,18 +157,30 @@ _BUILTIN_COLUMNS: dict[tuple[str, str], tuple[list[dict[str, Any]], Any]] = {
         _pod_cells,
     ),
     ("apps", "deployments"): (
-        [_col("Ready"), _col("Up-to-date", "integer"), _col("Available", "integer"),
-         _col("Containers", priority=1), _col("Images", priority=1),
-         _col("Selector", priority=1)],
+        [
+            _col("Ready"),
+            _col("Up-to-date", "integer"),
+            _col("Available", "integer"),
+            _col("Containers", priority=1),
+            _col("Images", priority=1),
+            _col("Selector", priority=1),
+        ],
         _deployment_cells,
     ),
     ("", "services"): (
-        [_col("Type"), _col("Cluster-IP"), _col("External-IP"), _col("Port(s)"),
-         _col("Selector", priority=1)],
+        [
+            _col("Type"),
+            _col("Cluster-IP"),
+            _col("External-IP"),
+            _col("Port(s)"),
+            _col("Selector", priority=1),
+        ],
         _service_cells,
     ),
-    ("", "configmaps"): ([_col("Data", "integer")], lambda o: [len(o.get("data") or {})
-                                                              + len(o.get("binaryData") or {})]),
+    ("", "configmaps"): (
+        [_col("Data", "integer")],
+        lambda o: [len(o.get("data") or {}) + len(o.get("binaryData") or {})],
+    ),
     ("", "secrets"): (
         [_col("Type"), _col("Data", "integer")],
         lambda o: [o.get("type", "Opaque"), len(o.get("data") or {})],
@@ -188,8 +203,12 @@ def to_table(
     builtin = _BUILTIN_COLUMNS.get(rt.key)
     if rt.is_crd and rt.printer_columns:
         columns = [name_col] + [
-            _col(c.get("name", ""), c.get("type", "string"), c.get("format", ""),
-                 int(c.get("priority", 0)))
+            _col(
+                c.get("name", ""),
+                c.get("type", "string"),
+                c.get("format", ""),
+                int(c.get("priority", 0)),
+            )
             for c in rt.printer_columns
         ]
     elif builtin is not None:
