@@ -2,7 +2,7 @@
 # model-fetch init container. The operator sets every container's command (`ketch serve`, ...),
 # so the image has no ENTRYPOINT. Built from the repository root:
 #
-#   docker build -f docker/engine.Dockerfile -t ghcr.io/ketch-dev/ketch:0.1.0 .
+#   docker build -f docker/engine.Dockerfile -t ghcr.io/ketch-dev/ketch-engine:0.1.0 .
 #
 # Base image: Paddle's own GPU images (paddlepaddle/paddle:<version>-gpu-cuda12.6-cudnn9.5) are
 # Ubuntu 22.04 with Python 3.10, and Ketch needs Python >= 3.11. So the default base is plain
