@@ -213,7 +213,8 @@ SPEC = {
             "type": "object",
             "x-kubernetes-validations": [
                 {"rule": "self.v.size() < 3",
-                 "messageExpression": "self.v.size() > 4 ? 'too long: ' + self.v : self.nope",
+                 "messageExpression":
+                     "self.v.size() > 4 ? 'too long: ' + self.v : string(int(self.v))",
                  "message": "fallback message"},
             ],
             "properties": {"v": {"type": "string"}},
@@ -913,6 +914,10 @@ def _with_spec_rule(rule: dict) -> dict:
         ({"rule": "self.image =="}, "compilation failed"),
         ({"rule": "true", "messageExpression": "ip(self.image)"}, "'ip'"),
         ({"rule": "true", "fieldPath": ".nope"}, "fieldPath"),
+        ({"rule": "self.minReplica <= self.maxReplicas"}, "undefined field 'minReplica'"),
+        ({"rule": "has(self.model.url)"}, "undefined field 'url'"),
+        ({"rule": "self.roles.mixed.tolerations[0].kee == ''"}, "undefined field 'kee'"),
+        ({"rule": "self.max-tokens > 0"}, "undefined field 'max'"),
         ({"rule": "true", "reason": "FieldValueBogus"}, "reason"),
     ],
 )

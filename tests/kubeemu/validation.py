@@ -813,13 +813,15 @@ class _Parser:
 class _CelProgram:
     """A CEL expression compiled once: parsed, checked for supported functions, transpiled."""
 
-    def __init__(self, source: str, where: str) -> None:
+    def __init__(self, source: str, where: str, node: _Node | None = None) -> None:
         parser = _Parser.get()
         try:
             ast = parser.parse(source)
         except lark.exceptions.UnexpectedInput as ex:
             raise CRDSchemaError(
                 f"{where}: compilation failed: {ex.get_context(source).rstrip()}") from ex
+        if node is not None:
+            _check_fields(ast, node, where)
         self.idents: set[str] = set()
         for node in ast.iter_subtrees():
             if node.data == "member_dot_arg":
@@ -866,6 +868,50 @@ class _CelProgram:
         except Exception as ex:  # an error outside celpy's checked-exception wrapper
             return CELEvalError(str(ex), type(ex), ex.args)
         return g["CEL"]
+
+
+_DYNAMIC = object()  # a value whose schema is unknown to the static check
+_ROOT_FIELDS = ("apiVersion", "kind", "metadata")
+
+
+def _schema_of(tree: Any, node: _Node) -> Any:
+    """The schema node a CEL member expression reads (``self.a[0].b``), or _DYNAMIC."""
+    data = getattr(tree, "data", None)
+    if data in ("member", "primary"):
+        return _schema_of(tree.children[0], node)
+    if data == "ident":
+        return node if tree.children[0].value in ("self", "oldSelf") else _DYNAMIC
+    if data == "member_dot":
+        parent = _schema_of(tree.children[0], node)
+        if not isinstance(parent, _Node):
+            return _DYNAMIC
+        name = tree.children[1].value
+        if parent.resource_root and name in _ROOT_FIELDS:
+            return _DYNAMIC
+        if parent.properties is not None:
+            for prop, escaped in parent.escaped.items():
+                if escaped == name:
+                    return parent.properties[prop]
+            return _DYNAMIC if parent.preserve_unknown else None
+        return parent.additional if parent.additional is not None else _DYNAMIC
+    if data == "member_index":
+        parent = _schema_of(tree.children[0], node)
+        if isinstance(parent, _Node):
+            if parent.items is not None:
+                return parent.items
+            if parent.additional is not None:
+                return parent.additional
+        return _DYNAMIC
+    return _DYNAMIC
+
+
+def _check_fields(ast: Any, node: _Node, where: str) -> None:
+    """Reject ``self.field`` selections the schema does not declare, like the server's CEL type
+    check does at CRD creation (so a typo in a rule fails fast instead of at every request)."""
+    for sub in ast.iter_subtrees_topdown():
+        if sub.data == "member_dot" and _schema_of(sub, node) is None:
+            name = sub.children[1].value
+            raise CRDSchemaError(f"{where}: compilation failed: undefined field '{name}'")
 
 
 def _eval_error_text(err: CELEvalError) -> str:
@@ -1018,9 +1064,10 @@ class _Node:
         rule = spec.get("rule")
         if not isinstance(rule, str) or not rule.strip():
             raise CRDSchemaError(f"{where}.rule: Required value")
-        program = _CelProgram(rule, f"{where}.rule")
+        program = _CelProgram(rule, f"{where}.rule", self)
         msg_expr = spec.get("messageExpression")
-        msg_program = _CelProgram(msg_expr, f"{where}.messageExpression") if msg_expr else None
+        msg_program = (_CelProgram(msg_expr, f"{where}.messageExpression", self) if msg_expr
+                       else None)
         reason = spec.get("reason") or INVALID
         if reason not in _RULE_REASONS:
             raise CRDSchemaError(f"{where}.reason: Unsupported value: {_go_quote(reason)}")
