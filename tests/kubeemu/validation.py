@@ -17,6 +17,13 @@ emulator) see the same objects and the same error messages as on a real cluster 
 CEL is parsed and transpiled to Python by ``celpy`` once per rule; evaluation runs the
 transpiled code with a light activation object because celpy's own ``Activation`` spends most
 of an evaluation on name resolution (about 6x slower).
+
+Known differences from the real server: no validation ratcheting on update, no CEL cost
+budget, CEL type checking at construction only covers field selections on ``self``/``oldSelf``
+(a wrong type in a rule shows up as an evaluation error instead), no ``optionalOldSelf``, and
+the CEL libraries for URLs, IPs/CIDRs, semver and string formatting are absent (a rule using
+them fails :class:`CRDValidator` construction). Embedded resources keep their
+``apiVersion``/``kind``/``metadata`` as given (no ObjectMeta checks).
 """
 
 from __future__ import annotations
