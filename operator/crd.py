@@ -121,6 +121,7 @@ class ConfigField:
     name: str  # the dataclass field (and config-file key)
     path: tuple[str, ...]  # under spec, e.g. ("engine", "maxNumSeqs")
     schema: dict[str, Any]
+    kind: type  # the dataclass field's Python type (float fields arrive as JSON integers too)
 
 
 def _base_type(hint: Any) -> type:
@@ -153,7 +154,7 @@ def config_fields() -> list[ConfigField]:
                 schema.update(minimum=1, maximum=65535)
             if f.name == "kv_cache_memory":
                 schema["pattern"] = MEMORY_SIZE_PATTERN
-            out.append(ConfigField(f.name, tuple(path.split(".")), schema))
+            out.append(ConfigField(f.name, tuple(path.split(".")), schema, kind))
     return out
 
 
@@ -169,7 +170,9 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
         for key in f.path:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
-            out[f.name] = node
+            # JSON has one number type: the API server hands 30.0 back as 30. The engine's
+            # config file must not depend on which path a value took.
+            out[f.name] = float(node) if f.kind is float else node
     return out
 
 

@@ -68,6 +68,8 @@ def make_registry(
             True  # no cluster-wide CRD/namespace watching: fewer RBAC rights
         )
         settings.posting.level = logging.WARNING
+        # kopf logs every handled event at INFO; the controller logs what it did instead.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.watching.reconnect_backoff = 1.0

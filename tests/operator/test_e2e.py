@@ -127,7 +127,9 @@ def cluster(kube) -> Iterator[Cluster]:
     namespace = f"e2e-{uuid.uuid4().hex[:8]}"
     c = Cluster(kube, namespace)
     c.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE), ns=False)
-    c.run("create", "namespace", namespace, ns=False)
+    c.run("apply", "-f", "-", ns=False, input=yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    ))
     yield c
     c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
 
@@ -321,8 +323,13 @@ def test_applying_the_same_object_twice_changes_no_child(cluster, operator):
     settle(operator)
     before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, "delta").items()}
     isvc_rv = cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"]
-    cluster.apply(body)  # kubectl apply, unchanged
-    cluster.apply(body, "--server-side", "--force-conflicts")
+    cluster.apply(body)  # kubectl apply, unchanged: the object does not change at all
+    assert cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
+    # GitOps tools apply server-side; switching field managers changes managedFields (a new
+    # resourceVersion) but no spec field: the operator must not touch any child.
+    cluster.apply(body, "--server-side", "--force-conflicts", "--field-manager", "argocd")
+    isvc_rv = cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"]
+    cluster.apply(body, "--server-side", "--force-conflicts", "--field-manager", "argocd")
     # and a full reconcile, as after an operator restart or a resync
     operator.loop.call_soon_threadsafe(
         operator.enqueue, (cluster.namespace, "delta"), Work(full=True, status=True)
