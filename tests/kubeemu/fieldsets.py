@@ -44,6 +44,20 @@ def canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _leaf(value: Any) -> str:
+    """Cheap canonical text of a flattened value (typed, so "1", 1, 1.0 and True differ)."""
+    t = type(value)
+    if t is str:
+        return "s" + value
+    if t is bool:
+        return "b1" if value else "b0"
+    if t is int:
+        return "i" + str(value)
+    if value is None:
+        return "n"
+    return "j" + canon(value)
+
+
 def dcopy(value: Any) -> Any:
     """Fast deep copy of a JSON value."""
     if isinstance(value, dict):
@@ -191,7 +205,7 @@ def _flatten(
     if isinstance(value, dict):
         if not value:
             if path:
-                out[path] = "{}"
+                out[path] = "j{}"
             return
         for k, v in value.items():
             _flatten(v, (*path, ("f", k)), (*names, k), resolver, out)
@@ -207,10 +221,10 @@ def _flatten(
             return
         if list_type == "set" and all(not isinstance(v, dict | list) for v in value):
             for item in value:
-                out[(*path, ("v", canon(item)))] = canon(item)
+                out[(*path, ("v", canon(item)))] = _leaf(item)
             return
     if path:
-        out[path] = canon(value)
+        out[path] = _leaf(value)
 
 
 # ----------------------------------------------------------------------------------------------

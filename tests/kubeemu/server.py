@@ -23,7 +23,6 @@ import re
 import signal
 from typing import Any
 
-import yaml
 from aiohttp import web
 
 from kubeemu.controllers import DeploymentController, describe_faults
@@ -35,6 +34,7 @@ from kubeemu.store import (
     ApiError,
     Store,
     bad_request,
+    decode_yaml_or_json,
     load_validator_factory,
 )
 from kubeemu.tables import to_table
@@ -358,11 +358,11 @@ class Emulator:
         if not raw:
             return None
         ctype = request.headers.get("Content-Type", "")
+        if "yaml" in ctype:
+            return decode_yaml_or_json(raw)
         try:
-            if "yaml" in ctype:
-                return yaml.safe_load(raw.decode())
             return json.loads(raw)
-        except (ValueError, yaml.YAMLError) as exc:
+        except ValueError as exc:
             raise bad_request(f"error decoding request body: {exc}") from exc
 
     async def _dispatch(

@@ -67,6 +67,23 @@ def load_validator_factory() -> Callable[[dict[str, Any], str], Any] | None:
     return CRDValidator
 
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def decode_yaml_or_json(raw: bytes) -> Any:
+    """An apply body: JSON (what most clients send) or YAML."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=_YAML_LOADER)
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise bad_request(f"error decoding YAML: {exc}") from exc
+
+
 class ApiError(Exception):
     """An error the API answers with a `Status` object."""
 
@@ -919,10 +936,7 @@ class Store:
         dry_run: bool = False,
         field_validation: str = "Warn",
     ) -> tuple[dict[str, Any], list[str], bool]:
-        try:
-            cfg = yaml.safe_load(raw.decode("utf-8")) if raw else None
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise bad_request(f"error decoding YAML: {exc}") from exc
+        cfg = decode_yaml_or_json(raw)
         self.apply_log.append(
             {
                 "seq": len(self.apply_log) + 1,

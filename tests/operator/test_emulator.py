@@ -598,7 +598,7 @@ def test_apply_creates_and_records_field_ownership(emu: Emulator, namespace: str
     assert "subresource" not in entry
 
     again = noop(emu, "apply", lambda: emu.apply(path, body, manager="ketch").ok())
-    assert managers(again) == managers(obj)
+    assert managers(again)[("ketch", "Apply")] == managers(obj)[("ketch", "Apply")]
 
     as_yaml = (
         "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: ssa\n" + "spec:\n  replicas: 3\n"
@@ -1224,6 +1224,15 @@ def create_fn(spec, name, namespace, body, patch, **_):
     patch.status["phase"] = "Created"
     kopf.info(body, reason="Configured", message="the ConfigMap is there")
     return {"configmap": f"{name}-config"}
+
+
+@kopf.on.delete("example.com", "v1", "widgets")
+def delete_fn(name, namespace, **_):
+    mark = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-deleted"}}
+    req = urllib.request.Request(
+        f"{URL}/api/v1/namespaces/{namespace}/configmaps", data=json.dumps(mark).encode(),
+        method="POST", headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req).read()
 """
 
 
@@ -1269,11 +1278,13 @@ def test_kopf_operator_round_trip(
             ],
             what="kopf's event",
         )
-        # deleting the widget garbage-collects the adopted ConfigMap
+        # deleting runs the delete handler (kopf holds a finalizer), then GC takes the ConfigMap
         emu.delete(f"{base}/kw").ok()
         wait_for(lambda: emu.get(f"{base}/kw").status == 404, timeout=30, what="widget gone")
     assert runner.exit_code == 0, runner.output
     assert done["status"]["phase"] == "Created"
+    assert "kopf.zalando.org/KopfFinalizerMarker" in done["metadata"]["finalizers"]
+    assert emu.get(f"/api/v1/namespaces/{namespace}/configmaps/kw-deleted").status == 200
     assert done["status"]["create_fn"] == {"configmap": "kw-config"}
     assert configmap["data"] == {"size": "7"}
     assert configmap["metadata"]["ownerReferences"][0]["uid"] == done["metadata"]["uid"]
