@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kubeemu import protowire
 from kubeemu.controllers import DeploymentController, describe_faults
 from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
@@ -358,6 +359,22 @@ class Emulator:
         if not raw:
             return None
         ctype = request.headers.get("Content-Type", "")
+        if "protobuf" in ctype:
+            try:
+                return protowire.decode(raw)
+            except protowire.ProtobufError as exc:
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    f"the emulator cannot decode this protobuf body ({exc}); send JSON or YAML",
+                ) from exc
+        if "cbor" in ctype:
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                "the body of the request was in an unknown format - accepted media "
+                "types include: application/json, application/yaml",
+            )
         if "yaml" in ctype:
             return decode_yaml_or_json(raw)
         try:
@@ -579,9 +596,19 @@ class Emulator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout else None
 
+        as_table = self._wants_table(request)  # `kubectl get -w` prints server-side rows
+        include = q.get("includeObject", "Metadata")
+
         def line(etype: str, obj: dict[str, Any]) -> str:
             if etype != "ERROR":
                 obj = store.view(rt, obj)
+            if as_table and etype in ("ADDED", "MODIFIED", "DELETED"):
+                obj = to_table(
+                    rt,
+                    [obj],
+                    resource_version=obj["metadata"]["resourceVersion"],
+                    include_object=include,
+                )
             return json.dumps({"type": etype, "object": obj}, separators=(",", ":")) + "\n"
 
         def bookmark(initial_end: bool = False) -> str:

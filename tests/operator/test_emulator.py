@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
 import threading
 import time
@@ -1199,6 +1200,7 @@ def test_kubectl_with_custom_resources(
 
 KOPF_OPERATOR = """
 import json
+import subprocess
 import os
 import urllib.request
 
@@ -1291,3 +1293,33 @@ def test_kopf_operator_round_trip(
     assert emu.get(f"/api/v1/namespaces/{namespace}/configmaps/kw-config").status == 404
     assert events == [("Configured", "Normal")]
     assert "Traceback" not in runner.output, runner.output
+
+
+def test_kubectl_imperative_create_and_get_watch(emu: Emulator, namespace: str) -> None:
+    # `kubectl create <kind>` sends protobuf bodies; these simple kinds are decoded
+    for args in (
+        ["create", "configmap", "imp", "--from-literal=a=b"],
+        ["create", "secret", "generic", "pw", "--from-literal=pw=hunter2"],
+        ["create", "serviceaccount", "robot"],
+    ):
+        out = kubectl(emu, *args, "-n", namespace)
+        assert out.returncode == 0, out.stderr
+    assert emu.get(f"/api/v1/namespaces/{namespace}/configmaps/imp").ok()["data"] == {"a": "b"}
+    secret = emu.get(f"/api/v1/namespaces/{namespace}/secrets/pw").ok()
+    assert secret["data"] == {"pw": "aHVudGVyMg=="} and secret["type"] == "Opaque"
+    watcher = subprocess.Popen(
+        ["kubectl", "--kubeconfig", emu.kubeconfig, "get", "configmaps", "-w", "-n", namespace],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: emu.stats()["watchers"] > 0, what="kubectl watching")
+        emu.post(
+            f"/api/v1/namespaces/{namespace}/configmaps", cm("watched", {"x": "1", "y": "2"})
+        ).ok()
+        time.sleep(0.5)
+    finally:
+        watcher.terminate()
+        out, err = watcher.communicate(timeout=10)
+    assert re.search(r"^watched\s+2\s", out, re.M), out + err  # server-side table rows
