@@ -23,7 +23,7 @@ from typing import Any
 import jsonpatch
 import yaml
 
-from kubeemu import kinds
+from kubeemu import builtin_schema, kinds
 from kubeemu.fieldsets import (
     ApplyConflict,
     apply_config,
@@ -533,6 +533,14 @@ class Store:
                 new = dict(result.obj)
                 new["metadata"] = meta
         else:
+            unknown = builtin_schema.prune_unknown(rt.group, rt.version, rt.kind, new)
+            if unknown and field_validation == "Strict":
+                raise bad_request(
+                    f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
+                    "strict decoding error: " + ", ".join(f'unknown field "{f}"' for f in unknown)
+                )
+            if unknown and field_validation == "Warn":
+                warnings += [f'unknown field "{f}"' for f in unknown]
             kinds.apply_defaults(rt, new, self._alloc_ip)
             causes += kinds.validate_builtin(rt, new, old)
             if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):

@@ -849,6 +849,26 @@ def test_dry_run_persists_nothing(emu: Emulator, namespace: str) -> None:
     assert watch_events(emu, base, start) == []
 
 
+def test_builtin_unknown_fields_are_dropped_or_refused(emu: Emulator, namespace: str) -> None:
+    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
+    typo = deployment("typo")
+    typo["spec"]["template"]["spec"]["containers"][0]["imagee"] = "x"
+    typo["spec"]["bogus"] = 1
+    strict = emu.post(base, typo, params={"fieldValidation": "Strict"})
+    assert strict.status == 400
+    assert strict.body["message"] == (
+        'Deployment in version "v1" cannot be handled as a Deployment: strict decoding error: '
+        'unknown field "spec.template.spec.containers[0].imagee", unknown field "spec.bogus"'
+    )  # in the order the decoder meets them
+    warned = emu.post(base, typo)  # no fieldValidation: Warn, like the real default
+    assert warned.status == 201
+    assert "bogus" not in warned.body["spec"]
+    assert "imagee" not in warned.body["spec"]["template"]["spec"]["containers"][0]
+    assert '299 - "unknown field \\"spec.bogus\\""' in warned.warnings
+    out = kubectl(emu, "apply", "-n", namespace, "-f", "-", input=json.dumps(typo))
+    assert out.returncode != 0 and 'unknown field "spec.bogus"' in out.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # custom resources
 
