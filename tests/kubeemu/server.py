@@ -84,7 +84,9 @@ def _agent(request: web.Request) -> str:
     return ua.split("/", 1)[0][:128] or "unknown"
 
 
-class Emulator:
+class EmulatorApp:
+    """The aiohttp application: routing, discovery, watch streaming, admin endpoints."""
+
     def __init__(self, history: int = HISTORY_PER_TYPE) -> None:
         self.store = Store(load_validator_factory(), history=history)
         self.controller = DeploymentController(self.store)
@@ -149,6 +151,11 @@ class Emulator:
             return _status_response(err)
         except SelectorError as err:
             return _status_response(bad_request(str(err)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not look like a healthy API to the client
+            log.exception("%s %s failed", request.method, request.path_qs)
+            return _status_response(ApiError(500, "InternalError", f"emulator error: {exc!r}"))
 
     # ------------------------------------------------------------------------------------------
     # discovery
@@ -715,7 +722,7 @@ class Emulator:
 async def serve(
     host: str, port: int, ready_line: bool = True, history: int = HISTORY_PER_TYPE
 ) -> None:
-    emu = Emulator(history)
+    emu = EmulatorApp(history)
     runner = web.AppRunner(emu.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

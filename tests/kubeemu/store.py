@@ -749,23 +749,31 @@ class Store:
                 )
         scope = "status" if subresource == "status" else rt.scope
         if entries is None:
+            # like the real field manager: managedFields sent with a main-resource write are the
+            # base the update is recorded on (that is how clients rewrite them, e.g. kubectl's
+            # client-side -> server-side apply migration; [{}] clears them); else the live ones
             old_managed = old_meta.get("managedFields")
-            if _explicit_managed(request_managed) and canon(request_managed) != canon(old_managed):
-                entries = (
+            if (
+                not subresource
+                and _explicit_managed(request_managed)
+                and canon(request_managed) != canon(old_managed)
+            ):
+                base = (
                     []
                     if request_managed == [{}]
                     else parse_managed({"metadata": {"managedFields": request_managed}})
                 )
             else:
-                entries = record_update(
-                    parse_managed(old),
-                    manager=manager,
-                    api_version=rt.api_version,
-                    subresource=subresource or "",
-                    old_flat=flatten(tracked_view(old, scope), rt.resolver),
-                    new_flat=flatten(tracked_view(new, scope), rt.resolver),
-                    now=now_rfc3339(),
-                )
+                base = parse_managed(old)
+            entries = record_update(
+                base,
+                manager=manager,
+                api_version=rt.api_version,
+                subresource=subresource or "",
+                old_flat=flatten(tracked_view(old, scope), rt.resolver),
+                new_flat=flatten(tracked_view(new, scope), rt.resolver),
+                now=now_rfc3339(),
+            )
         managed = serialize_managed(entries)
         if managed:
             meta["managedFields"] = managed

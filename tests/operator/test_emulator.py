@@ -680,6 +680,25 @@ def test_apply_conflicts_and_force(emu: Emulator, namespace: str) -> None:
     )
 
 
+def test_managed_fields_can_be_rewritten_or_cleared(emu: Emulator, namespace: str) -> None:
+    path = f"/api/v1/namespaces/{namespace}/configmaps/mf"
+    emu.apply(path, cm("mf", {"a": "1"}), manager="one").ok()
+    current = emu.get(path).ok()
+    renamed = json.loads(json.dumps(current["metadata"]["managedFields"]).replace(
+        '"one"', '"two"'))
+    out = emu.patch(path, {"metadata": {"managedFields": renamed}}).ok()
+    assert [e["manager"] for e in out["metadata"]["managedFields"]] == ["two"]
+    cleared = emu.patch(path, {"metadata": {"managedFields": [{}]}}).ok()
+    assert "managedFields" not in cleared["metadata"]
+    # status writes cannot rewrite them: the live ones are the base there
+    deploy = f"/apis/apps/v1/namespaces/{namespace}/deployments/mfd"
+    emu.apply(deploy, deployment("mfd", replicas=0), manager="one").ok()
+    live = emu.get(deploy).ok()
+    st = emu.patch(f"{deploy}/status", {"metadata": {"managedFields": [{}]},
+                                        "status": {"observedGeneration": 5}})
+    assert ("one", "Apply") in managers(st.ok()), live["metadata"]["managedFields"]
+
+
 def test_apply_merges_keyed_lists_with_other_managers(emu: Emulator, namespace: str) -> None:
     path = f"/apis/apps/v1/namespaces/{namespace}/deployments/keyed"
     emu.apply(path, deployment("keyed"), manager="ketch").ok()
@@ -1105,6 +1124,22 @@ def test_fault_modes_shape_pod_and_deployment_status(
     assert _conditions(d)["Available"][0] == "True"
 
 
+def test_progress_deadline_exceeded(emu: Emulator, namespace: str) -> None:
+    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
+    emu.set_fault(namespace, "stuck", "imagepull")
+    body = deployment("stuck")
+    body["spec"]["progressDeadlineSeconds"] = 1
+    emu.post(base, body).ok()
+    d = wait_for(
+        lambda: (o := emu.get(f"{base}/stuck").ok()).get("status", {}).get("conditions")
+        and _conditions(o)["Progressing"][0] == "False"
+        and o,
+        what="progress deadline",
+    )
+    assert _conditions(d)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    assert _conditions(d)["Available"][0] == "False"
+
+
 def test_ready_delay_holds_readiness(emu: Emulator, namespace: str) -> None:
     base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
     emu.set_fault(namespace, "slow", "ready", ready_delay=1.0)
@@ -1178,6 +1213,8 @@ def test_kubectl_round_trip(emu: Emulator, namespace: str, tmp_path: Path) -> No
         emu, "get", "deployment", "api", "-n", namespace, "-o", "yaml", "--show-managed-fields"
     )
     assert "manager: kubectl" in yaml_out.stdout and "operation: Apply" in yaml_out.stdout
+    # kubectl migrated the client-side apply ownership to its server-side manager
+    assert "kubectl-client-side-apply" not in yaml_out.stdout
     scaled = kubectl(emu, "scale", "deployment/api", "--replicas=2", "-n", namespace)
     assert scaled.returncode == 0, scaled.stderr
     missing = kubectl(emu, "get", "deployment", "nope", "-n", namespace)
