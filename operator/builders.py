@@ -37,7 +37,7 @@ PRESTOP_SLEEP = 5
 Obj = dict[str, Any]
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # libyaml's emitter when present
     """Plain YAML: no anchors/aliases even where builders share a sub-object."""
 
     def ignore_aliases(self, data: Any) -> bool:
@@ -121,8 +121,8 @@ def router_config(svc: ServiceSpec) -> str:
     return dump_yaml(values)
 
 
-def config_map(svc: ServiceSpec) -> Obj:
-    data = {f"{role}.yaml": role_config(svc, role) for role in svc.roles}
+def config_map(svc: ServiceSpec, configs: dict[str, str]) -> Obj:
+    data = {f"{role}.yaml": configs[role] for role in svc.roles}
     if svc.disaggregated:
         data["router.yaml"] = router_config(svc)
     return {
@@ -381,10 +381,10 @@ def deployment(svc: ServiceSpec, role: str, template: Obj, replicas: int | None)
     }
 
 
-def engine_deployment(svc: ServiceSpec, role: str) -> Obj:
+def engine_deployment(svc: ServiceSpec, role: str, config_text: str) -> Obj:
     role_spec = svc.role(role)
     replicas = None if role_spec.get("autoscaling") else role_spec["replicas"]
-    template = engine_pod(svc, role, role_config(svc, role))
+    template = engine_pod(svc, role, config_text)
     return deployment(svc, role, template, replicas)
 
 
@@ -492,13 +492,14 @@ def build(svc: ServiceSpec) -> list[Obj]:
     """Every child, in apply order: config first, then what selects pods, then the pods."""
     roles = list(svc.roles)
     pod_roles = [*roles, "router"] if svc.disaggregated else roles
-    children: list[Obj] = [config_map(svc), network_policy(svc)]
+    configs = {role: role_config(svc, role) for role in roles}
+    children: list[Obj] = [config_map(svc, configs), network_policy(svc)]
     for role in pod_roles:
         children.append(api_service(svc, role))
         if role != "router":
             children.append(peers_service(svc, role))
         children.append(disruption_budget(svc, role))
-    children += [engine_deployment(svc, role) for role in roles]
+    children += [engine_deployment(svc, role, configs[role]) for role in roles]
     if svc.disaggregated:
         children.append(router_deployment(svc))
     return children

@@ -231,7 +231,7 @@ class Controller:
         started = time.perf_counter()
         if work.full:
             try:
-                tracked.svc = parse(body)
+                tracked.svc = parse(body, cel=False)  # the API server ran the CEL rules
             except InvalidSpec as exc:
                 await self._invalid(key, tracked, generation, exc)
                 return

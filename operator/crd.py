@@ -12,6 +12,7 @@ turning a spec back into the engine's config file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -130,7 +131,8 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
-def config_fields() -> list[ConfigField]:
+@functools.cache
+def config_fields() -> tuple[ConfigField, ...]:
     """Every EngineConfig/ServerConfig field that an InferenceService spec can set."""
     out: list[ConfigField] = []
     for cls in (EngineConfig, ServerConfig):
@@ -155,7 +157,7 @@ def config_fields() -> list[ConfigField]:
             if f.name == "kv_cache_memory":
                 schema["pattern"] = MEMORY_SIZE_PATTERN
             out.append(ConfigField(f.name, tuple(path.split(".")), schema, kind))
-    return out
+    return tuple(out)
 
 
 def config_field_schemas(section: str) -> dict[str, Any]:

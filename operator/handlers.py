@@ -34,6 +34,21 @@ CHILD_RESOURCES = (
 )
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf keeps a "last handled" copy of every object for change handlers. This operator has
+    none (it is level-triggered), so it keeps nothing: no deep copy of every watched object on
+    every event (a seventh of its CPU in a burst), and certainly no annotation written back."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: Any) -> Any:
+        return None
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
 def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     """In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
     info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
@@ -68,6 +83,7 @@ def make_registry(
             True  # no cluster-wide CRD/namespace watching: fewer RBAC rights
         )
         settings.posting.level = logging.WARNING
+        settings.persistence.diffbase_storage = NoDiffBase()
         # kopf logs every handled event at INFO; the controller logs what it did instead.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         settings.watching.server_timeout = 300
