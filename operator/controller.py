@@ -5,7 +5,9 @@ controller keeps the latest copy of each and queues work per InferenceService:
 
 - ``full``: parse the spec, build every child, server-side apply them all (one field manager,
   forced), delete children no longer wanted. Runs when a generation is seen for the first time,
-  on start-up, and every ``resync`` seconds.
+  on start-up, and every ``resync`` seconds. A resync first reads the InferenceService afresh:
+  a replica that kopf's peering has paused gets no events, and must never re-apply a spec it
+  saw generations ago (both replicas then apply the same current spec: a no-op).
 - ``drift``: a child was deleted or no longer holds what the operator applied: apply that child.
 - ``status``: recompute status from the cached Deployments and Pods; write it only if it changed.
 
@@ -208,6 +210,18 @@ class Controller:
         while True:
             await asyncio.sleep(self.resync_seconds)
             for key in list(self.tracked):
+                try:
+                    body = await self.client.get(crd.KIND, *key)
+                except Exception as exc:  # next round; a failing API shows in /healthz
+                    logger.warning("%s/%s: resync read failed: %s", *key, exc)
+                    continue
+                tracked = self.tracked.get(key)
+                if tracked is None:
+                    continue
+                if body is None:
+                    self.on_service_event("DELETED", tracked.body)
+                    continue
+                tracked.body = body
                 self.enqueue(key, Work(full=True, status=True))
 
     async def stop(self) -> None:
