@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="peering object name shared by replicas, so only the highest-priority one acts "
         "(default: ketch-operator; needs the kopf peering CRDs from manifests/)",
     )
-    run.add_argument("--priority", type=int, default=0, help="peering priority (default: 0)")
+    run.add_argument(
+        "--priority",
+        type=_priority,
+        default=0,
+        help="peering priority: the replica with the highest acts, the others stand by; 'random' "
+        "picks one at start, which makes replicas of one Deployment elect a leader (replicas "
+        "of equal priority all pause). Default: 0",
+    )
     run.add_argument(
         "--metrics-port",
         type=int,
@@ -98,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints the CRD generated from Ketch's configuration definitions.",
     )
     return parser
+
+
+def _priority(value: str) -> int:
+    if value == "random":
+        return random.SystemRandom().randint(1, 2**31 - 1)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer nor 'random'") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,6 +194,10 @@ def _run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None, resync_seconds=args.resync_seconds
     )
     namespaces = list(args.namespace)
+    if not args.standalone:
+        logging.getLogger("ketch.operator").info(
+            "peering %r with priority %d", args.peering, args.priority
+        )
     kopf.run(
         registry=registry,
         standalone=args.standalone,
