@@ -359,7 +359,7 @@ def test_operator_deployment(built, overlay):
     template = deployment["spec"]["template"]
     container = operator_container(docs)
     assert container["image"] == IMAGE
-    assert container["command"] == [OPERATOR, "run"]
+    assert container["command"] == [OPERATOR, "run", "--priority=random"]
     [port] = container["ports"]
     assert port == {"name": "metrics", "containerPort": 8080, "protocol": "TCP"}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -382,14 +382,17 @@ def test_operator_deployment(built, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_one_operator_replica_replaced_without_overlap(built, overlay):
-    """kopf peering is not leader election: replicas with the same priority all freeze
-    ("possibly conflicting operators with the same priority"), leaving nothing served. So one
-    replica, and Recreate so that an old and a new pod never run side by side."""
+def test_operator_replicas_elect_a_leader(built, overlay):
+    """Replicas of equal kopf priority all pause; '--priority random' gives each pod its own,
+    so exactly one of the two replicas acts and the other takes over when it goes."""
     spec = one(built[overlay], "Deployment")["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
-    assert "--priority" not in operator_container(built[overlay]).get("args", [])
+    assert spec["replicas"] == 2
+    container = operator_container(built[overlay])
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    argv = container["command"][1:] + _expand(container.get("args", []), env)
+    assert "--priority=random" in argv
+    first, second = (build_parser().parse_args(argv).priority for _ in range(2))
+    assert first != second
 
 
 def _expand(args: list[str], env: dict[str, str]) -> list[str]:
