@@ -427,6 +427,16 @@ def apply_defaults(rt: ResourceType, obj: dict[str, Any], ip_alloc: Any = None) 
         pass
 
 
+def keep_allocated_service_fields(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """An update that leaves out the allocated cluster IP keeps it (as the real server does)."""
+    old_spec, spec = old.get("spec") or {}, new.get("spec")
+    if not isinstance(spec, dict):
+        return
+    for key in ("clusterIP", "clusterIPs"):
+        if key not in spec and key in old_spec:
+            spec[key] = old_spec[key]
+
+
 def validate_builtin(
     rt: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None
 ) -> list[dict[str, str]]:

@@ -541,6 +541,8 @@ class Store:
                 )
             if unknown and field_validation == "Warn":
                 warnings += [f'unknown field "{f}"' for f in unknown]
+            if rt.key == ("", "services") and old is not None:
+                kinds.keep_allocated_service_fields(old, new)
             kinds.apply_defaults(rt, new, self._alloc_ip)
             causes += kinds.validate_builtin(rt, new, old)
             if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):

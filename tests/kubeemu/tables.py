@@ -14,9 +14,11 @@ def human_age(stamp: str | None, now: datetime | None = None) -> str:
     if not stamp:
         return "<unknown>"
     try:
-        then = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        then = datetime.fromisoformat(stamp)
     except ValueError:
         return "<unknown>"
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
     seconds = int(((now or datetime.now(UTC)) - then).total_seconds())
     if seconds < -1:
         return "<invalid>"
@@ -150,7 +152,20 @@ def _service_cells(obj: dict[str, Any]) -> list[Any]:
     ]
 
 
-_AGE = object()
+def _event_cells(obj: dict[str, Any]) -> list[Any]:
+    ref = obj.get("involvedObject") or obj.get("regarding") or {}
+    last = (
+        obj.get("lastTimestamp") or obj.get("eventTime") or obj["metadata"].get("creationTimestamp")
+    )
+    return [
+        human_age(last),
+        obj.get("type", ""),
+        obj.get("reason", ""),
+        f"{str(ref.get('kind', '')).lower()}/{ref.get('name', '')}",
+        obj.get("message") or obj.get("note", ""),
+    ]
+
+
 _BUILTIN_COLUMNS: dict[tuple[str, str], tuple[list[dict[str, Any]], Any]] = {
     ("", "pods"): (
         [_col("Ready"), _col("Status"), _col("Restarts", "integer")],
@@ -187,6 +202,7 @@ _BUILTIN_COLUMNS: dict[tuple[str, str], tuple[list[dict[str, Any]], Any]] = {
     ),
     ("", "namespaces"): ([_col("Status")], lambda o: [(o.get("status") or {}).get("phase", "")]),
 }
+_EVENT_COLUMNS = [_col("Last Seen"), _col("Type"), _col("Reason"), _col("Object"), _col("Message")]
 
 
 def to_table(
@@ -201,7 +217,10 @@ def to_table(
     name_col["description"] = "Name must be unique within a namespace."
     age_col = _col("Age", "date")
     builtin = _BUILTIN_COLUMNS.get(rt.key)
-    if rt.is_crd and rt.printer_columns:
+    is_event = rt.kind == "Event" and not rt.is_crd
+    if is_event:
+        columns = [*_EVENT_COLUMNS, {**name_col, "priority": 1}]
+    elif rt.is_crd and rt.printer_columns:
         columns = [name_col] + [
             _col(
                 c.get("name", ""),
@@ -218,7 +237,9 @@ def to_table(
     rows = []
     for obj in objects:
         meta = obj["metadata"]
-        if rt.is_crd and rt.printer_columns:
+        if is_event:
+            cells = [*_event_cells(obj), meta["name"]]
+        elif rt.is_crd and rt.printer_columns:
             cells = [meta["name"]] + [
                 _cell(jsonpath(obj, c.get("jsonPath", "")), c.get("type", "string"))
                 for c in rt.printer_columns

@@ -282,6 +282,33 @@ def test_create_sets_metadata_and_errors_look_like_kube(emu: Emulator, namespace
     assert re.fullmatch(r"gen-[a-z0-9]{5}", generated["metadata"]["name"])
 
 
+def test_service_defaults_and_kept_cluster_ip(emu: Emulator, namespace: str) -> None:
+    base = f"/api/v1/namespaces/{namespace}/services"
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "api"},
+        "spec": {"selector": {"app": "api"}, "ports": [{"name": "http", "port": 80}]},
+    }
+    made = emu.apply(f"{base}/api", svc, manager="ketch").ok()
+    spec = made["spec"]
+    assert spec["type"] == "ClusterIP"
+    assert re.fullmatch(r"10\.96\.\d+\.\d+", spec["clusterIP"]) and spec["clusterIPs"] == [
+        spec["clusterIP"]
+    ]
+    assert spec["ports"] == [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 80}]
+    noop(emu, "apply", lambda: emu.apply(f"{base}/api", svc, manager="ketch").ok())
+    replaced = emu.put(f"{base}/api", svc).ok()  # no clusterIP in the body: the old one stays
+    assert replaced["spec"]["clusterIP"] == spec["clusterIP"]
+    headless = emu.post(
+        base,
+        {"metadata": {"name": "headless"}, "spec": {"clusterIP": "None", "selector": {"app": "x"}}},
+    ).ok()
+    assert headless["spec"]["clusterIPs"] == ["None"]
+    changed = emu.patch(f"{base}/api", {"spec": {"clusterIP": "10.96.99.99"}})
+    assert changed.status == 422 and "may not change once set" in changed.body["message"]
+
+
 def test_put_conflict_on_stale_resource_version(emu: Emulator, namespace: str) -> None:
     path = f"/api/v1/namespaces/{namespace}/configmaps/c"
     first = emu.post(f"/api/v1/namespaces/{namespace}/configmaps", cm("c")).ok()
@@ -414,6 +441,10 @@ def test_list_selectors_and_pagination(emu: Emulator, namespace: str) -> None:
     rest = emu.get(base, params={"limit": "3", "continue": page["metadata"]["continue"]}).ok()
     assert [o["metadata"]["name"] for o in rest["items"]] == ["d"]
     assert "continue" not in rest["metadata"]
+
+    gone = emu.delete(base, params={"labelSelector": "tier=web"}).ok()  # deletecollection
+    assert sorted(o["metadata"]["name"] for o in gone["items"]) == ["a", "c"]
+    assert names() == ["b", "d"]
 
     everywhere = emu.get("/api/v1/configmaps", params={"labelSelector": "tier=db"}).ok()
     assert [(o["metadata"]["namespace"], o["metadata"]["name"]) for o in everywhere["items"]] == [
@@ -684,8 +715,7 @@ def test_managed_fields_can_be_rewritten_or_cleared(emu: Emulator, namespace: st
     path = f"/api/v1/namespaces/{namespace}/configmaps/mf"
     emu.apply(path, cm("mf", {"a": "1"}), manager="one").ok()
     current = emu.get(path).ok()
-    renamed = json.loads(json.dumps(current["metadata"]["managedFields"]).replace(
-        '"one"', '"two"'))
+    renamed = json.loads(json.dumps(current["metadata"]["managedFields"]).replace('"one"', '"two"'))
     out = emu.patch(path, {"metadata": {"managedFields": renamed}}).ok()
     assert [e["manager"] for e in out["metadata"]["managedFields"]] == ["two"]
     cleared = emu.patch(path, {"metadata": {"managedFields": [{}]}}).ok()
@@ -694,8 +724,10 @@ def test_managed_fields_can_be_rewritten_or_cleared(emu: Emulator, namespace: st
     deploy = f"/apis/apps/v1/namespaces/{namespace}/deployments/mfd"
     emu.apply(deploy, deployment("mfd", replicas=0), manager="one").ok()
     live = emu.get(deploy).ok()
-    st = emu.patch(f"{deploy}/status", {"metadata": {"managedFields": [{}]},
-                                        "status": {"observedGeneration": 5}})
+    st = emu.patch(
+        f"{deploy}/status",
+        {"metadata": {"managedFields": [{}]}, "status": {"observedGeneration": 5}},
+    )
     assert ("one", "Apply") in managers(st.ok()), live["metadata"]["managedFields"]
 
 
@@ -1131,9 +1163,11 @@ def test_progress_deadline_exceeded(emu: Emulator, namespace: str) -> None:
     body["spec"]["progressDeadlineSeconds"] = 1
     emu.post(base, body).ok()
     d = wait_for(
-        lambda: (o := emu.get(f"{base}/stuck").ok()).get("status", {}).get("conditions")
-        and _conditions(o)["Progressing"][0] == "False"
-        and o,
+        lambda: (
+            (o := emu.get(f"{base}/stuck").ok()).get("status", {}).get("conditions")
+            and _conditions(o)["Progressing"][0] == "False"
+            and o
+        ),
         what="progress deadline",
     )
     assert _conditions(d)["Progressing"] == ("False", "ProgressDeadlineExceeded")
