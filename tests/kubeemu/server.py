@@ -2,6 +2,19 @@
 
 Run: `python tests/kubeemu/server.py --port 0` prints `KUBEEMU_LISTENING http://127.0.0.1:PORT`
 on stdout once it serves. See tests/kubeemu/__init__.py for the test-side helpers.
+
+Known differences from kube-apiserver (deliberate simplifications):
+- one storage per group/resource; CRD versions share it without conversion (apiVersion is
+  rewritten); core/v1 and events.k8s.io/v1 Events are separate stores.
+- no authn/authz, admission webhooks, quotas, limit ranges, RBAC enforcement.
+- the Deployment controller owns Pods directly (no ReplicaSets), rolls all pods at once
+  (old pods go when the new ones are ready), ignores minReadySeconds and paused.
+- SSA: container ports are keyed by containerPort, service ports by port (the real keys add
+  protocol); custom resources use x-kubernetes-list-type from their schema (atomic otherwise).
+- GC runs synchronously on delete; Foreground propagation behaves like Background.
+- list `resourceVersion`/`resourceVersionMatch` are ignored (lists are always current);
+  protobuf request bodies only for Namespace/ConfigMap/Secret/ServiceAccount (kubectl create).
+- no /openapi/v2; /openapi/v3 only tells kubectl which endpoints accept fieldValidation.
 """
 
 from __future__ import annotations
