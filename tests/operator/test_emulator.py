@@ -571,9 +571,13 @@ def test_merge_json_and_strategic_patches(emu: Emulator, namespace: str, widgets
     ).ok()  # merge patch replaces lists
     assert merge["spec"]["template"]["spec"]["containers"][0].get("env") is None
 
-    current = merge["metadata"]["resourceVersion"]
+    # JSON patch with kopf's optimistic lock (a ConfigMap: no controller writes in between)
+    cm_path = f"/api/v1/namespaces/{namespace}/configmaps/jp"
+    current = emu.post(f"/api/v1/namespaces/{namespace}/configmaps", cm("jp")).ok()["metadata"][
+        "resourceVersion"
+    ]
     ok = emu.patch(
-        f"{base}/p",
+        cm_path,
         [
             {"op": "test", "path": "/metadata/resourceVersion", "value": current},
             {"op": "add", "path": "/metadata/annotations", "value": {"a": "b"}},
@@ -582,7 +586,7 @@ def test_merge_json_and_strategic_patches(emu: Emulator, namespace: str, widgets
     )
     assert ok.ok()["metadata"]["annotations"] == {"a": "b"}
     stale = emu.patch(
-        f"{base}/p",
+        cm_path,
         [
             {"op": "test", "path": "/metadata/resourceVersion", "value": current},
             {"op": "add", "path": "/metadata/annotations/c", "value": "d"},
