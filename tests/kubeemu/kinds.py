@@ -349,8 +349,8 @@ def default_pod_spec(spec: dict[str, Any]) -> None:
         for src in ("configMap", "secret"):
             if isinstance(v.get(src), dict):
                 v[src].setdefault("defaultMode", 420)
-        if isinstance(v.get("emptyDir"), dict) or (v.get("emptyDir") is None and "emptyDir" in v):
-            v["emptyDir"] = v.get("emptyDir") or {}
+        if "emptyDir" in v and v["emptyDir"] is None:
+            v["emptyDir"] = {}
 
 
 def apply_defaults(rt: ResourceType, obj: dict[str, Any], ip_alloc: Any = None) -> None:
@@ -418,13 +418,7 @@ def apply_defaults(rt: ResourceType, obj: dict[str, Any], ip_alloc: Any = None) 
         obj.setdefault("spec", {}).setdefault("finalizers", ["kubernetes"])
         obj.setdefault("status", {}).setdefault("phase", "Active")
     elif key == ("networking.k8s.io", "networkpolicies") and isinstance(spec, dict):
-        if "policyTypes" not in spec:
-            types = ["Ingress"]
-            if spec.get("egress"):
-                types.append("Egress")
-            spec["policyTypes"] = types
-    elif key == ("policy", "poddisruptionbudgets") and isinstance(spec, dict):
-        pass
+        spec.setdefault("policyTypes", ["Ingress", "Egress"] if spec.get("egress") else ["Ingress"])
 
 
 def keep_allocated_service_fields(old: dict[str, Any], new: dict[str, Any]) -> None:
