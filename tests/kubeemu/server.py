@@ -14,7 +14,8 @@ Known differences from kube-apiserver (deliberate simplifications):
 - GC runs synchronously on delete; Foreground propagation behaves like Background.
 - list `resourceVersion`/`resourceVersionMatch` are ignored (lists are always current);
   protobuf request bodies only for Namespace/ConfigMap/Secret/ServiceAccount (kubectl create).
-- no /openapi/v2; /openapi/v3 only tells kubectl which endpoints accept fieldValidation.
+- no /openapi/v2; /openapi/v3 tells kubectl which endpoints accept fieldValidation and serves
+  custom resources' schemas (for `kubectl explain`), not the built-in kinds'.
 """
 
 from __future__ import annotations
@@ -277,7 +278,16 @@ class EmulatorApp:
             for n in ("dryRun", "fieldManager", "fieldValidation", "force")
         ]
         out_paths: dict[str, Any] = {}
+        schemas: dict[str, Any] = {}
         for rt in sorted(gvs[gv], key=lambda r: r.plural):
+            if rt.schema:  # custom resources: their schema, so that `kubectl explain` works
+                dotted = ".".join(reversed(rt.group.split(".")))
+                schemas[f"{dotted}.{rt.version}.{rt.kind}"] = {
+                    **rt.schema,
+                    "x-kubernetes-group-version-kind": [
+                        {"group": rt.group, "version": rt.version, "kind": rt.kind}
+                    ],
+                }
             base = f"/{gv}/namespaces/{{namespace}}" if rt.namespaced else f"/{gv}"
             gvk = {"group": rt.group, "version": rt.version, "kind": rt.kind}
             for verb in ("patch", "put", "post"):
@@ -294,7 +304,7 @@ class EmulatorApp:
                 "openapi": "3.0.0",
                 "info": {"title": "Kubernetes", "version": VERSION_INFO["gitVersion"]},
                 "paths": out_paths,
-                "components": {"schemas": {}},
+                "components": {"schemas": schemas},
             }
         )
 

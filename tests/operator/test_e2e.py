@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import time
@@ -142,6 +143,9 @@ def operator(cluster) -> Iterator[Controller]:
     registry = make_registry(resync_seconds=0, on_controller=controllers.append)
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kube.kubeconfig)
+    # kopf's CLI gives the root logger a handler on click's captured stream, which is closed
+    # when the runner ends; later KopfRunners in this session would log into a closed file.
+    root_handlers = list(logging.getLogger().handlers)
     try:
         with KopfRunner(
             ["run", "--standalone", "--namespace", cluster.namespace],
@@ -152,6 +156,7 @@ def operator(cluster) -> Iterator[Controller]:
             yield controllers[0]
         assert runner.exit_code == 0, runner.output
     finally:
+        logging.getLogger().handlers[:] = root_handlers
         if previous is None:
             os.environ.pop("KUBECONFIG", None)
         else:
@@ -456,3 +461,11 @@ def test_a_spec_the_engine_refuses_degrades_without_hurting_others(cluster, oper
     fixed["spec"]["engine"]["kvCacheMemory"] = "128MiB"
     cluster.apply(fixed)
     wait_for(lambda: ready(cluster, "iota"), "iota Ready once fixed")
+
+
+def test_kubectl_explain_describes_engine_fields(cluster):
+    result = cluster.run("explain", "inferenceservice.spec.engine", ns=False)
+    assert "maxNumSeqs" in result.stdout
+    assert "--max-num-seqs" in result.stdout  # the flag the field sets
+    result = cluster.run("explain", "kisvc.spec.roles.mixed.autoscaling", ns=False)
+    assert "maxReplicas" in result.stdout and "HorizontalPodAutoscaler" in result.stdout
