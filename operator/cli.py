@@ -19,6 +19,7 @@ PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 
 _EXAMPLES = """examples:
   ketch-operator run                          # every namespace, with peering
+  ketch-operator run --standalone -n dev      # no peering object needed (local testing)
   ketch-operator run --namespace llm          # one namespace (repeatable)
   ketch-operator render examples/mixed.yaml   # the children the operator would apply
   ketch-operator crd | kubectl apply -f -     # install or upgrade the CRD
@@ -85,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     render = commands.add_parser(
         "render",
         help="print the children the operator would apply for InferenceService file(s)",
-        description="Validates each InferenceService in FILE(s) exactly as the operator does and "
-        "prints, as YAML documents, the objects it applies (same code path). Owner references "
+        description="Validates each InferenceService in FILE(s) as the API server and the "
+        "operator would (CRD schema, its CEL rules, the engine's own checks) and prints, as YAML "
+        "documents, the objects the operator applies (same code path). Owner references "
         "need the object's uid: taken from the file when present (e.g. from 'kubectl get -o "
         "yaml'), else from --owner-uid, else a placeholder.",
     )
