@@ -48,6 +48,20 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def project(desired: Any, actual: Any) -> Any:
+    """``desired`` with each value as the server stored it (``actual``, the apply's answer).
+
+    The server normalises some values (a CPU of "0.5" comes back as "500m"); drift is judged
+    against what it stored, or every watch event would look like a hand edit."""
+    if isinstance(desired, dict) and isinstance(actual, dict):
+        return {k: project(v, actual[k]) if k in actual else v for k, v in desired.items()}
+    if isinstance(desired, list) and isinstance(actual, list) and len(desired) == len(actual):
+        return [project(d, a) for d, a in zip(desired, actual, strict=True)]
+    if isinstance(desired, dict | list) or isinstance(actual, dict | list):
+        return desired
+    return actual
+
+
 def contains(desired: Any, live: Any) -> bool:
     """True when ``live`` holds everything ``desired`` sets (the server may add defaults)."""
     if isinstance(desired, dict):
@@ -80,7 +94,8 @@ class Tracked:
     """What the controller knows of one InferenceService."""
 
     body: Obj
-    desired: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)
+    desired: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # what is applied
+    expected: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # as the server has it
     applied_generation: int | None = None
     invalid_generation: int | None = None
     written_status: Obj | None = None
@@ -154,7 +169,7 @@ class Controller:
         tracked = self.tracked.get(key)
         if tracked is None:
             return
-        desired = tracked.desired.get((kind, name))
+        desired = tracked.expected.get((kind, name)) or tracked.desired.get((kind, name))
         if desired is not None and (event_type == "DELETED" or not contains(desired, body)):
             self.enqueue(key, Work(drift={(kind, name)}, status=kind == "Deployment"))
         elif kind == "Deployment":
@@ -264,14 +279,18 @@ class Controller:
         children = builders.build(svc)
         desired = {(c["kind"], c["metadata"]["name"]): c for c in children}
         changed = []
+        expected = {}
         for child in children:
-            before = self.children.get(key, {}).get((child["kind"], child["metadata"]["name"]))
+            child_key = (child["kind"], child["metadata"]["name"])
+            before = self.children.get(key, {}).get(child_key)
             result = await self.client.apply(child)
+            expected[child_key] = project(child, result)
             self.metrics.applies.labels(child["kind"]).inc()
             if before is None or _rv(before) != _rv(result):
                 changed.append(f"{child['kind']} {child['metadata']['name']}")
         pruned = await self._prune(key, svc, desired)
         tracked.desired = desired
+        tracked.expected = expected
         tracked.applied_generation = generation
         tracked.invalid_generation = None
         if changed or pruned:
@@ -308,9 +327,11 @@ class Controller:
         for child_key in sorted(drift):
             child = tracked.desired.get(child_key)
             live = self.children.get(key, {}).get(child_key)
-            if child is None or (live is not None and contains(child, live)):
+            wanted = tracked.expected.get(child_key) or child
+            if child is None or (live is not None and contains(wanted, live)):
                 continue  # already put back, or no longer wanted
-            await self.client.apply(child)
+            result = await self.client.apply(child)
+            tracked.expected[child_key] = project(child, result)
             self.metrics.applies.labels(child_key[0]).inc()
             self.metrics.restored.labels(child_key[0]).inc()
             what = "deleted" if live is None else "changed"

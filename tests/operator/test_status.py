@@ -129,3 +129,19 @@ def test_contains_is_a_subset_check():
     assert not contains(desired, {"spec": {"ports": [{"name": "http", "port": 81}], "replicas": 2}})
     assert not contains(desired, {"spec": {"ports": [], "replicas": 2}})
     assert not contains({"a": {"b": 1}}, {"a": {}})
+
+
+def test_drift_is_judged_against_what_the_server_stored():
+    from ketch.operator.controller import project
+
+    desired = {"spec": {"cpu": "0.5", "ports": [{"port": 80}], "env": [{"name": "A"}]}}
+    stored = {
+        "spec": {"cpu": "500m", "ports": [{"port": 80, "protocol": "TCP"}], "env": []},
+        "status": {},
+    }
+    expected = project(desired, stored)
+    assert expected == {"spec": {"cpu": "500m", "ports": [{"port": 80}], "env": [{"name": "A"}]}}
+    assert contains(
+        expected, {"spec": {"cpu": "500m", "ports": [{"port": 80}], "env": [{"name": "A"}]}}
+    )
+    assert not contains(expected, {"spec": {"cpu": "0.5", "ports": [{"port": 80}], "env": []}})
