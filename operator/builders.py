@@ -9,6 +9,8 @@ no-op on the server. Children, per InferenceService ``N``:
 - Per role: Deployment ``N-<role>`` (engine container, optional cache-manager sidecar, memory-backed
   ``/dev/shm``), Service ``N-<role>`` (API), headless Service ``N-<role>-peers`` (peer discovery),
   PodDisruptionBudget ``N-<role>``.
+- Per autoscaled role: HorizontalPodAutoscaler ``N-<role>`` (mode ``hpa``, the default) or KEDA
+  ScaledObject ``N-<role>`` (mode ``keda``), targeting Deployment ``N-<role>``.
 - Disaggregated: Deployment, Service and PodDisruptionBudget ``N-router``.
 - NetworkPolicy ``N``: internal ports only from the InferenceService's own pods.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from ketch.operator import crd
+from ketch.operator import autoscaling, crd
 from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
 
 MANAGER = "ketch-operator"
@@ -33,6 +35,7 @@ CONFIG_DIR = "/etc/ketch"
 RUN_AS_USER = 1000
 # Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
 PRESTOP_SLEEP = 5
+SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
 
 Obj = dict[str, Any]
 
@@ -485,6 +488,66 @@ def network_policy(svc: ServiceSpec) -> Obj:
     }
 
 
+# --------------------------------------------------------------------------- autoscaling
+
+
+def _scale_target(svc: ServiceSpec, role: str) -> Obj:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{svc.name}-{role}"}
+
+
+def hpa(svc: ServiceSpec, role: str) -> Obj:
+    """An ``autoscaling/v2`` HorizontalPodAutoscaler on the role's Deployment; engine metrics are
+    ``Pods`` metrics under the names the prometheus-adapter rules (manifests/metrics) give them."""
+    spec = svc.role(role)["autoscaling"]
+    hpa_spec: Obj = {
+        "scaleTargetRef": _scale_target(svc, role),
+        "minReplicas": spec["minReplicas"],
+        "maxReplicas": spec["maxReplicas"],
+        "metrics": [autoscaling.hpa_metric(m) for m in spec["metrics"]],
+    }
+    behavior = autoscaling.behavior(spec)
+    if behavior:
+        hpa_spec["behavior"] = behavior
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(svc, f"{svc.name}-{role}", labels(svc, role)),
+        "spec": hpa_spec,
+    }
+
+
+def scaled_object(svc: ServiceSpec, role: str) -> Obj:
+    """A KEDA ``ScaledObject`` on the role's Deployment: KEDA runs the PromQL itself (no
+    prometheus-adapter) and manages an HPA of its own."""
+    spec = svc.role(role)["autoscaling"]
+    deployment_name = f"{svc.name}-{role}"
+    so_spec: Obj = {
+        "scaleTargetRef": _scale_target(svc, role),
+        "minReplicaCount": spec["minReplicas"],
+        "maxReplicaCount": spec["maxReplicas"],
+    }
+    behavior = autoscaling.behavior(spec)
+    if behavior:
+        so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": behavior}}
+    so_spec["triggers"] = [
+        autoscaling.keda_trigger(m, svc.namespace, deployment_name, spec.get("prometheusAddress"))
+        for m in spec["metrics"]
+    ]
+    return {
+        "apiVersion": SCALED_OBJECT_API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": metadata(svc, deployment_name, labels(svc, role)),
+        "spec": so_spec,
+    }
+
+
+def autoscaler(svc: ServiceSpec, role: str) -> Obj | None:
+    spec = svc.role(role).get("autoscaling")
+    if not spec:
+        return None
+    return scaled_object(svc, role) if spec["mode"] == "keda" else hpa(svc, role)
+
+
 # --------------------------------------------------------------------------- all of it
 
 
@@ -502,6 +565,7 @@ def build(svc: ServiceSpec) -> list[Obj]:
     children += [engine_deployment(svc, role, configs[role]) for role in roles]
     if svc.disaggregated:
         children.append(router_deployment(svc))
+    children += [a for a in (autoscaler(svc, role) for role in roles) if a is not None]
     return children
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ketch.operator import builders, crd
+from ketch.operator import autoscaling, builders, crd
 from ketch.operator.spec import InvalidSpec, parse
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -23,6 +23,7 @@ _EXAMPLES = """examples:
   ketch-operator run --namespace llm          # one namespace (repeatable)
   ketch-operator render examples/mixed.yaml   # the children the operator would apply
   ketch-operator crd | kubectl apply -f -     # install or upgrade the CRD
+  ketch-operator adapter-rules                # prometheus-adapter rules for autoscaling
 """
 
 
@@ -107,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the InferenceService CustomResourceDefinition",
         description="Prints the CRD generated from Ketch's configuration definitions.",
     )
+    commands.add_parser(
+        "adapter-rules",
+        help="print the prometheus-adapter rules (Helm values) for the engine's metrics",
+        description="Prints the prometheus-adapter Helm values that expose the engine's "
+        "Prometheus metrics as the custom metrics the operator's HPAs use "
+        "(manifests/metrics/prometheus-adapter-values.yaml).",
+    )
     return parser
 
 
@@ -123,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "crd":
         sys.stdout.write(builders.dump_yaml(crd.crd()))
+        return 0
+    if args.command == "adapter-rules":
+        sys.stdout.write(autoscaling.adapter_values())
         return 0
     if args.command == "render":
         return _render(args)

@@ -41,7 +41,20 @@ Key = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str]  # (kind, name)
 Obj = dict[str, Any]
 
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "NetworkPolicy")
+CHILD_KINDS = (
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+)
+# Child kinds kopf does not watch (handlers.CHILD_RESOURCES): KEDA's ScaledObject is a custom
+# kind that may not be installed, and a watch on a missing resource fails forever. Without
+# events, a ScaledObject edited by hand is put back by the next full reconcile (resync) rather
+# than at once, and pruning looks such children up by name (see _prune_unwatched).
+UNWATCHED_KINDS = ("ScaledObject",)
 
 
 def now() -> str:
@@ -283,12 +296,28 @@ class Controller:
         for child in children:
             child_key = (child["kind"], child["metadata"]["name"])
             before = self.children.get(key, {}).get(child_key)
-            result = await self.client.apply(child)
+            try:
+                result = await self.client.apply(child)
+            except ApiError as exc:
+                if not (exc.status == 404 and child["kind"] in UNWATCHED_KINDS):
+                    raise
+                # The kind's CRD is not installed (KEDA missing): everything else is applied;
+                # the next full reconcile (resync, new generation) tries again.
+                logger.warning("%s/%s: cannot apply %s %s: %s", *key, *child_key, exc)
+                await self.event(
+                    tracked.body,
+                    "Warning",
+                    "AutoscalerUnavailable",
+                    f"{child['kind']} {child['metadata']['name']} could not be created: "
+                    f"{child['apiVersion']} is not served (is KEDA installed?)",
+                )
+                continue
             expected[child_key] = project(child, result)
             self.metrics.applies.labels(child["kind"]).inc()
             if before is None or _rv(before) != _rv(result):
                 changed.append(f"{child['kind']} {child['metadata']['name']}")
         pruned = await self._prune(key, svc, desired)
+        pruned += await self._prune_unwatched(key, tracked, svc, desired)
         tracked.desired = desired
         tracked.expected = expected
         tracked.applied_generation = generation
@@ -321,6 +350,32 @@ class Controller:
                 continue
             await self.client.delete(kind, svc.namespace, name)
             deleted.append(f"{kind} {name}")
+        return deleted
+
+    async def _prune_unwatched(
+        self, key: Key, tracked: Tracked, svc: ServiceSpec, desired: dict[ChildKey, Obj]
+    ) -> list[str]:
+        """Deletes unwatched children (ScaledObjects) no longer wanted. They are looked up by
+        their names (``<name>-<role>``), and only where one may exist."""
+        deleted = []
+        first = tracked.applied_generation is None
+        for kind in UNWATCHED_KINDS:
+            # After a start-up nothing is known: look at the spec's roles; else at what the
+            # last applied generation had.
+            names = (
+                {f"{svc.name}-{role}" for role in svc.roles}
+                if first
+                else {n for k, n in tracked.desired if k == kind}
+            )
+            for name in sorted(names):
+                if (kind, name) in desired:
+                    continue
+                live = await self.client.get(kind, svc.namespace, name)  # None: 404
+                owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+                if not any(o.get("uid") == svc.uid for o in owners):
+                    continue
+                await self.client.delete(kind, svc.namespace, name)
+                deleted.append(f"{kind} {name}")
         return deleted
 
     async def _restore(self, key: Key, tracked: Tracked, drift: set[ChildKey]) -> None:

@@ -228,24 +228,87 @@ def _scheduling() -> dict[str, Any]:
     )
 
 
-def _autoscaling() -> dict[str, Any]:
+POSITIVE_QUANTITY_PATTERN = (
+    r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+)
+
+
+def _scaling_rules(direction: str, default_window: str) -> dict[str, Any]:
     return obj(
-        "Scale this role with a HorizontalPodAutoscaler on the engine's metrics. When set, the "
-        "operator leaves the Deployment's replicas to the autoscaler (spec.roles.*.replicas is "
-        "then only the starting size).",
+        f"How fast to scale {direction}.",
         {
+            "stabilizationWindowSeconds": integer(
+                f"Seconds of past recommendations to consider before scaling {direction} "
+                f"(the autoscaler picks the {'lowest' if direction == 'up' else 'highest'} "
+                f"one); the Kubernetes default is {default_window}.",
+                minimum=0,
+                maximum=3600,
+            ),
+        },
+    )
+
+
+def _autoscaling() -> dict[str, Any]:
+    from ketch.operator import autoscaling
+
+    metric_types = "; ".join(f"{m.type}: {m.description}" for m in autoscaling.METRICS)
+    return obj(
+        "Scale this role on the engine's metrics. When set, the operator leaves the "
+        "Deployment's replicas to the autoscaler (spec.roles.*.replicas is then ignored), so "
+        "re-applying the InferenceService never resets them.",
+        {
+            "mode": string(
+                "Which autoscaler: 'hpa' (a HorizontalPodAutoscaler on custom metrics from "
+                "prometheus-adapter, see manifests/metrics) or 'keda' (a KEDA ScaledObject that "
+                "queries Prometheus itself; needs KEDA and prometheusAddress).",
+                default=autoscaling.DEFAULT_MODE,
+                enum=list(autoscaling.MODES),
+            ),
             "minReplicas": integer("Fewest pods.", default=1, minimum=1),
             "maxReplicas": integer("Most pods.", minimum=1),
-            "targetRunningRequests": integer(
-                "Target of ketch:num_requests_running per pod.", minimum=1
+            "metrics": {
+                "type": "array",
+                "description": "What to scale on; the autoscaler takes the largest pod count "
+                "any of them asks for. Defaults to RequestsWaiting with a target of 4.",
+                "items": obj(
+                    "A metric and its target, a per-pod average.",
+                    {
+                        "type": string(
+                            f"The metric. {metric_types}.", enum=list(autoscaling.TYPES)
+                        ),
+                        "target": {
+                            "description": "Target per-pod average of the metric, in its own "
+                            "unit: an integer or a positive quantity such as 800m or 48Gi.",
+                            "anyOf": [{"type": "integer"}, {"type": "string"}],
+                            "x-kubernetes-int-or-string": True,
+                            "minimum": 1,
+                            "pattern": POSITIVE_QUANTITY_PATTERN,
+                        },
+                    },
+                    required=("type", "target"),
+                ),
+                "minItems": 1,
+                "maxItems": len(autoscaling.TYPES),
+                "default": autoscaling.DEFAULT_METRICS,
+                "x-kubernetes-validations": [
+                    _rule(
+                        "self.all(m, self.exists_one(n, n.type == m.type))",
+                        "each metric type may appear once",
+                    )
+                ],
+            },
+            "behavior": obj(
+                "Scaling speed (the HorizontalPodAutoscaler's behavior).",
+                {
+                    "scaleUp": _scaling_rules("up", "0"),
+                    "scaleDown": _scaling_rules("down", "300"),
+                },
             ),
-            "targetWaitingRequests": integer(
-                "Target of ketch:num_requests_waiting per pod.", minimum=0
-            ),
-            "targetKVCacheUsagePercent": integer(
-                "Target of ketch:gpu_cache_usage_perc per pod, in percent.",
-                minimum=1,
-                maximum=100,
+            "prometheusAddress": string(
+                "Prometheus URL that KEDA queries (mode 'keda' only), e.g. "
+                "http://prometheus-operated.monitoring.svc:9090.",
+                pattern=r"^https?://.+",
+                maxLength=1024,
             ),
         },
         required=("maxReplicas",),
@@ -254,6 +317,12 @@ def _autoscaling() -> dict[str, Any]:
                 "self.minReplicas <= self.maxReplicas",
                 "minReplicas must not exceed maxReplicas",
                 ".minReplicas",
+            ),
+            (
+                "self.mode != 'keda' || has(self.prometheusAddress) || "
+                "self.metrics.all(m, m.type == 'CPU' || m.type == 'Memory')",
+                "mode 'keda' needs prometheusAddress to scale on engine metrics",
+                ".prometheusAddress",
             ),
         ),
     )

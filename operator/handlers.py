@@ -31,6 +31,8 @@ CHILD_RESOURCES = (
     ("apps/v1", "deployments"),
     ("policy/v1", "poddisruptionbudgets"),
     ("networking.k8s.io/v1", "networkpolicies"),
+    ("autoscaling/v2", "horizontalpodautoscalers"),
+    # Not KEDA's scaledobjects: see controller.UNWATCHED_KINDS.
 )
 
 

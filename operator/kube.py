@@ -32,6 +32,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     crd.KIND: (crd.API_VERSION, crd.PLURAL),
 }
 

@@ -46,6 +46,9 @@ COMMON_GRANTS: dict[tuple[str, str], set[str]] = {
     ("apps", "deployments"): ALL_WRITES,
     ("policy", "poddisruptionbudgets"): ALL_WRITES,
     ("networking.k8s.io", "networkpolicies"): ALL_WRITES,
+    ("autoscaling", "horizontalpodautoscalers"): ALL_WRITES,
+    # Never watched (the operator must work without KEDA): applied, read and deleted by name.
+    ("keda.sh", "scaledobjects"): {"get", "create", "update", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
@@ -312,7 +315,10 @@ def test_rbac_covers_everything_the_code_touches():
     assert applied <= set(controller.CHILD_KINDS)
     for kind in controller.CHILD_KINDS:  # server-side applied, pruned, watched
         key = _group_plural(*kube.RESOURCES[kind])
-        assert {"list", "watch", "create", "patch", "delete"} <= COMMON_GRANTS[key], kind
+        needed = {"get", "create", "patch", "delete"}
+        if kind not in controller.UNWATCHED_KINDS:
+            needed |= {"list", "watch"}
+        assert needed <= COMMON_GRANTS[key], kind
     for api_version, plural in handlers.CHILD_RESOURCES:
         assert {"list", "watch"} <= COMMON_GRANTS[_group_plural(api_version, plural)]
     status = _group_plural(crd.API_VERSION, crd.PLURAL + "/status")
