@@ -91,11 +91,13 @@ def ssl_context(info: Any) -> ssl.SSLContext | bool:
 
 
 class KubeClient:
-    def __init__(self, info: Any, *, connections: int = 32):
+    def __init__(self, info: Any, *, connections: int = 32, relogin: Any = None):
+        """``relogin()`` returns fresh credentials (a ConnectionInfo); it is called once on a 401,
+        because service-account tokens are rotated under a long-running operator."""
         self.server = str(info.server).rstrip("/")
+        self._relogin = relogin
+        self._authorization = self._bearer(info)
         headers = {"Accept": "application/json", "User-Agent": "ketch-operator"}
-        if info.token:
-            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
         auth = (
             aiohttp.BasicAuth(info.username, info.password or "")
             if info.username and not info.token
@@ -107,6 +109,10 @@ class KubeClient:
             connector=aiohttp.TCPConnector(limit=connections, ssl=ssl_context(info)),
             timeout=aiohttp.ClientTimeout(total=30),
         )
+
+    @staticmethod
+    def _bearer(info: Any) -> dict[str, str]:
+        return {"Authorization": f"{info.scheme or 'Bearer'} {info.token}"} if info.token else {}
 
     async def close(self) -> None:
         await self._session.close()
@@ -121,24 +127,36 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> Any:
         data = None if body is None else json.dumps(body, separators=(",", ":"))
-        async with self._session.request(
-            method,
-            self.server + path,
-            params=params,
-            data=data,
-            headers={"Content-Type": content_type} if data is not None else None,
-        ) as response:
-            text = await response.text()
+        for attempt in (1, 2):
+            headers = dict(self._authorization)
+            if data is not None:
+                headers["Content-Type"] = content_type
+            async with self._session.request(
+                method, self.server + path, params=params, data=data, headers=headers
+            ) as response:
+                status = response.status
+                text = await response.text()
+            if status == 401 and attempt == 1 and self._relogin is not None:
+                self._authorization = self._bearer(self._relogin())
+                continue
+            break
+        return self._decode(status, text)
+
+    @staticmethod
+    def _decode(status: int, text: str) -> Any:
+        try:
             payload = json.loads(text) if text else {}
-            if response.status >= 400:
-                if isinstance(payload, dict):
-                    raise ApiError(
-                        response.status,
-                        str(payload.get("reason") or response.reason),
-                        str(payload.get("message") or text),
-                    )
-                raise ApiError(response.status, str(response.reason), text)
-            return payload
+        except ValueError:
+            payload = text
+        if status >= 400:
+            if isinstance(payload, dict):
+                raise ApiError(
+                    status,
+                    str(payload.get("reason") or status),
+                    str(payload.get("message") or text),
+                )
+            raise ApiError(status, str(status), text)
+        return payload
 
     async def apply(self, obj: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
         """Server-side apply: the operator owns exactly the fields ``obj`` sets."""
