@@ -26,7 +26,7 @@ from typing import Any
 
 from ketch.engine.metrics import PREFIX
 
-MODES = ("hpa", "keda")  # "ketch" (coordinated scaling across roles) is a later addition
+MODES = ("hpa", "keda", "ketch")  # ketch: the operator scales the roles itself (autoscaler.py)
 DEFAULT_MODE = "hpa"
 CUSTOM_PREFIX = "ketch_"  # custom metric names may not contain ':' (they are URL path segments)
 TTFT_QUANTILE = 0.9

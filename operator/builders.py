@@ -543,7 +543,7 @@ def scaled_object(svc: ServiceSpec, role: str) -> Obj:
 
 def autoscaler(svc: ServiceSpec, role: str) -> Obj | None:
     spec = svc.role(role).get("autoscaling")
-    if not spec:
+    if not spec or spec["mode"] == "ketch":  # the operator scales it itself: no autoscaler object
         return None
     return scaled_object(svc, role) if spec["mode"] == "keda" else hpa(svc, role)
 

@@ -260,7 +260,9 @@ def _autoscaling() -> dict[str, Any]:
             "mode": string(
                 "Which autoscaler: 'hpa' (a HorizontalPodAutoscaler on custom metrics from "
                 "prometheus-adapter, see manifests/metrics) or 'keda' (a KEDA ScaledObject that "
-                "queries Prometheus itself; needs KEDA and prometheusAddress).",
+                "queries Prometheus itself; needs KEDA and prometheusAddress) or 'ketch' (the "
+                "operator scrapes the pods' /metrics and sets the replicas itself, keeping the "
+                "prefill:decode ratio of spec.autoscaling; engine metrics only).",
                 default=autoscaling.DEFAULT_MODE,
                 enum=list(autoscaling.MODES),
             ),
@@ -324,7 +326,61 @@ def _autoscaling() -> dict[str, Any]:
                 "mode 'keda' needs prometheusAddress to scale on engine metrics",
                 ".prometheusAddress",
             ),
+            (
+                "self.mode != 'ketch' || "
+                "self.metrics.all(m, m.type != 'CPU' && m.type != 'Memory')",
+                "mode 'ketch' scales on engine metrics only (not CPU or Memory)",
+                ".metrics",
+            ),
         ),
+    )
+
+
+def _coordinated() -> dict[str, Any]:
+    from ketch.operator import autoscaler
+
+    ratio_bound = {
+        "type": "number",
+        "description": "",
+        "minimum": 0.01,
+        "maximum": 100,
+    }
+    return obj(
+        "Coordinated autoscaling, for roles with autoscaling.mode 'ketch': how often the "
+        "operator scrapes and decides, the prefill:decode ratio it keeps, and whether it applies.",
+        {
+            "syncPeriodSeconds": integer(
+                "Seconds between two scrapes and decisions.",
+                default=int(autoscaler.DEFAULT_SYNC),
+                minimum=1,
+                maximum=300,
+            ),
+            "cooldownSeconds": integer(
+                "Seconds after a change during which no change the other way is made.",
+                default=int(autoscaler.DEFAULT_COOLDOWN),
+                minimum=0,
+                maximum=3600,
+            ),
+            "advisory": boolean(
+                "Compute and record decisions in status.autoscaling without changing replicas.",
+                default=False,
+            ),
+            "ratio": obj(
+                "Bounds of prefill pods / decode pods (disaggregated mode). The smaller side is "
+                "raised to stay within them, e.g. {min: 0.5, max: 2}.",
+                {
+                    "min": {**ratio_bound, "description": "Fewest prefill pods per decode pod."},
+                    "max": {**ratio_bound, "description": "Most prefill pods per decode pod."},
+                },
+                rules=(
+                    (
+                        "!has(self.min) || !has(self.max) || self.min <= self.max",
+                        "ratio.min must not exceed ratio.max",
+                        ".min",
+                    ),
+                ),
+            ),
+        },
     )
 
 
@@ -531,6 +587,7 @@ def spec_schema() -> dict[str, Any]:
             "router": _router(),
             "ports": _ports(),
             "auth": _auth(),
+            "autoscaling": _coordinated(),
         },
         required=("model", "roles"),
         rules=(
@@ -566,6 +623,40 @@ def status_schema() -> dict[str, Any]:
             "updated": integer("Pods running the current pod template."),
         },
     )
+    decision = obj(
+        "One autoscaling decision.",
+        {
+            "time": string("When it was made.", format="date-time"),
+            "from": integer("Replicas before."),
+            "to": integer("Replicas decided (not applied in advisory mode)."),
+            "metrics": {
+                "type": "object",
+                "description": "Per metric type, the per-pod average it was based on.",
+                "additionalProperties": {"type": "number", "description": "A per-pod average."},
+            },
+            "rule": string("Why: the metric, then stabilisation, cool-down or ratio."),
+        },
+    )
+    autoscaling_status = obj(
+        "Coordinated autoscaling (roles with autoscaling.mode 'ketch').",
+        {
+            "advisory": boolean("Decisions are recorded, not applied."),
+            "roles": {
+                "type": "object",
+                "description": "Per coordinated role: its last decisions.",
+                "additionalProperties": obj(
+                    "One role's autoscaling.",
+                    {
+                        "decisions": {
+                            "type": "array",
+                            "description": "The last 10 decisions, oldest first.",
+                            "items": decision,
+                        }
+                    },
+                ),
+            },
+        },
+    )
     return obj(
         "What the operator observed.",
         {
@@ -578,9 +669,11 @@ def status_schema() -> dict[str, Any]:
                 "description": "Per role: desired, ready and updated pods.",
                 "additionalProperties": role_status,
             },
+            "autoscaling": autoscaling_status,
             "conditions": {
                 "type": "array",
-                "description": "Ready, Progressing and Degraded.",
+                "description": "Ready, Progressing and Degraded; ScalingActive with coordinated "
+                "autoscaling.",
                 "items": condition,
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],

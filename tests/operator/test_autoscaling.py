@@ -269,7 +269,11 @@ def test_keda_with_only_resource_metrics_needs_no_prometheus():
 @pytest.mark.parametrize(
     ("scaling", "field"),
     [
-        ({"mode": "ketch"}, "spec.roles.mixed.autoscaling.mode"),
+        ({"mode": "coordinated"}, "spec.roles.mixed.autoscaling.mode"),
+        (
+            {"mode": "ketch", "metrics": [{"type": "CPU", "target": 1}]},
+            "spec.roles.mixed.autoscaling.metrics",
+        ),
         ({"mode": "keda"}, "spec.roles.mixed.autoscaling.prometheusAddress"),
         (
             {"metrics": [{"type": "CPU", "target": 1}, {"type": "CPU", "target": 2}]},
@@ -367,3 +371,35 @@ def test_example_is_autoscaled_with_an_hpa():
     assert hpa["spec"]["scaleTargetRef"]["name"] == "llama-chat-mixed"
     assert ("Deployment", "llama-chat-mixed") in kids
     assert builders.key(hpa) == ("autoscaling/v2", "HorizontalPodAutoscaler", "llama-chat-mixed")
+
+
+# --------------------------------------------------------------------------- mode ketch
+
+
+def test_mode_ketch_builds_no_autoscaler_and_leaves_replicas_out():
+    b = body({"mode": "ketch"}, disaggregated=True)
+    b["spec"]["roles"]["decode"] = {"autoscaling": {"mode": "ketch", "maxReplicas": 4}}
+    b["spec"]["autoscaling"] = {"syncPeriodSeconds": 1, "ratio": {"min": 0.5, "max": 2}}
+    got = children(b)
+    assert not [k for k in got if k[0] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    for role in ("prefill", "decode"):
+        assert "replicas" not in got[("Deployment", f"chat-{role}")]["spec"]
+    svc = parse(b | {"metadata": {"name": "chat", "namespace": "d", "uid": UID}})
+    assert svc.spec["autoscaling"]["cooldownSeconds"] == 30
+    assert svc.spec["autoscaling"]["advisory"] is False
+
+
+@pytest.mark.parametrize(
+    ("coordinated", "field"),
+    [
+        ({"ratio": {"min": 2, "max": 1}}, "spec.autoscaling.ratio"),
+        ({"ratio": {"min": 0}}, "spec.autoscaling.ratio.min"),
+        ({"syncPeriodSeconds": 0}, "spec.autoscaling.syncPeriodSeconds"),
+    ],
+)
+def test_invalid_coordinated_settings_are_refused(coordinated, field):
+    b = body({"mode": "ketch"}) | {"metadata": {"name": "chat", "namespace": "d", "uid": UID}}
+    b["spec"]["autoscaling"] = coordinated
+    with pytest.raises(InvalidSpec) as info:
+        parse(b)
+    assert field in str(info.value)
