@@ -20,6 +20,7 @@ import aiohttp
 from ketch.operator import crd
 
 FIELD_MANAGER = "ketch-operator"
+AUTOSCALER_FIELD_MANAGER = "ketch-autoscaler"  # the coordinated autoscaler's replica changes
 
 # kind -> (apiVersion, plural)
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -201,6 +202,16 @@ class KubeClient:
             "PATCH",
             resource_path(kind, namespace, name) + "/status",
             body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Sets replicas through the scale subresource, as an HPA does (coordinated autoscaling)."""
+        return await self.request(
+            "PATCH",
+            resource_path(kind, namespace, name) + "/scale",
+            params={"fieldManager": AUTOSCALER_FIELD_MANAGER},
+            body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )
 

@@ -231,13 +231,17 @@ def start_emulator(
     timeout: float = 30,
     log_level: str = "WARNING",
     watch_history: int | None = None,
+    pod_ip_prefix: str | None = None,
 ) -> Emulator:
     """Start tests/kubeemu/server.py in a subprocess and wait until it answers.
 
     watch_history: watch events kept per resource type (default 10000); a watch from an older
-    resourceVersion gets a 410 Gone ERROR event.
+    resourceVersion gets a 410 Gone ERROR event. pod_ip_prefix: first two octets of pod IPs
+    (default 10.244; "127.3" makes them loopback addresses a test can serve fake metrics on).
     """
     extra = ["--watch-history", str(watch_history)] if watch_history else []
+    if pod_ip_prefix:
+        extra += ["--pod-ip-prefix", pod_ip_prefix]
     workdir = Path(tempfile.mkdtemp(prefix="kubeemu-"))
     log_path = workdir / "server.log"
     log_file = open(log_path, "w")  # noqa: SIM115 - the child owns it

@@ -54,6 +54,9 @@ def _resolve_int_or_percent(value: Any, total: int, round_up: bool) -> int:
         return 0
 
 
+POD_IP_PREFIX = "10.244"  # server.py --pod-ip-prefix: e.g. 127.3 makes pods reachable on lo
+
+
 class DeploymentController:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -286,7 +289,7 @@ class DeploymentController:
             return ip
         n = self._ip_next
         self._ip_next += 1
-        return f"10.244.{(n // 250) % 250}.{n % 250 + 1}"
+        return f"{POD_IP_PREFIX}.{(n // 250) % 250}.{n % 250 + 1}"
 
     def _pod_status(self, pod: dict[str, Any], mode: str, ready: bool) -> dict[str, Any]:
         old = pod.get("status") or {}

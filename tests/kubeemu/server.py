@@ -39,7 +39,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kubeemu import protowire
+from kubeemu import controllers, protowire
 from kubeemu.controllers import DeploymentController, describe_faults
 from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
@@ -785,7 +785,13 @@ def main(argv: list[str] | None = None) -> None:
         default=HISTORY_PER_TYPE,
         help="watch events kept per resource type (older resourceVersions get 410)",
     )
+    ap.add_argument(
+        "--pod-ip-prefix",
+        default=controllers.POD_IP_PREFIX,
+        help="first two octets of pod IPs (127.x makes them loopback addresses, for fake metrics)",
+    )
     args = ap.parse_args(argv)
+    controllers.POD_IP_PREFIX = args.pod_ip_prefix
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

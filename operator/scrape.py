@@ -1,0 +1,115 @@
+"""Scraping the engine pods' ``/metrics`` for coordinated autoscaling (``mode: ketch``).
+
+Each ready pod of a role is asked directly (``http://<podIP>:<port>/metrics``, a short timeout);
+the spec's metric types become values through ``autoscaling.METRICS``: a gauge as exported, the
+time-to-first-token quantile from the pod's histogram buckets (since the pod started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from ketch.operator import autoscaling
+
+Obj = dict[str, Any]
+
+
+@dataclasses.dataclass
+class RoleMetrics:
+    values: dict[str, list[float]]  # metric type -> one value per pod
+    errors: list[str]  # "pod: why", for each pod without a usable sample
+
+
+def pod_ready(pod: Obj) -> bool:
+    status = pod.get("status") or {}
+    if (pod.get("metadata") or {}).get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def extract(text: str, types: list[str]) -> dict[str, float]:
+    """The value of each metric type in one pod's exposition (types without a sample left out)."""
+    samples: dict[str, float] = {}
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and "le" in sample.labels:
+                buckets.setdefault(sample.name, []).append(
+                    (float(sample.labels["le"]), float(sample.value))
+                )
+            else:
+                samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
+    out = {}
+    for name in types:
+        metric = autoscaling.BY_TYPE[name]
+        if metric.engine is None:
+            continue
+        if metric.quantile is None:
+            if metric.series in samples:
+                out[name] = samples[metric.series]
+        else:
+            value = quantile(buckets.get(metric.series, []), metric.quantile)
+            out[name] = 0.0 if value is None else value  # no request yet: no latency
+    return out
+
+
+async def scrape_role(
+    session: aiohttp.ClientSession, pods: list[Obj], port: int, types: list[str], timeout: float
+) -> RoleMetrics:
+    ready = sorted((p for p in pods if pod_ready(p)), key=lambda p: p["metadata"]["name"])
+    result = RoleMetrics({t: [] for t in types}, [])
+    if not ready:
+        result.errors.append("no ready pods")
+        return result
+
+    async def one(pod: Obj) -> tuple[str, dict[str, float] | str]:
+        name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+        try:
+            async with session.get(
+                f"http://{ip}:{port}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                if response.status != 200:
+                    return name, f"HTTP {response.status}"
+                text = await response.text()
+            return name, extract(text, types)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return name, f"{type(exc).__name__}: {exc}"[:200]
+
+    for name, got in await asyncio.gather(*(one(p) for p in ready)):
+        if isinstance(got, str):
+            result.errors.append(f"{name}: {got}")
+            continue
+        missing = [t for t in types if t not in got]
+        if missing:
+            result.errors.append(f"{name}: no sample of {', '.join(missing)}")
+            continue
+        for t in types:
+            result.values[t].append(got[t])
+    return result
