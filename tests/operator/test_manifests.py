@@ -44,6 +44,7 @@ COMMON_GRANTS: dict[tuple[str, str], set[str]] = {
     ("", "configmaps"): ALL_WRITES,
     ("", "services"): ALL_WRITES,
     ("apps", "deployments"): ALL_WRITES,
+    ("apps", "deployments/scale"): {"patch"},  # coordinated autoscaling (kube.scale)
     ("policy", "poddisruptionbudgets"): ALL_WRITES,
     ("networking.k8s.io", "networkpolicies"): ALL_WRITES,
     ("autoscaling", "horizontalpodautoscalers"): ALL_WRITES,
@@ -325,6 +326,8 @@ def test_rbac_covers_everything_the_code_touches():
     assert "patch" in COMMON_GRANTS[status]
     assert {"list", "watch"} <= COMMON_GRANTS[_group_plural(crd.API_VERSION, crd.PLURAL)]
     assert "create" in COMMON_GRANTS[_group_plural(*kube.RESOURCES["Event"])]
+    scale = _group_plural(*kube.RESOURCES["Deployment"])
+    assert "patch" in COMMON_GRANTS[(scale[0], scale[1] + "/scale")]
 
 
 # --------------------------------------------------------------------------- operator pod
