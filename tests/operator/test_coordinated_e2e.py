@@ -189,3 +189,42 @@ def test_coordinated_scaling(cluster, operator, metrics, port):  # noqa: F811
     assert advised[-1]["from"] == 1
     assert replicas(cluster) == 1
     assert cluster.get(crd.PLURAL, NAME)["status"]["autoscaling"]["advisory"] is True
+
+
+def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics, port):  # noqa: F811
+    from test_e2e import cpu_example
+
+    name = "coordpd"
+    b = cpu_example(name)
+    b["spec"]["ports"] = {"http": port}
+
+    def role(high: int) -> dict:
+        return {
+            "resources": {"gpus": 0},
+            "autoscaling": {
+                "mode": "ketch",
+                "maxReplicas": high,
+                "metrics": [{"type": "RequestsWaiting", "target": 4}],
+            },
+        }
+
+    b["spec"]["roles"] = {"prefill": role(4), "decode": role(6)}
+    b["spec"]["autoscaling"] = {"syncPeriodSeconds": 1, "ratio": {"min": 0.5, "max": 1}}
+    metrics.load.update(prefill=0, decode=0)
+    cluster.apply(b)
+
+    def count(r: str) -> int:
+        return cluster.get("deployments", f"{name}-{r}")["spec"]["replicas"]
+
+    def status() -> dict:
+        return (cluster.get(crd.PLURAL, name) or {}).get("status") or {}
+
+    wait_for(lambda: condition({"status": status()}, "ScalingActive").get("status") == "True", "on")
+    # decode load only: decode goes to 4 pods, prefill is raised to 2 to keep prefill/decode >= 0.5
+    metrics.load["decode"] = 16
+    wait_for(lambda: (count("decode"), count("prefill")) == (4, 2), "decode 4, prefill 2")
+    roles = status()["autoscaling"]["roles"]
+    assert roles["decode"]["decisions"][-1]["to"] == 4
+    raised = roles["prefill"]["decisions"][-1]
+    assert (raised["from"], raised["to"]) == (1, 2) and "ratio min 0.5" in raised["rule"], raised
+    assert cluster.get("hpa", f"{name}-prefill") is None
