@@ -228,3 +228,29 @@ def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics, por
     raised = roles["prefill"]["decisions"][-1]
     assert (raised["from"], raised["to"]) == (1, 2) and "ratio min 0.5" in raised["rule"], raised
     assert cluster.get("hpa", f"{name}-prefill") is None
+
+
+def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, metrics, port):  # noqa: F811
+    name = "coordoff"
+    b = body(port)
+    b["metadata"]["name"] = name
+    metrics.load["mixed"] = 0
+    cluster.apply(b)
+
+    def status() -> dict:
+        return (cluster.get(crd.PLURAL, name) or {}).get("status") or {}
+
+    wait_for(
+        lambda: condition({"status": status()}, "ScalingActive").get("status"), "ScalingActive"
+    )
+    assert "autoscaling" in status()
+    b["spec"]["roles"]["mixed"]["autoscaling"]["mode"] = "hpa"
+    cluster.apply(b)
+    wait_for(lambda: cluster.get("hpa", f"{name}-mixed"), "the HPA")
+    wait_for(
+        lambda: (
+            "autoscaling" not in status() and not condition({"status": status()}, "ScalingActive")
+        ),
+        "status.autoscaling and ScalingActive gone",
+    )
+    assert (operator.loop is not None) and (cluster.namespace, name) not in operator.autoscale
