@@ -585,12 +585,22 @@ class Controller:
         )
         started = time.monotonic()
         fresh = {role: started for role in coordinator.roles}
+        windows = scrape.Windows()
         timeout = max(0.2, min(2.0, period * 0.8))
         async with aiohttp.ClientSession() as session:
             while True:
                 try:
                     await self._autoscale_once(
-                        key, state, coordinator, session, fresh, period, advisory, port, timeout
+                        key,
+                        state,
+                        coordinator,
+                        session,
+                        fresh,
+                        windows,
+                        period,
+                        advisory,
+                        port,
+                        timeout,
                     )
                 except asyncio.CancelledError:
                     raise
@@ -606,6 +616,7 @@ class Controller:
         coordinator: autoscaler.Coordinator,
         session: aiohttp.ClientSession,
         fresh: dict[str, float],
+        windows: scrape.Windows,
         period: float,
         advisory: bool,
         port: int,
@@ -623,6 +634,7 @@ class Controller:
                 return  # not created yet
             current[role] = int((dep.get("spec") or {}).get("replicas", 1))
         pods = list(self.pods.get(key, {}).values())
+        windows.forget({(p.get("metadata") or {}).get("name", "") for p in pods})
         t = time.monotonic()
         values: dict[str, dict[str, list[float]]] = {}
         problems = []
@@ -632,7 +644,9 @@ class Controller:
                 for p in pods
                 if ((p.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_ROLE) == role
             ]
-            got = await scrape.scrape_role(session, role_pods, port, list(spec.targets), timeout)
+            got = await scrape.scrape_role(
+                session, role_pods, port, list(spec.targets), timeout, windows=windows, now=t
+            )
             if got.errors:
                 problems.append(f"{role}: " + "; ".join(got.errors))
             else:

@@ -2,7 +2,9 @@
 
 Each ready pod of a role is asked directly (``http://<podIP>:<port>/metrics``, a short timeout);
 the spec's metric types become values through ``autoscaling.METRICS``: a gauge as exported, the
-time-to-first-token quantile from the pod's histogram buckets (since the pod started).
+time-to-first-token quantile from the increase of the pod's histogram buckets over the last
+``autoscaling.RATE_WINDOW`` (2 minutes, as the PromQL of the other modes; ``Windows``), or since
+the pod started while the operator has seen it for less than that.
 """
 
 from __future__ import annotations
@@ -54,7 +56,41 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return lower
 
 
-def extract(text: str, types: list[str]) -> dict[str, float]:
+Buckets = list[tuple[float, float]]
+
+
+class Windows:
+    """Per pod and histogram, the bucket counts seen over the last ``seconds``: a quantile is
+    taken over their increase, as PromQL's ``histogram_quantile(q, rate(...[2m]))``."""
+
+    def __init__(self, seconds: float = 120.0):
+        self.seconds = seconds
+        self.snapshots: dict[tuple[str, str], list[tuple[float, Buckets]]] = {}
+
+    def increase(self, pod: str, series: str, now: float, buckets: Buckets) -> Buckets:
+        snaps = self.snapshots.setdefault((pod, series), [])
+        snaps.append((now, sorted(buckets)))
+        while len(snaps) > 1 and now - snaps[1][0] >= self.seconds:
+            snaps.pop(0)  # keep the newest snapshot at least `seconds` old as the base
+        base = dict(snaps[0][1])
+        delta = [(le, count - base.get(le, 0.0)) for le, count in sorted(buckets)]
+        if len(snaps) == 1 or any(d < 0 for _, d in delta) or len(base) != len(delta):
+            return sorted(buckets)  # first sight, or the counters were reset
+        return delta
+
+    def forget(self, pods: set[str]) -> None:
+        for key in [k for k in self.snapshots if k[0] not in pods]:
+            del self.snapshots[key]
+
+
+def extract(
+    text: str,
+    types: list[str],
+    *,
+    windows: Windows | None = None,
+    pod: str = "",
+    now: float = 0.0,
+) -> dict[str, float]:
     """The value of each metric type in one pod's exposition (types without a sample left out)."""
     samples: dict[str, float] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
@@ -75,13 +111,23 @@ def extract(text: str, types: list[str]) -> dict[str, float]:
             if metric.series in samples:
                 out[name] = samples[metric.series]
         else:
-            value = quantile(buckets.get(metric.series, []), metric.quantile)
+            series = buckets.get(metric.series, [])
+            if windows is not None and series:
+                series = windows.increase(pod, metric.series, now, series)
+            value = quantile(series, metric.quantile)
             out[name] = 0.0 if value is None else value  # no request yet: no latency
     return out
 
 
 async def scrape_role(
-    session: aiohttp.ClientSession, pods: list[Obj], port: int, types: list[str], timeout: float
+    session: aiohttp.ClientSession,
+    pods: list[Obj],
+    port: int,
+    types: list[str],
+    timeout: float,
+    *,
+    windows: Windows | None = None,
+    now: float = 0.0,
 ) -> RoleMetrics:
     ready = sorted((p for p in pods if pod_ready(p)), key=lambda p: p["metadata"]["name"])
     result = RoleMetrics({t: [] for t in types}, [])
@@ -98,7 +144,7 @@ async def scrape_role(
                 if response.status != 200:
                     return name, f"HTTP {response.status}"
                 text = await response.text()
-            return name, extract(text, types)
+            return name, extract(text, types, windows=windows, pod=name, now=now)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             return name, f"{type(exc).__name__}: {exc}"[:200]
 

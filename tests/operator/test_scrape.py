@@ -55,3 +55,35 @@ def test_pod_ready():
     assert scrape.pod_ready(pod)
     assert not scrape.pod_ready({**pod, "metadata": {"name": "p", "deletionTimestamp": "x"}})
     assert not scrape.pod_ready({"metadata": {"name": "p"}, "status": {"podIP": "10.0.0.1"}})
+
+
+def _page(fast: int, slow: int) -> str:
+    name = "ketch:time_to_first_token_seconds"
+    return (
+        f"# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="0.5"}} {fast}\n'
+        f'{name}_bucket{{le="4.0"}} {fast + slow}\n'
+        f'{name}_bucket{{le="+Inf"}} {fast + slow}\n'
+        f"{name}_sum 0\n{name}_count {fast + slow}\n"
+    )
+
+
+def test_ttft_quantile_is_over_the_last_two_minutes():
+    windows = scrape.Windows(120)
+    types = ["TimeToFirstTokenP90"]
+
+    def p90(t: float, fast: int, slow: int) -> float:
+        got = scrape.extract(_page(fast, slow), types, windows=windows, pod="p", now=t)
+        return got["TimeToFirstTokenP90"]
+
+    # a long fast history: since start, p90 is low
+    assert p90(0, 1000, 0) <= 0.5
+    # then only slow requests: the window sees them although the pod's totals are mostly fast
+    assert p90(60, 1000, 50) > 3.0
+    assert p90(130, 1000, 100) > 3.0
+    # nothing new in the last two minutes: no latency to report
+    assert p90(300, 1000, 100) == 0.0
+    # counters reset (the engine restarted): the new totals count
+    assert p90(310, 10, 0) <= 0.5
+    windows.forget(set())
+    assert not windows.snapshots
