@@ -6,8 +6,9 @@ every rule below is testable with a fake clock (tests/operator/test_autoscaler.p
 
 Per sync period and role:
 
-1. ``recommend``: the HorizontalPodAutoscaler formula, ``ceil(current * max_i(avg_i /
-   target_i))`` over the role's metrics (per-pod averages), with HPA's 10% tolerance, clamped to
+1. ``recommend``: the HorizontalPodAutoscaler formula, ``ceil(ready pods * max_i(avg_i /
+   target_i))`` over the role's metrics (per-pod averages over the ready pods; pods still
+   starting count as idle, as the HPA does for a scale-up), with HPA's 10% tolerance, clamped to
    ``[minReplicas, maxReplicas]``.
 2. ``Stabilizer.decide``: scale up to the lowest recommendation of the scale-up window (default 0 s:
    at once), scale down only to the highest recommendation of the scale-down window (default
@@ -52,11 +53,15 @@ def recommend(
     if not targets or any(not values.get(name) for name in targets):
         return None
     averages = {name: sum(values[name]) / len(values[name]) for name in targets}
-    base = max(current, 1)
     wanted = {}
     for name, goal in targets.items():
         ratio = averages[name] / goal if goal > 0 else math.inf
-        wanted[name] = base if abs(ratio - 1.0) <= TOLERANCE else math.ceil(base * ratio - 1e-9)
+        # Scaled from the pods that reported (the ready ones), not from the replica count: pods
+        # still starting count as idle, so a scale-up is not repeated while they start (HPA).
+        reporting = len(values[name])
+        wanted[name] = (
+            current if abs(ratio - 1.0) <= TOLERANCE else math.ceil(reporting * ratio - 1e-9)
+        )
     name = max(wanted, key=lambda n: wanted[n])
     raw = wanted[name]
     replicas = min(max(raw, min_replicas), max_replicas)

@@ -53,6 +53,9 @@ def test_recommend_is_the_hpa_formula():
         5,
     )
     assert rec.replicas == 5 and "maxReplicas" in rec.rule and "KVCacheUsage" in rec.rule
+    # pods still starting (3 replicas, 1 ready) count as idle: no second scale-up for them
+    rec = a.recommend(3, {"RequestsWaiting": [12.0]}, {"RequestsWaiting": 4.0}, 1, 10)
+    assert rec.replicas == 3
     assert a.recommend(0, {}, {"RequestsWaiting": 4.0}, 1, 5) is None
     assert a.recommend(2, {"RequestsWaiting": []}, {"RequestsWaiting": 4.0}, 1, 5) is None
 
