@@ -20,6 +20,7 @@ API errors retry with exponential backoff, per InferenceService.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import datetime
 import logging
@@ -502,7 +503,8 @@ class Controller:
         )
         state = self.autoscale.get(key)
         if state is not None:
-            new["autoscaling"] = state.status
+            # a copy: the loop appends to its lists, and written_status must keep what was written
+            new["autoscaling"] = copy.deepcopy(state.status)
             if state.condition is not None:
                 new["conditions"] = [*new["conditions"], state.condition]
         await self._patch_status(key, tracked, new)

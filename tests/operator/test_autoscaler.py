@@ -149,3 +149,45 @@ def test_history_keeps_the_last_ten():
     for i in range(15):
         a.record(history, a.decision(str(i), i, i + 1, {}, "scale up"))
     assert len(history) == a.HISTORY and history[0]["time"] == "5"
+
+
+def test_status_writes_carry_new_decisions():
+    """The controller writes status.autoscaling when only a decision was added (the loop
+    appends in place; what was written must not change with it)."""
+    import asyncio
+
+    import yaml
+    from test_autoscaling import ROOT, UID
+
+    from ketch.operator import controller as ctl
+    from ketch.operator.spec import parse
+
+    class Client:
+        def __init__(self):
+            self.patches = []
+
+        async def patch_status(self, kind, namespace, name, status):
+            self.patches.append(status)
+
+        async def post(self, *args):
+            return {}
+
+    body = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
+    body["metadata"].update(name="s", namespace="n", uid=UID, generation=1)
+    body["spec"]["roles"]["mixed"]["autoscaling"] = {"mode": "ketch", "maxReplicas": 3}
+
+    async def scenario():
+        client = Client()
+        c = ctl.Controller(client, resync_seconds=0)
+        key = ("n", "s")
+        tracked = c.tracked[key] = ctl.Tracked(body=body, svc=parse(body), applied_generation=1)
+        state = c.autoscale[key] = ctl.Autoscale(settings=None)
+        state.status = {"advisory": False, "roles": {"mixed": {"decisions": []}}}
+        await c._write_status(key, tracked)
+        a.record(state.status["roles"]["mixed"]["decisions"], a.decision("t", 1, 2, {}, "up"))
+        await c._write_status(key, tracked)
+        return client.patches
+
+    patches = asyncio.run(scenario())
+    assert len(patches) == 2
+    assert patches[-1]["autoscaling"]["roles"]["mixed"]["decisions"][0]["to"] == 2
