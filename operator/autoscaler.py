@@ -196,6 +196,32 @@ class RoleSpec:
     down_window: float = DEFAULT_DOWN_WINDOW
 
 
+def scale_order(
+    decisions: dict[str, dict[str, Any]],
+    ratio_min: float | None,
+    ratio_max: float | None,
+) -> list[str]:
+    """The roles to scale, in an order whose intermediate state also keeps prefill/decode within
+    the ratio (the roles are scaled one API call at a time, and anyone may look in between)."""
+    roles = [r for r, d in decisions.items() if d["to"] != d["from"]]
+    if set(roles) != {"prefill", "decode"}:
+        return roles
+    p, d = decisions["prefill"], decisions["decode"]
+
+    def within(prefill: int, decode: int) -> bool:
+        if decode <= 0:
+            return False
+        ratio = prefill / decode
+        low = ratio_min is None or ratio >= ratio_min - 1e-9
+        return low and (ratio_max is None or ratio <= ratio_max + 1e-9)
+
+    if within(p["to"], d["from"]):
+        return ["prefill", "decode"]
+    if within(p["from"], d["to"]):
+        return ["decode", "prefill"]
+    return roles
+
+
 class Coordinator:
     """The decisions of one InferenceService's coordinated roles, period after period."""
 

@@ -670,12 +670,15 @@ class Controller:
         if decisions is None:
             return
         stamp = now()
-        for role, d in decisions.items():
-            if d["to"] != d["from"] and not advisory:
+        if not advisory:
+            order = autoscaler.scale_order(decisions, coordinator.ratio_min, coordinator.ratio_max)
+            for role in order:
+                d = decisions[role]
                 await self.client.scale("Deployment", svc.namespace, f"{svc.name}-{role}", d["to"])
                 logger.info(
                     "%s/%s: %s scaled %d -> %d: %s", *key, role, d["from"], d["to"], d["rule"]
                 )
+        for role, d in decisions.items():
             if d["to"] == d["from"] and d["rule"].endswith("at target"):
                 continue
             entry = autoscaler.decision(stamp, d["from"], d["to"], d["metrics"], d["rule"])

@@ -191,3 +191,29 @@ def test_status_writes_carry_new_decisions():
     patches = asyncio.run(scenario())
     assert len(patches) == 2
     assert patches[-1]["autoscaling"]["roles"]["mixed"]["decisions"][0]["to"] == 2
+
+
+def test_scale_order_keeps_the_ratio_between_the_two_calls():
+    from ketch.operator.autoscaler import scale_order
+
+    def d(a: int, b: int) -> dict:
+        return {"from": a, "to": b}
+
+    # decode 1 -> 4 and prefill 1 -> 2 with prefill/decode >= 0.5: prefill first ((2, 1) is
+    # within [0.5, 1]? no: 2 > 1) -> decode first gives (1, 4) = 0.25, also out; no safe order
+    assert set(scale_order({"prefill": d(1, 2), "decode": d(1, 4)}, 0.5, 1)) == {
+        "prefill",
+        "decode",
+    }
+    # decode 2 -> 4, prefill 2 -> 3, ratio [0.5, 1.5]: prefill first gives 3/2 = 1.5: fine
+    assert scale_order({"prefill": d(2, 3), "decode": d(2, 4)}, 0.5, 1.5) == ["prefill", "decode"]
+    # scaling down: decode 4 -> 2, prefill 4 -> 2, ratio [0.75, 1.25]: prefill first gives
+    # 2/4 = 0.5 (out), decode first gives 4/2 = 2 (out) -> unchanged order
+    assert scale_order({"prefill": d(4, 2), "decode": d(4, 2)}, 0.75, 1.25) == [
+        "prefill",
+        "decode",
+    ]
+    # prefill 2 -> 1, decode 4 -> 2, ratio [0.5, 1]: decode first gives 2/2 = 1: fine
+    assert scale_order({"prefill": d(2, 1), "decode": d(4, 2)}, 0.5, 1) == ["decode", "prefill"]
+    assert scale_order({"mixed": d(1, 3)}, None, None) == ["mixed"]
+    assert scale_order({"prefill": d(1, 1), "decode": d(1, 2)}, 0.5, 1) == ["decode"]

@@ -8,6 +8,7 @@ its ready pods reports an even share, as a load balancer would give.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -258,3 +259,42 @@ def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, me
         "status.autoscaling and ScalingActive gone",
     )
     assert (operator.loop is not None) and (cluster.namespace, name) not in operator.autoscale
+
+
+def test_sawtooth_load_does_not_flap(cluster, operator, metrics, port):  # noqa: F811
+    """Load that comes and goes faster than the scale-down window: the role scales up once and
+    stays there (no down-up reversals), every decision in between is a hold."""
+    name = "coordsaw"
+    # the fake metrics share a role's load among all its ready pods in the namespace
+    cluster.run("delete", crd.PLURAL, "--all")
+    wait_for(lambda: not cluster.items("pods", "app.kubernetes.io/name=ketch"), "no other pods")
+    b = body(port)
+    b["metadata"]["name"] = name
+    b["spec"]["roles"]["mixed"]["autoscaling"]["behavior"] = {
+        "scaleDown": {"stabilizationWindowSeconds": 30}
+    }
+    metrics.load["mixed"] = 0
+    cluster.apply(b)
+
+    def count() -> int:
+        return cluster.get("deployments", f"{name}-mixed")["spec"]["replicas"]
+
+    wait_for(
+        lambda: condition(cluster.get(crd.PLURAL, name), "ScalingActive").get("status") == "True",
+        "ScalingActive",
+    )
+    samples = []
+    for tooth in range(6):  # high, low, high, low, ... each a few sync periods (1 s)
+        metrics.load["mixed"] = 12 if tooth % 2 == 0 else 0
+        if tooth == 0:
+            wait_for(lambda: count() == 3, "the first scale-up")
+        for _ in range(6):
+            samples.append(count())
+            time.sleep(0.3)
+    changes = [b for a, b in itertools.pairwise(samples) if a != b]
+    assert changes == [], samples  # after the first scale-up: no change at all
+    assert samples[0] == 3
+    status = cluster.get(crd.PLURAL, name)["status"]["autoscaling"]["roles"]["mixed"]
+    moves = [(d["from"], d["to"]) for d in status["decisions"] if d["from"] != d["to"]]
+    assert moves == [(1, 3)], status["decisions"]
+    cluster.run("delete", crd.PLURAL, name)
