@@ -10,12 +10,12 @@ import copy
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from test_builders import UID, _validator, children
 
 from ketch.operator import autoscaling, builders
 from ketch.operator.cli import main as operator_main
@@ -25,7 +25,6 @@ from ketch.operator.spec import InvalidSpec, parse
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER_FILE = ROOT / "manifests" / "metrics" / "prometheus-adapter-values.yaml"
 PODMONITOR_DIR = ROOT / "manifests" / "metrics" / "podmonitor"
-UID = "5f1c2a8e-0000-4000-8000-000000000002"
 PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 ALL_METRICS = [
@@ -110,19 +109,6 @@ def body(autoscaling_spec: dict | None = None, *, disaggregated: bool = False) -
     else:
         spec["spec"]["roles"] = {"mixed": {"autoscaling": scaling}}
     return spec
-
-
-def children(b: dict) -> dict[tuple[str, str], dict]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in render_object(b, owner_uid=UID)}
-
-
-def _validator() -> str:
-    exe = shutil.which("kubernetes-validate") or str(
-        Path(sys.executable).parent / "kubernetes-validate"
-    )
-    if not Path(exe).exists():
-        pytest.skip("kubernetes-validate is not installed")
-    return exe
 
 
 # --------------------------------------------------------------------------- HPA mode
