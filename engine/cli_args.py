@@ -31,7 +31,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> N
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") is False:
             continue
-        kind = _base_type(hints[f.name])
+        kind = base_type(hints[f.name])
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             group.add_argument(
@@ -98,7 +98,8 @@ def read_config_file(path: str, *classes: type) -> dict[str, Any]:
     return values
 
 
-def _base_type(hint: Any) -> type:
+def base_type(hint: Any) -> type:
+    """``int | None`` -> ``int``: the type a flag (or CRD field) parses to."""
     if get_origin(hint) in (Union, types.UnionType):
         hint = next(a for a in get_args(hint) if a is not type(None))
     return hint

@@ -572,8 +572,3 @@ def build(svc: ServiceSpec) -> list[Obj]:
 def service_url(svc: ServiceSpec) -> str:
     entry = "router" if svc.disaggregated else "mixed"
     return f"http://{svc.name}-{entry}.{svc.namespace}.svc.cluster.local:{svc.ports['http']}"
-
-
-def key(obj: Obj) -> tuple[str, str, str]:
-    """Identity of a child: (apiVersion, kind, name)."""
-    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]

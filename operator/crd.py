@@ -3,21 +3,18 @@
 The ``spec.engine``, ``spec.ports`` and ``spec.model.name`` fields are not written here: they are
 generated from ``EngineConfig`` and ``ServerConfig`` (``ketch.engine``), whose field metadata also
 generates ``ketch serve``'s flags. A CRD field and the flag it sets therefore share their name,
-type, default, bounds and description. ``engine_settings`` walks the same metadata the other way,
-turning a spec back into the engine's config file.
+type, default, bounds and description (the table is ``engine_fields.py``, which also walks the
+metadata the other way, turning a spec back into the engine's config file).
 
 ``crds/`` holds the output of ``ketch-operator crd``; a test fails when it is stale.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
-from ketch.engine.config import EngineConfig
-from ketch.engine.serving.config import ServerConfig
+from ketch.engine.cli_args import flag_name
+from ketch.operator.engine_fields import config_field_schemas, config_fields
 
 GROUP = "serving.ketch.dev"
 VERSION = "v1alpha1"
@@ -37,7 +34,6 @@ LONGEST_CHILD_SUFFIX = len("-prefill-peers")
 MAX_NAME_LENGTH = 63 - LONGEST_CHILD_SUFFIX
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
-MEMORY_SIZE_PATTERN = r"^[0-9]*\.?[0-9]+\s*([KkMmGg]([Ii]?[Bb]?)?|[Bb])?$"
 MODEL_URI_PATTERN = (
     r"^(tiny|file:///.+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/]+/.+|s3://[^/]+/.+)$"
 )
@@ -105,81 +101,6 @@ def string_map(description: str) -> dict[str, Any]:
         "description": description,
         "additionalProperties": {"type": "string", "description": "A label value."},
     }
-
-
-# --------------------------------------------------------------------------- engine fields
-
-
-def camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.capitalize() for part in rest)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigField:
-    """A config-dataclass field as the CRD sees it: where it lives under spec, and its schema."""
-
-    name: str  # the dataclass field (and config-file key)
-    path: tuple[str, ...]  # under spec, e.g. ("engine", "maxNumSeqs")
-    schema: dict[str, Any]
-    kind: type  # the dataclass field's Python type (float fields arrive as JSON integers too)
-
-
-def _base_type(hint: Any) -> type:
-    if get_origin(hint) in (Union, types.UnionType):
-        hint = next(a for a in get_args(hint) if a is not type(None))
-    return hint
-
-
-@functools.cache
-def config_fields() -> tuple[ConfigField, ...]:
-    """Every EngineConfig/ServerConfig field that an InferenceService spec can set."""
-    out: list[ConfigField] = []
-    for cls in (EngineConfig, ServerConfig):
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            path = f.metadata.get("crd", f"engine.{camel(f.name)}")
-            if path is False:
-                continue
-            kind = _base_type(hints[f.name])
-            schema: dict[str, Any] = {
-                "type": {bool: "boolean", int: "integer", float: "number", str: "string"}[kind],
-                "description": f"{f.metadata['help']} (ketch serve --{f.name.replace('_', '-')})",
-            }
-            if f.default is not None:
-                schema["default"] = f.default
-            if "choices" in f.metadata:
-                schema["enum"] = list(f.metadata["choices"])
-            if "minimum" in f.metadata:
-                schema["minimum"] = f.metadata["minimum"]
-            if f.name.endswith("port"):
-                schema.update(minimum=1, maximum=65535)
-            if f.name == "kv_cache_memory":
-                schema["pattern"] = MEMORY_SIZE_PATTERN
-            out.append(ConfigField(f.name, tuple(path.split(".")), schema, kind))
-    return tuple(out)
-
-
-def config_field_schemas(section: str) -> dict[str, Any]:
-    return {f.path[1]: f.schema for f in config_fields() if f.path[0] == section}
-
-
-def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
-    """The config-file values a (defaulted) spec sets, keyed by dataclass field name."""
-    out: dict[str, Any] = {}
-    for f in config_fields():
-        node: Any = spec
-        for key in f.path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is not None:
-            # JSON has one number type: the API server hands 30.0 back as 30. The engine's
-            # config file must not depend on which path a value took.
-            out[f.name] = float(node) if f.kind is float else node
-    return out
-
-
-def flag_of(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 # --------------------------------------------------------------------------- the spec
@@ -407,7 +328,7 @@ def _role(name: str) -> dict[str, Any]:
 def _engine() -> dict[str, Any]:
     props = config_field_schemas("engine")
     owned_flags = [
-        *sorted(flag_of(f.name) for f in config_fields()),
+        *sorted(flag_name(f.name) for f in config_fields()),
         "--model",
         "--role",
         "--host",

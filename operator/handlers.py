@@ -93,9 +93,7 @@ def make_registry(
         settings.watching.reconnect_backoff = 1.0
         settings.networking.error_backoffs = [1, 2, 5]
         metrics = OperatorMetrics()
-        client = KubeClient(
-            connection_info(settings), relogin=lambda: connection_info(settings)
-        )
+        client = KubeClient(connection_info(settings), relogin=lambda: connection_info(settings))
         controller = Controller(client, metrics, resync_seconds=resync_seconds)
         controller.start()
         state["controller"] = controller

@@ -16,7 +16,7 @@ from typing import Any
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd
+from ketch.operator import crd, engine_fields
 
 
 class InvalidSpec(ValueError):
@@ -147,7 +147,7 @@ class ServiceSpec:
 
     def engine_settings(self, role: str) -> dict[str, Any]:
         """The role's config file for 'ketch serve': every field the spec sets, plus the role."""
-        values = crd.engine_settings(self.spec)
+        values = engine_fields.engine_settings(self.spec)
         values["model"] = model_path(self.spec["model"]["uri"])
         values["served_model_name"] = self.spec["model"].get("name") or default_served_name(
             self.spec["model"]["uri"], self.name

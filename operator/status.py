@@ -14,9 +14,16 @@ an unchanged deployment gives an identical object and the operator writes nothin
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 Obj = dict[str, Any]
+
+
+def now() -> str:
+    """The timestamp format of conditions and events (RFC 3339, UTC, whole seconds)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
 
 IMAGE_PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull")
 CRASH_REASONS = ("CrashLoopBackOff",)

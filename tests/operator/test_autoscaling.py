@@ -17,7 +17,7 @@ import pytest
 import yaml
 from test_builders import UID, _validator, children
 
-from ketch.operator import autoscaling, builders
+from ketch.operator import autoscaling
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, parse
@@ -356,7 +356,11 @@ def test_example_is_autoscaled_with_an_hpa():
     hpa = kids[("HorizontalPodAutoscaler", "llama-chat-mixed")]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "llama-chat-mixed"
     assert ("Deployment", "llama-chat-mixed") in kids
-    assert builders.key(hpa) == ("autoscaling/v2", "HorizontalPodAutoscaler", "llama-chat-mixed")
+    assert (hpa["apiVersion"], hpa["kind"], hpa["metadata"]["name"]) == (
+        "autoscaling/v2",
+        "HorizontalPodAutoscaler",
+        "llama-chat-mixed",
+    )
 
 
 # --------------------------------------------------------------------------- mode ketch

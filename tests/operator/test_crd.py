@@ -14,7 +14,7 @@ import yaml
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd
+from ketch.operator import crd, engine_fields
 from ketch.operator.cli import main as operator_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_every_engine_flag_is_a_crd_field_with_the_same_facts():
     """One source of truth: each EngineConfig/ServerConfig field the spec may set is a CRD field
     whose default, enum, bounds and description come from the same dataclass field."""
     spec = _schema()["properties"]["spec"]
-    by_name = {f.name: f for f in crd.config_fields()}
+    by_name = {f.name: f for f in engine_fields.config_fields()}
     for cls in (EngineConfig, ServerConfig):
         for f in dataclasses.fields(cls):
             if f.metadata.get("crd") is False:
@@ -76,7 +76,7 @@ def test_engine_settings_round_trip_to_the_engine_config():
         "ports": {"http": 9000, "metrics": 9100},
         "model": {"uri": "tiny", "name": "served"},
     }
-    values = crd.engine_settings(spec)
+    values = engine_fields.engine_settings(spec)
     assert values == {
         "max_num_seqs": 7,
         "block_size": 32,
@@ -134,7 +134,7 @@ def test_extra_args_rule_names_every_owned_flag():
     node = _schema()["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]
     rule = node["x-kubernetes-validations"][0]["rule"]
     pattern = re.search(r"matches\('(.*)'\)", rule).group(1)
-    for f in crd.config_fields():
+    for f in engine_fields.config_fields():
         assert re.match(pattern, flag_name(f.name))
         assert re.match(pattern, flag_name(f.name) + "=1")
     assert not re.match(pattern, "--trust-remote-code")
