@@ -45,6 +45,26 @@ class ServerConfig:
         "Prefill/decode control port; reachable from peers only in prefill/decode roles.",
         crd="ports.pdComm",
     )
+    kv_transfer_port: int = _opt(
+        8005,
+        "Port the cache manager receives KV blocks on from prefill peers (prefill/decode roles).",
+        crd="ports.kvTransfer",
+    )
+    cache_manager_port: int = _opt(
+        8006,
+        "HTTP port of the cache-manager sidecar's /health and /metrics.",
+        crd="ports.cacheManager",
+    )
+    pd_block_timeout: float = _opt(
+        30.0,
+        "Decode role: seconds a request waits for free KV blocks before it fails with 503.",
+        minimum=0,
+    )
+    pd_peer_timeout: float = _opt(
+        10.0,
+        "Prefill/decode roles: seconds a peer may stay silent before its requests fail.",
+        minimum=1,
+    )
     role: str = _opt("mixed", "Instance role: mixed, prefill or decode.", choices=ROLES, crd=False)
     served_model_name: str | None = _opt(
         None, "Model name clients use in 'model'; defaults to the --model value.", crd="model.name"
@@ -70,6 +90,8 @@ class ServerConfig:
             "engine_worker_queue_port": self.engine_worker_queue_port,
             "cache_queue_port": self.cache_queue_port,
             "pd_comm_port": self.pd_comm_port,
+            "kv_transfer_port": self.kv_transfer_port,
+            "cache_manager_port": self.cache_manager_port,
         }
         if self.metrics_port is not None:
             ports["metrics_port"] = self.metrics_port
@@ -85,5 +107,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.drain_timeout, int | float) or self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout!r}")
+        for name, least in (("drain_timeout", 0), ("pd_block_timeout", 0), ("pd_peer_timeout", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
+                raise ValueError(f"{name} must be >= {least} seconds, got {value!r}")

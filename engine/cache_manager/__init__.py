@@ -1,0 +1,1 @@
+"""The cache manager: host swap space for KV blocks and KV transfer between instances."""

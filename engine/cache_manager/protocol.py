@@ -1,0 +1,217 @@
+"""Wire formats of the cache manager: engine <-> cache manager, and cache manager <-> cache manager.
+
+Engine <-> its cache manager (the *cache queue*): the cache manager binds a ZMQ ROUTER on
+``tcp://127.0.0.1:<cache_queue_port>``; the engine process connects a DEALER (``ZMQ_IMMEDIATE``,
+so it sends nothing while no cache manager listens). Every message is one frame: a tagged JSON
+object (``encode``/``decode``). The engine says ``Hello`` (repeating it until answered) with the
+layout of its KV cache; the cache manager maps the shared-memory segment named in the layout and
+answers ``HelloAck``. After that:
+
+- ``Ping`` -> ``Pong``: liveness, both ways (each side treats ~3 missed seconds as a detach).
+- ``Swap`` -> ``SwapDone``: copy device blocks out to host swap slots, then swap slots into device
+  blocks (outs strictly before ins: an evicted block may be reused by an in of the same message).
+  The engine blocks on the answer; the copies are plain memory copies.
+- ``Push`` -> ``PushDone``: send device blocks to a peer's cache manager (prefill -> decode KV
+  transfer). Asynchronous: the engine keeps the blocks referenced until ``PushDone`` arrives.
+
+Cache manager -> cache manager (KV transfer, ``--kv-transfer-port``, bound on all interfaces): the
+sender connects a DEALER to ``tcp://<host>:<kv_transfer_port>`` and sends two frames: a
+``TransferHeader`` (JSON) and the block data: the sender's ``kv[:, :, :, blocks]`` gathered into
+one C-contiguous array of shape ``layout.transfer_shape(len(blocks))``, i.e.
+``[num_layers, 2, kv_heads, n, block_size, head_dim]``, block ``i`` going to ``dest_blocks[i]``.
+The receiver checks version, layout, block range and frame size, writes the blocks into its
+engine's KV segment (``kv[:, :, :, dest_blocks] = data``) and answers one ``TransferAck`` frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a message or the KV layout changes; peers with another version are refused."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one engine's KV cache is laid out in its shared-memory segment.
+
+    The segment holds ``[num_layers, 2, kv_heads, num_blocks, block_size, head_dim]`` (K and V),
+    the ``KVCache`` layout of the worker. Two instances can exchange blocks when everything but
+    ``num_blocks`` and ``segment`` agrees.
+    """
+
+    num_layers: int
+    kv_heads: int
+    num_blocks: int
+    block_size: int
+    head_dim: int
+    dtype: str = "float32"
+    segment: str = ""  # the shared-memory name (``/dev/shm/<segment>``)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.kv_heads, self.num_blocks, self.block_size, self.head_dim)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's data as sent over the wire and kept in a swap slot."""
+        return (self.num_layers, 2, self.kv_heads, self.block_size, self.head_dim)
+
+    def transfer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The wire shape of ``num_blocks`` blocks: ``kv[:, :, :, blocks]``."""
+        return (
+            self.num_layers,
+            2,
+            self.kv_heads,
+            num_blocks,
+            self.block_size,
+            self.head_dim,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.num_layers * 2 * self.kv_heads * self.block_size * self.head_dim
+        return n * _DTYPE_BYTES[self.dtype]
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """Why blocks of ``other`` cannot go into this cache, or None if they can."""
+        for name in ("num_layers", "kv_heads", "block_size", "head_dim", "dtype"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"KV layouts differ: {name} is {theirs} on the sender, {mine} here"
+        return None
+
+
+# ---- engine -> cache manager ----
+
+
+@dataclass
+class Hello:
+    engine_id: str  # random per engine process start: a new id means a new KV segment
+    version: int
+    layout: KVLayout
+
+
+@dataclass
+class Ping:
+    engine_id: str
+
+
+@dataclass
+class Swap:
+    seq: int
+    out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap slot)
+    into: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, device block)
+
+
+@dataclass
+class Push:
+    request_id: str
+    blocks: list[int]  # device blocks here, in order
+    dest: str  # "host:port" of the peer cache manager's KV transfer endpoint
+    dest_blocks: list[int]  # where they go in the peer's cache, same order
+
+
+# ---- cache manager -> engine ----
+
+
+@dataclass
+class HelloAck:
+    cache_manager_id: str  # random per cache-manager start: a new id means the swap was lost
+    version: int
+    swap_slots: int  # host swap capacity in blocks (0: no swap space)
+    error: str | None = None  # set when the cache manager refuses (version, layout, segment)
+
+
+@dataclass
+class Pong:
+    cache_manager_id: str
+
+
+@dataclass
+class SwapDone:
+    seq: int
+    ok: bool
+    error: str | None = None
+
+
+@dataclass
+class PushDone:
+    request_id: str
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+# ---- cache manager -> cache manager ----
+
+
+@dataclass
+class TransferHeader:
+    version: int
+    request_id: str
+    layout: KVLayout  # the sender's (its num_blocks/segment are irrelevant to the receiver)
+    dest_blocks: list[int]
+
+
+@dataclass
+class TransferAck:
+    request_id: str
+    ok: bool
+    error: str | None = None
+
+
+Message = (
+    Hello
+    | Ping
+    | Swap
+    | Push
+    | HelloAck
+    | Pong
+    | SwapDone
+    | PushDone
+    | TransferHeader
+    | TransferAck
+)
+_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (
+        Hello,
+        Ping,
+        Swap,
+        Push,
+        HelloAck,
+        Pong,
+        SwapDone,
+        PushDone,
+        TransferHeader,
+        TransferAck,
+    )
+}
+
+
+def encode(message: Message) -> bytes:
+    body = dataclasses.asdict(message)
+    return json.dumps({"type": type(message).__name__, "body": body}).encode()
+
+
+def decode(data: bytes) -> Message:
+    """Parses one message; raises ValueError on anything malformed (never trusts the peer)."""
+    try:
+        raw = json.loads(data)
+        kind = _TYPES[raw["type"]]
+        body: dict[str, Any] = dict(raw["body"])
+        if "layout" in body:
+            body["layout"] = KVLayout(**body["layout"])
+        for key in ("out", "into"):
+            if key in body:
+                body[key] = [(int(a), int(b)) for a, b in body[key]]
+        return kind(**body)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed cache-manager message: {exc}") from exc

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the engine-to-engine protocol over --pd-comm-port."""

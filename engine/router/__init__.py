@@ -1,0 +1,1 @@
+"""`ketch router`: an OpenAI-compatible front that spreads requests over engine instances."""
