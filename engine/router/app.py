@@ -1,0 +1,286 @@
+"""The router's HTTP front: OpenAI endpoints forwarded to instances, plus its own control API.
+
+Mixed and prefill/decode requests share one forwarding path: pick the target (and, for
+prefill/decode, a prefill peer named in ``x-ketch-prefill``), send the client's body unchanged,
+and pass the answer back. SSE streams are passed through chunk by chunk; a stream that breaks
+mid-way ends with an in-stream error event, so clients fail promptly instead of hanging. A
+connection that fails before any response marks the instance down and is retried once on
+another instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ketch.engine.router.config import RouterConfig
+from ketch.engine.router.instances import Instance, Registry
+from ketch.engine.router.metrics import RouterMetrics
+from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
+
+logger = logging.getLogger("ketch.router")
+
+_PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+PREFILL_HEADER = "x-ketch-prefill"
+DECODE_HOST_HEADER = "x-ketch-decode-host"
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    registry: Registry
+    policy: Policy
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    decode_policy: Policy | None = None
+    in_flight: int = 0
+    draining: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> RouterState:
+        policy = make_policy(config.policy, config.prefix_cache_entries, config.prefix_slack)
+        decode = make_policy("round-robin" if config.policy == "round-robin" else "least-requests")
+        state = cls(config, Registry(config), policy, decode_policy=decode)
+        state.idle.set()
+        return state
+
+
+def error_response(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def create_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="Ketch router", docs_url=None, redoc_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(state, request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forward(state, request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        serving = state.registry.healthy("mixed") or state.registry.healthy("decode")
+        if not serving:
+            return error_response(503, _no_instance_message(state))
+        headers = _passed_headers(request)
+        try:
+            async with state.registry.session.get(  # type: ignore[union-attr]
+                f"{serving[0].url}/v1/models", headers=headers, timeout=_timeout(state)
+            ) as resp:
+                body = await resp.read()
+                kind = resp.headers.get("content-type", "application/json")
+                return Response(body, status_code=resp.status, media_type=kind)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            state.registry.mark_down(serving[0], f"/v1/models failed: {exc}")
+            return error_response(502, f"instance {serving[0].url} failed: {exc}")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        problems = []
+        if state.draining:
+            problems.append("draining")
+        if not state.registry.can_serve():
+            problems.append(_no_instance_message(state))
+        body = {"ready": not problems, "problems": problems, "policy": state.policy.name}
+        return JSONResponse(body, status_code=503 if problems else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, kind = state.metrics.render(state.registry)
+        return Response(body, media_type=kind)
+
+    @app.get("/v1/ketch/instances")
+    async def instances() -> JSONResponse:
+        listed = sorted(state.registry.instances.values(), key=lambda i: (i.role, i.url))
+        return JSONResponse(
+            {"policy": state.policy.name, "instances": [i.to_json() for i in listed]}
+        )
+
+    @app.post("/v1/ketch/register")
+    async def register(request: Request) -> JSONResponse:
+        try:
+            data = await request.json()
+            inst = state.registry.register(str(data["url"]), str(data.get("role", "mixed")))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            message = f'register needs JSON {{"url": "http://host:port", "role": ...}}: {why}'
+            return error_response(400, message, "invalid_request_error")
+        return JSONResponse({"registered": inst.to_json(), "ttl": state.config.registration_ttl})
+
+    @app.delete("/v1/ketch/register")
+    async def unregister(request: Request) -> JSONResponse:
+        try:
+            data = await request.json()
+            removed = state.registry.unregister(str(data["url"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f'unregister needs JSON {{"url": ...}}: {exc}')
+        return JSONResponse({"removed": removed})
+
+    return app
+
+
+def _timeout(state: RouterState) -> aiohttp.ClientTimeout:
+    cfg = state.config
+    return aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=cfg.connect_timeout)
+
+
+def _passed_headers(request: Request) -> dict[str, str]:
+    return {k: v for k in _PASS_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+def _no_instance_message(state: RouterState) -> str:
+    reg = state.registry
+    known = len(reg.instances)
+    if not known:
+        return "no healthy instance: none is known yet (static, DNS or registered)"
+    down = "; ".join(
+        f"{i.url} ({i.role}): {i.last_error or 'not checked yet'}"
+        for i in sorted(reg.instances.values(), key=lambda i: i.url)
+        if not i.healthy
+    )
+    return f"no healthy instance can serve (need a mixed one, or a prefill and a decode): {down}"
+
+
+def _pick(
+    state: RouterState, chunks: list[bytes] | None, exclude: set[str]
+) -> tuple[Instance, Instance | None] | None:
+    """(target, prefill peer or None); None when nothing healthy is left."""
+    reg = state.registry
+    mixed = [i for i in reg.healthy("mixed") if i.url not in exclude]
+    if mixed:
+        return _choose(state, state.policy, mixed, chunks), None
+    prefill = [i for i in reg.healthy("prefill") if i.url not in exclude]
+    decode = [i for i in reg.healthy("decode") if i.url not in exclude]
+    if not prefill or not decode:
+        return None
+    p = _choose(state, state.policy, prefill, chunks)
+    d = _choose(state, state.decode_policy or state.policy, decode, None)
+    return d, p
+
+
+def _choose(
+    state: RouterState, policy: Policy, candidates: list[Instance], chunks: list[bytes] | None
+) -> Instance:
+    before = policy.matches if isinstance(policy, PrefixHash) else 0
+    inst = policy.choose(candidates, chunks)
+    if isinstance(policy, PrefixHash) and policy.matches > before:
+        state.metrics.prefix_matches.inc()
+    inst.sent_since_scrape += 1
+    return inst
+
+
+async def forward(state: RouterState, request: Request, path: str) -> Response:
+    """Forwards one OpenAI request; retries once elsewhere if the first connection fails."""
+    started = time.monotonic()
+    if state.draining:
+        return error_response(503, "the router is shutting down; retry shortly")
+    body = await request.body()
+    chunks = None
+    if isinstance(state.policy, PrefixHash):
+        chunks = prompt_chunks(path, body, state.config.prefix_chunk_chars)
+    headers = _passed_headers(request)
+    tried: set[str] = set()
+    last_error = ""
+    for _attempt in range(2):
+        picked = _pick(state, chunks, tried)
+        if picked is None:
+            break
+        target, prefill = picked
+        send = dict(headers)
+        if prefill is not None:
+            send[PREFILL_HEADER] = f"{prefill.host}:{prefill.pd_comm_port}"
+            send[DECODE_HOST_HEADER] = target.host
+        assert state.registry.session is not None
+        _enter(state, target)
+        try:
+            resp = await state.registry.session.post(
+                f"{target.url}{path}", data=body, headers=send, timeout=_timeout(state)
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            _leave(state, target)
+            last_error = f"{target.url}: {type(exc).__name__}: {exc}"
+            state.registry.mark_down(target, f"request failed: {type(exc).__name__}: {exc}")
+            state.metrics.upstream_errors.labels(target.url).inc()
+            tried.add(target.url)
+            continue
+        return await _relay(state, target, resp, started)
+    if last_error:
+        state.metrics.requests.labels("none", "502").inc()
+        return error_response(502, f"instances failed before answering: {last_error}")
+    state.metrics.requests.labels("none", "503").inc()
+    return error_response(503, _no_instance_message(state))
+
+
+async def _relay(
+    state: RouterState, target: Instance, resp: aiohttp.ClientResponse, started: float
+) -> Response:
+    """Passes the instance's answer back: SSE chunk by chunk, anything else whole."""
+    metrics = state.metrics
+    metrics.requests.labels(target.url, str(resp.status)).inc()
+    kind = resp.headers.get("content-type", "application/json")
+    extra = {k: v for k in ("retry-after",) if (v := resp.headers.get(k))}
+    if not kind.startswith("text/event-stream"):
+        try:
+            payload = await resp.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            metrics.upstream_errors.labels(target.url).inc()
+            return error_response(502, f"instance {target.url} broke off its answer: {exc}")
+        finally:
+            resp.release()
+            _leave(state, target)
+            metrics.seconds.observe(time.monotonic() - started)
+        return Response(payload, status_code=resp.status, media_type=kind, headers=extra)
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for piece in resp.content.iter_any():
+                yield piece
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            metrics.upstream_errors.labels(target.url).inc()
+            logger.warning("stream from %s broke: %s: %s", target.url, type(exc).__name__, exc)
+            yield b"\n\n" + _sse_error(
+                f"instance {target.url} broke off the stream ({type(exc).__name__}); retry"
+            )
+        finally:
+            resp.close()
+            _leave(state, target)
+            metrics.seconds.observe(time.monotonic() - started)
+
+    return StreamingResponse(stream(), status_code=resp.status, media_type=kind, headers=extra)
+
+
+def _enter(state: RouterState, target: Instance) -> None:
+    target.in_flight += 1
+    state.in_flight += 1
+    state.metrics.in_flight.set(state.in_flight)
+    state.idle.clear()
+
+
+def _leave(state: RouterState, target: Instance) -> None:
+    target.in_flight -= 1
+    state.in_flight -= 1
+    state.metrics.in_flight.set(state.in_flight)
+    if state.in_flight == 0:
+        state.idle.set()

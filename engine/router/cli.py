@@ -1,0 +1,129 @@
+"""``ketch router``: an OpenAI-compatible front that spreads requests over engine instances.
+
+- Settings come from ``--config FILE`` (YAML/JSON, keys as in ``RouterConfig``) and flags, which
+  override the file; a bad setting or a busy port is a one-line error (exit 2).
+- Before listening, every listed instance is resolved and checked once, so the first requests
+  already see which instances are up.
+- SIGTERM/SIGINT: /ready turns 503, new requests get 503, in-flight streams get up to
+  ``--drain-timeout`` seconds, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from ketch.engine.router.app import RouterState, create_app
+from ketch.engine.router.config import RouterConfig
+
+logger = logging.getLogger("ketch.router")
+
+_DESCRIPTION = """Spreads OpenAI requests (/v1/completions, /v1/chat/completions, /v1/models)
+over `ketch serve` instances. Instances come from --mixed, or --prefill and --decode (for
+prefill/decode disaggregation: each request goes to a decode instance with the chosen prefill
+instance in the x-ketch-prefill header), as host:port, http://host:port or a DNS name without
+port (a headless Service: every address it resolves to is an instance on --engine-port). Instances
+may also register themselves: POST /v1/ketch/register {"url": "http://host:port", "role":
+"mixed"} (repeat as a heartbeat within --registration-ttl; DELETE to leave). GET
+/v1/ketch/instances lists what the router knows. Every setting can come from --config FILE
+(JSON or YAML); flags override the file."""
+
+_EXAMPLES = """examples:
+  ketch router --mixed 10.0.0.5:8000,10.0.0.6:8000 --policy prefix-hash
+  ketch router --prefill isvc-prefill-peers.default.svc --decode isvc-decode-peers.default.svc
+  ketch router --config /etc/ketch/router.yaml --port 9100
+"""
+
+
+def add_router_parser(commands: argparse._SubParsersAction) -> None:
+    from ketch.engine.cli_args import add_config_args
+
+    parser = commands.add_parser(
+        "router",
+        help="spread OpenAI requests over engine instances",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="JSON/YAML file of settings")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    add_config_args(parser, RouterConfig, "router")
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    from ketch.engine.cli_args import config_from_args, read_config_file
+
+    values = read_config_file(args.config, RouterConfig) if args.config else {}
+    return config_from_args(RouterConfig, args, values)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    check_port(config)
+    return asyncio.run(serve_router(config))
+
+
+def check_port(config: RouterConfig) -> None:
+    """Fails fast, naming the flag, if the router's port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((config.host, config.port))
+        except OSError as exc:
+            raise ValueError(
+                f"--port {config.port} on {config.host} is not free: {exc.strerror}"
+            ) from exc
+
+
+async def serve_router(config: RouterConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns 0 after draining."""
+    state = RouterState.from_config(config)
+    await state.registry.start()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+        )
+    )
+    server.install_signal_handlers = lambda: None  # we drain ourselves
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server_task = asyncio.create_task(server.serve())
+    healthy = sum(i.healthy for i in state.registry.instances.values())
+    logger.info(
+        "routing (%s) on http://%s:%d over %d instance(s), %d healthy",
+        config.policy,
+        config.host,
+        config.port,
+        len(state.registry.instances),
+        healthy,
+    )
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({server_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if server_task.done():
+        code = 1  # uvicorn failed (e.g. could not bind)
+    else:
+        state.draining = True
+        logger.info("draining: %d requests in flight", state.in_flight)
+        try:
+            await asyncio.wait_for(state.idle.wait(), config.drain_timeout)
+        except TimeoutError:
+            logger.warning("drain timeout: %d requests still in flight are cut", state.in_flight)
+        server.should_exit = True
+    stop_task.cancel()
+    await asyncio.gather(server_task, return_exceptions=True)
+    await state.registry.close()
+    return code
