@@ -1,0 +1,188 @@
+"""Helpers for the router tests: a ``ketch router`` subprocess, instances started in parallel,
+and a tiny real HTTP instance (aiohttp, in a thread) that records what reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import KETCH, Server, free_ports
+
+START_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def start_instances(count: int, *args: str) -> Iterator[list[Server]]:
+    """``count`` ``ketch serve`` instances, started together (each takes seconds to start)."""
+    servers: list[Server] = []
+    try:
+        for _ in range(count):
+            servers.append(Server(*args))
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class Router:
+    """One ``ketch router`` subprocess on a free port, output in a log file."""
+
+    def __init__(self, *args: str, wait: bool = True) -> None:
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="ketch-router-", suffix=".log")[1])
+        command = [KETCH, "router", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
+            )
+        if wait:
+            self.wait_up()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_up(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ketch router exited ({self.proc.returncode}):\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise AssertionError(f"ketch router not up after {START_TIMEOUT_S:.0f} s:\n{self.log()}")
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        body = httpx.get(f"{self.url}/v1/ketch/instances", timeout=5).json()
+        return {i["url"]: i for i in body["instances"]}
+
+    def request_counts(self) -> dict[str, float]:
+        """Requests the router sent to each instance (all status codes), from its /metrics."""
+        counts: dict[str, float] = {}
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "ketch_router_requests_total":
+                    instance = sample.labels["instance"]
+                    counts[instance] = counts.get(instance, 0) + sample.value
+        return counts
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log_path.unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_router(*args: str) -> Iterator[Router]:
+    router = Router(*args)
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+def run_router(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``ketch router ARGS`` to completion (for commands that fail fast)."""
+    return subprocess.run(
+        [KETCH, "router", *args], capture_output=True, text=True, timeout=timeout,
+        cwd=tempfile.gettempdir(),
+    )  # fmt: skip
+
+
+class FakeInstance:
+    """A real HTTP server in a thread that answers like an instance and records requests.
+
+    ``/ready`` answers 200 with ``role`` (and ``pd_comm_port`` when given). Completions answer
+    a fixed JSON body, or with ``break_stream`` an SSE stream that sends two events and then
+    drops the connection mid-stream.
+    """
+
+    def __init__(
+        self, role: str = "mixed", pd_comm_port: int | None = None, break_stream: bool = False
+    ) -> None:
+        self.role = role
+        self.pd_comm_port = pd_comm_port
+        self.break_stream = break_stream
+        self.requests: list[dict[str, Any]] = []
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._started.wait(10):
+            raise AssertionError("fake instance did not start")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        body: dict[str, Any] = {"ready": True, "role": self.role}
+        if self.pd_comm_port is not None:
+            body["pd_comm_port"] = self.pd_comm_port
+        return web.json_response(body)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="ketch:num_requests_running 0\nketch:num_requests_waiting 0\n")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append({"headers": dict(request.headers), "body": json.loads(body)})
+        if not self.break_stream:
+            return web.json_response(
+                {"id": "fake", "object": "text_completion", "created": 0, "model": "tiny",
+                 "choices": [{"index": 0, "text": "ok", "finish_reason": "stop",
+                              "logprobs": None}]}
+            )  # fmt: skip
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(2):
+            chunk = {"id": "fake", "object": "text_completion", "created": 0, "model": "tiny",
+                     "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None,
+                                  "logprobs": None}]}  # fmt: skip
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await asyncio.sleep(0.2)
+        assert request.transport is not None
+        request.transport.abort()  # the instance dies mid-stream
+        return resp
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
