@@ -115,6 +115,9 @@ class Push:
     blocks: list[int]  # device blocks here, in order
     dest: str  # "host:port" of the peer cache manager's KV transfer endpoint
     dest_blocks: list[int]  # where they go in the peer's cache, same order
+    # The peer engine those blocks belong to (its Hello engine_id); the peer cache manager
+    # refuses the transfer if it is attached to another engine (it restarted meanwhile).
+    dest_engine_id: str = ""
 
 
 # ---- cache manager -> engine ----
@@ -158,6 +161,7 @@ class TransferHeader:
     request_id: str
     layout: KVLayout  # the sender's (its num_blocks/segment are irrelevant to the receiver)
     dest_blocks: list[int]
+    engine_id: str = ""  # Push.dest_engine_id: refused unless it is the attached engine's id
 
 
 @dataclass
