@@ -1,0 +1,82 @@
+"""``ketch cache-manager``: the KV cache sidecar of one engine instance.
+
+Reads the same role file as ``ketch serve --config`` (engine and server keys are accepted and
+only the cache manager's own are used), checks its ports, then runs ``server.run`` until
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from ketch.engine.cache_manager.config import CacheManagerConfig
+
+_DESCRIPTION = """\
+The cache-manager sidecar of one Ketch instance (same pod as `ketch serve`, sharing /dev/shm
+and loopback). It maps the engine's KV cache segment and executes what the engine asks:
+  - swap: copy KV blocks evicted from the engine's cache into host swap space
+    (--swap-space) and back;
+  - push: send KV blocks to another instance's cache manager (prefill -> decode transfer),
+    and receive blocks from peers into this engine's cache (--kv-transfer-port).
+The engine decides which blocks go where; this process copies, checks and reports.
+/health and /metrics are served on --cache-manager-port. Settings can come from --config
+FILE, the same role file `ketch serve --config` reads; flags override it."""
+
+_EPILOG = """\
+example:
+  ketch cache-manager --config /etc/ketch/prefill.yaml --swap-space 4Gi
+"""
+
+
+def add_cache_manager_parser(commands: argparse._SubParsersAction) -> None:
+    from ketch.engine.cli_args import add_config_args
+
+    parser = commands.add_parser(
+        "cache-manager",
+        help="run the KV cache sidecar (host swap, KV transfer between instances)",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="JSON/YAML role file (the one `ketch serve` reads)"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    add_config_args(parser, CacheManagerConfig, "cache manager")
+
+
+def check_ports(config: CacheManagerConfig) -> None:
+    """Fails fast, naming the flag, if a port this process binds is taken."""
+    wanted = {
+        "--cache-queue-port": ("127.0.0.1", config.cache_queue_port),
+        "--kv-transfer-port": (config.host, config.kv_transfer_port),
+        "--cache-manager-port": (config.host, config.cache_manager_port),
+    }
+    for flag, (host, port) in wanted.items():
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise ValueError(f"{flag} {port} on {host} is not free: {exc.strerror}") from exc
+
+
+def run_cache_manager(args: argparse.Namespace) -> int:
+    from ketch.engine.cache_manager.server import run
+    from ketch.engine.cli_args import config_from_args, read_config_file
+    from ketch.engine.config import EngineConfig
+    from ketch.engine.serving.config import ServerConfig
+
+    file_values = {}
+    if args.config:
+        file_values = read_config_file(args.config, EngineConfig, ServerConfig, CacheManagerConfig)
+    try:
+        config = config_from_args(CacheManagerConfig, args, file_values)
+    except TypeError as exc:  # a file value of the wrong kind
+        raise ValueError(f"bad cache-manager setting: {exc}") from exc
+    check_ports(config)
+    return run(config)

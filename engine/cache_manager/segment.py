@@ -1,0 +1,62 @@
+"""The engine's KV segment as the cache manager sees it: mapping it, and checking block ids.
+
+The worker keeps its KV cache in ``/dev/shm/<segment>``, laid out
+``[num_layers, 2, kv_heads, num_blocks, block_size, head_dim]``; the cache manager maps the same
+file read-write, so its copies land directly in the engine's cache. Block 0 is reserved by the
+engine's block pool (the padding target), so valid device blocks are ``[1, num_blocks)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ketch.engine.cache_manager import protocol as p
+from ketch.engine.cache_manager.swap import SwapStore
+
+SHM_DIR = Path("/dev/shm")
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+"""bfloat16 is copied as raw 16-bit words: the cache manager never does arithmetic on it."""
+
+
+@dataclass
+class Attachment:
+    """The engine this cache manager serves: its id, its KV layout and the mapped segment."""
+
+    engine_id: str
+    layout: p.KVLayout
+    kv: np.ndarray
+    swap: SwapStore
+
+
+def map_segment(layout: p.KVLayout) -> np.ndarray:
+    """Maps ``/dev/shm/<layout.segment>`` read-write; ValueError says what does not fit."""
+    name = layout.segment
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"KV segment name {name!r} is not a shared-memory name")
+    if layout.dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"KV dtype {layout.dtype!r} is not supported")
+    dims = layout.shape
+    if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
+        raise ValueError(f"KV layout has a non-positive dimension: {dims}")
+    path = SHM_DIR / name
+    if not path.is_file():
+        raise ValueError(f"KV segment {path} does not exist (is the engine's worker running?)")
+    dtype = np.dtype(_NUMPY_DTYPES[layout.dtype])
+    expected = int(np.prod(dims)) * dtype.itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise ValueError(
+            f"KV segment {path} holds {actual} bytes; layout {dims} {layout.dtype} needs {expected}"
+        )
+    return np.memmap(path, dtype=dtype, mode="r+", shape=dims)
+
+
+def bad_blocks(blocks: list[Any], num_blocks: int, what: str) -> str | None:
+    for block in blocks:
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block < num_blocks:
+            return f"{what} {block!r} is outside [1, {num_blocks})"
+    return None

@@ -1,0 +1,383 @@
+"""The cache manager's main loop: serve the engine's cache queue, push and receive KV blocks.
+
+Threads (ZMQ sockets never cross them):
+
+- main: a ROUTER on ``tcp://127.0.0.1:<cache_queue_port>`` for the engine (Hello, Ping, Swap,
+  Push) and a PULL on an inproc address where the sender posts finished pushes. Swaps are done
+  here, at once (the engine waits on them inside its step loop).
+- sender: takes pushes from a queue, gathers the blocks and sends them with the transport; so a
+  slow or dead peer never delays the engine's swaps.
+- receiver (the transport's): stores blocks arriving from peers into the attached engine's cache.
+- http: ``/health`` and ``/metrics``.
+
+The engine decides everything (blocks, slots, destinations); this process copies, checks the
+indices and reports. Nothing a peer or the engine sends can crash it: bad input is answered
+with an error and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ketch.engine.cache_manager import protocol as p
+from ketch.engine.cache_manager.config import CacheManagerConfig
+from ketch.engine.cache_manager.http import HttpEndpoint
+from ketch.engine.cache_manager.metrics import CacheManagerMetrics
+from ketch.engine.cache_manager.segment import Attachment, bad_blocks, map_segment
+from ketch.engine.cache_manager.swap import SwapStore
+from ketch.engine.cache_manager.transport import TransferError, make_transport, parse_dest
+
+logger = logging.getLogger("ketch.cache_manager")
+
+ENGINE_SILENCE_S = 5.0
+"""An engine that sent nothing for this long is detached (its mapping dropped)."""
+_POLL_MS = 100
+_DONE_ADDRESS = "inproc://ketch-cache-manager-push-done"
+
+
+@dataclass
+class _PushJob:
+    identity: bytes
+    push: p.Push
+    attachment: Attachment
+
+
+class CacheManager:
+    """One cache-manager process: construct (binds every port), then ``run()`` until signalled."""
+
+    def __init__(self, config: CacheManagerConfig) -> None:
+        self.config = config
+        self.id = uuid.uuid4().hex[:12]
+        self.metrics = CacheManagerMetrics()
+        self.attachment: Attachment | None = None
+        self._engine_seen = 0.0
+        self._stop = threading.Event()
+        self._jobs: queue.Queue[_PushJob | None] = queue.Queue()
+        self._context = zmq.Context()
+        self._closers: list[Any] = []
+        try:
+            self._bind()
+        except BaseException:
+            self.close()
+            raise
+
+    def _bind(self) -> None:
+        cfg = self.config
+        self._queue = self._context.socket(zmq.ROUTER)
+        self._queue.setsockopt(zmq.LINGER, 0)
+        self._closers.append(self._queue)
+        try:
+            self._queue.bind(f"tcp://127.0.0.1:{cfg.cache_queue_port}")
+        except zmq.ZMQError as exc:
+            msg = f"--cache-queue-port {cfg.cache_queue_port} on 127.0.0.1 is not free: {exc}"
+            raise ValueError(msg) from exc
+        self._done = self._context.socket(zmq.PULL)
+        self._closers.append(self._done)
+        self._done.bind(_DONE_ADDRESS)
+        self.transport = make_transport(cfg.kv_transport, self._context)
+        self.receiver = self.transport.receiver(cfg.host, cfg.kv_transfer_port)
+        self._closers.append(self.receiver)
+        try:
+            self.http = HttpEndpoint(cfg.host, cfg.cache_manager_port, self.health, self.metrics)
+        except OSError as exc:
+            msg = f"--cache-manager-port {cfg.cache_manager_port} on {cfg.host} is not free"
+            raise ValueError(f"{msg}: {exc.strerror}") from exc
+        self._closers.append(self.http)
+        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+
+    # ---- lifecycle ----
+
+    def run(self) -> int:
+        cfg = self.config
+        self.receiver.start(self._receive)
+        self._sender.start()
+        self.http.start()
+        logger.info(
+            "cache manager %s: engine queue on 127.0.0.1:%d, KV transfers (%s) on %s:%d, "
+            "HTTP on %s:%d, swap space %d bytes",
+            self.id, cfg.cache_queue_port, cfg.kv_transport, cfg.host, cfg.kv_transfer_port,
+            cfg.host, cfg.cache_manager_port, cfg.swap_bytes,
+        )  # fmt: skip
+        poller = zmq.Poller()
+        poller.register(self._queue, zmq.POLLIN)
+        poller.register(self._done, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(_POLL_MS))
+            if self._queue in events:
+                self._serve_engine()
+            if self._done in events:
+                identity, data = self._done.recv_multipart()
+                self._queue.send_multipart([identity, data])
+            self._check_engine_silence()
+        logger.info("cache manager %s: stopping", self.id)
+        return 0
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.stop)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        sender = getattr(self, "_sender", None)
+        if sender is not None and sender.is_alive():
+            sender.join(timeout=2)
+        for item in reversed(self._closers):
+            try:
+                item.close()
+            except Exception:  # closing is best effort; the process is going away
+                logger.debug("closing %r failed", item, exc_info=True)
+        if sender is None or not sender.is_alive():  # a push stuck on a peer keeps its socket
+            self._context.term()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        att = self.attachment
+        broken = [
+            name
+            for name, alive in (
+                ("sender", self._sender.is_alive()),
+                ("receiver", self.receiver.is_alive()),
+            )
+            if not alive
+        ]
+        body = {
+            "status": "ok" if not broken else "broken: " + ", ".join(broken) + " thread died",
+            "cache_manager_id": self.id,
+            "engine_attached": att is not None,
+            "engine_id": att.engine_id if att else None,
+            "swap_slots": att.swap.slots if att else 0,
+            "swap_used": len(att.swap.used) if att else 0,
+            "kv_transport": self.config.kv_transport,
+        }
+        return not broken, body
+
+    # ---- the engine's queue ----
+
+    def _serve_engine(self) -> None:
+        frames = self._queue.recv_multipart()
+        identity = frames[0]
+        try:
+            message = p.decode(frames[-1])
+        except ValueError as exc:
+            logger.warning("engine queue: %s", exc)
+            return
+        self._engine_seen = time.monotonic()
+        reply: p.Message | None = None
+        if isinstance(message, p.Hello):
+            reply = self._hello(message)
+        elif isinstance(message, p.Ping):
+            att = self.attachment
+            if att is not None and att.engine_id == message.engine_id:
+                reply = p.Pong(self.id)
+            else:  # silence tells the engine to say Hello again
+                logger.debug("ping from unattached engine %s ignored", message.engine_id)
+        elif isinstance(message, p.Swap):
+            reply = self._swap(message)
+        elif isinstance(message, p.Push):
+            reply = self._push(identity, message)
+        else:
+            logger.warning("engine queue: unexpected %s ignored", type(message).__name__)
+        if reply is not None:
+            self._queue.send_multipart([identity, p.encode(reply)])
+
+    def _hello(self, hello: p.Hello) -> p.HelloAck:
+        if hello.version != p.PROTOCOL_VERSION:
+            error = (
+                f"protocol version mismatch: the engine speaks {hello.version}, this cache "
+                f"manager {p.PROTOCOL_VERSION}; run matching ketch versions"
+            )
+            logger.error("refusing engine %s: %s", hello.engine_id, error)
+            return p.HelloAck(self.id, p.PROTOCOL_VERSION, 0, error)
+        att = self.attachment
+        if att is not None and att.engine_id == hello.engine_id and att.layout == hello.layout:
+            return p.HelloAck(self.id, p.PROTOCOL_VERSION, att.swap.slots)
+        try:
+            kv = map_segment(hello.layout)
+            swap = SwapStore(hello.layout, self.config.swap_bytes)
+        except (ValueError, OSError, TypeError, KeyError) as exc:
+            logger.error("refusing engine %s: %s", hello.engine_id, exc)
+            return p.HelloAck(self.id, p.PROTOCOL_VERSION, 0, str(exc))
+        if att is not None and att.engine_id == hello.engine_id:
+            logger.info("engine %s re-attached with a new layout; swap reset", att.engine_id)
+        elif att is not None:
+            old, new = att.engine_id, hello.engine_id
+            logger.info("engine %s replaced by engine %s; swap reset", old, new)
+        self.attachment = Attachment(hello.engine_id, hello.layout, kv, swap)
+        lay = hello.layout
+        logger.info(
+            "attached to engine %s: segment %s, %d layers x %d KV heads x %d blocks of %d tokens "
+            "x head_dim %d (%s, %d bytes/block); swap %d slots",
+            hello.engine_id, lay.segment, lay.num_layers, lay.kv_heads, lay.num_blocks,
+            lay.block_size, lay.head_dim, lay.dtype, lay.block_bytes, swap.slots,
+        )  # fmt: skip
+        self.metrics.engine_attached.set(1)
+        self.metrics.swap_total_blocks.set(swap.slots)
+        self.metrics.swap_used_blocks.set(0)
+        return p.HelloAck(self.id, p.PROTOCOL_VERSION, swap.slots)
+
+    def _check_engine_silence(self) -> None:
+        att = self.attachment
+        if att is None or time.monotonic() - self._engine_seen < ENGINE_SILENCE_S:
+            return
+        logger.warning(
+            "engine %s silent for %.0f s: detached (mapping dropped)",
+            att.engine_id,
+            ENGINE_SILENCE_S,
+        )
+        self.attachment = None
+        self.metrics.engine_attached.set(0)
+        self.metrics.swap_total_blocks.set(0)
+        self.metrics.swap_used_blocks.set(0)
+
+    def _swap(self, swap: p.Swap) -> p.SwapDone:
+        att = self.attachment
+        if att is None:
+            return p.SwapDone(swap.seq, False, "no engine attached: send Hello first")
+        try:
+            error = att.swap.swap(att.kv, swap.out, swap.into)
+        except (TypeError, IndexError, ValueError) as exc:
+            error = f"bad swap: {exc}"
+        if error is not None:
+            logger.warning("swap %s refused: %s", swap.seq, error)
+            return p.SwapDone(swap.seq, False, error)
+        self.metrics.swap_out_blocks.inc(len(swap.out))
+        self.metrics.swap_in_blocks.inc(len(swap.into))
+        self.metrics.swap_used_blocks.set(len(att.swap.used))
+        return p.SwapDone(swap.seq, True)
+
+    def _push(self, identity: bytes, push: p.Push) -> p.PushDone | None:
+        att = self.attachment
+        error = None
+        if att is None:
+            error = "no engine attached: send Hello first"
+        elif not isinstance(push.blocks, list) or not isinstance(push.dest_blocks, list):
+            error = "blocks and dest_blocks must be lists"
+        elif not push.blocks or len(push.blocks) != len(push.dest_blocks):
+            n, m = len(push.blocks), len(push.dest_blocks)
+            error = f"push needs as many dest_blocks as blocks (at least 1), got {n} and {m}"
+        else:
+            error = bad_blocks(push.blocks, att.layout.num_blocks, "device block")
+            if error is None:
+                try:
+                    parse_dest(push.dest)
+                except ValueError as exc:
+                    error = str(exc)
+        if error is not None or att is None:
+            logger.warning("push %s refused: %s", push.request_id, error)
+            self.metrics.kv_transfer_failures.labels(direction="send").inc()
+            return p.PushDone(str(push.request_id), False, error=error)
+        self._jobs.put(_PushJob(identity, push, att))
+        return None
+
+    # ---- sender thread ----
+
+    def _send_loop(self) -> None:
+        done = self._context.socket(zmq.PUSH)
+        done.setsockopt(zmq.LINGER, 0)
+        done.connect(_DONE_ADDRESS)
+        sender = self.transport.sender(self.config.transfer_timeout)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None or self._stop.is_set():
+                    break
+                result = self._send_one(sender, job)
+                done.send_multipart([job.identity, p.encode(result)])
+        finally:
+            sender.close()
+            done.close(linger=0)
+
+    def _send_one(self, sender: Any, job: _PushJob) -> p.PushDone:
+        push, att = job.push, job.attachment
+        start = time.perf_counter()
+        try:
+            data = np.ascontiguousarray(att.kv[:, :, :, push.blocks])
+            header = p.TransferHeader(
+                p.PROTOCOL_VERSION, push.request_id, att.layout, list(push.dest_blocks)
+            )
+            sender.send(push.dest, header, data)
+        except TransferError as exc:
+            self.metrics.kv_transfer_failures.labels(direction="send").inc()
+            logger.warning("push %s to %s failed: %s", push.request_id, push.dest, exc)
+            return p.PushDone(push.request_id, False, error=str(exc))
+        except Exception as exc:  # report it; the sender must stay alive
+            self.metrics.kv_transfer_failures.labels(direction="send").inc()
+            logger.exception("push %s to %s failed", push.request_id, push.dest)
+            return p.PushDone(push.request_id, False, error=f"push to peer {push.dest}: {exc}")
+        seconds = time.perf_counter() - start
+        self.metrics.kv_sent_bytes.inc(data.nbytes)
+        self.metrics.kv_transfers.labels(direction="send").inc()
+        self.metrics.kv_transfer_seconds.observe(seconds)
+        logger.info(
+            "pushed %d blocks (%d bytes) of %s to %s in %.1f ms",
+            len(push.blocks), data.nbytes, push.request_id, push.dest, seconds * 1000,
+        )  # fmt: skip
+        return p.PushDone(push.request_id, True, num_bytes=int(data.nbytes), seconds=seconds)
+
+    # ---- receiver thread ----
+
+    def _receive(self, header: p.TransferHeader, data: memoryview) -> p.TransferAck:
+        att = self.attachment  # one snapshot: a re-attach meanwhile does not change the target
+        error = self._check_transfer(att, header, data)
+        request_id = str(header.request_id)
+        if error is not None or att is None:
+            self.metrics.kv_transfer_failures.labels(direction="receive").inc()
+            logger.warning("KV transfer %s refused: %s", request_id, error)
+            return p.TransferAck(request_id, False, error)
+        blocks = header.dest_blocks
+        shape = att.layout.transfer_shape(len(blocks))
+        att.kv[:, :, :, blocks] = np.frombuffer(data, dtype=att.kv.dtype).reshape(shape)
+        self.metrics.kv_received_bytes.inc(len(data))
+        self.metrics.kv_transfers.labels(direction="receive").inc()
+        logger.info("received %d blocks (%d bytes) of %s", len(blocks), len(data), request_id)
+        return p.TransferAck(request_id, True)
+
+    @staticmethod
+    def _check_transfer(
+        att: Attachment | None, header: p.TransferHeader, data: memoryview
+    ) -> str | None:
+        if header.version != p.PROTOCOL_VERSION:
+            return (
+                f"version mismatch: peer speaks {header.version}, "
+                f"this cache manager {p.PROTOCOL_VERSION}"
+            )
+        if att is None:
+            return "no engine is attached to this cache manager"
+        if not isinstance(header.layout, p.KVLayout):
+            return "the header has no KV layout"
+        mismatch = att.layout.mismatch(header.layout)
+        if mismatch:
+            return mismatch
+        blocks = header.dest_blocks
+        if not isinstance(blocks, list) or not blocks:
+            return "dest_blocks must be a non-empty list"
+        error = bad_blocks(blocks, att.layout.num_blocks, "destination block")
+        if error:
+            return error
+        expected = att.layout.block_bytes * len(blocks)
+        if len(data) != expected:
+            return f"data frame holds {len(data)} bytes; {len(blocks)} blocks need {expected}"
+        return None
+
+
+def run(config: CacheManagerConfig) -> int:
+    """Binds, serves until SIGTERM/SIGINT, closes; returns the exit code."""
+    manager = CacheManager(config)
+    manager.install_signal_handlers()
+    try:
+        return manager.run()
+    finally:
+        manager.close()

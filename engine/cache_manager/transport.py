@@ -1,0 +1,243 @@
+"""How KV blocks travel between cache managers: a pluggable transport, chosen by name.
+
+A transport has two halves. The *sender* (``KVSender.send``) delivers one header and one buffer
+of block data to a peer and returns once the peer acknowledged it, or raises ``TransferError``.
+The *receiver* (``KVReceiver``) listens on the KV transfer port and hands every arriving
+``(header, data)`` to a handler of the cache manager, which checks and stores the blocks and
+returns the ``TransferAck`` to send back. The transport moves bytes; what they mean is the
+cache manager's business, so RDMA/NIXL-style transports can be added next to ``tcp`` with the
+same two methods.
+
+``tcp`` (ZMQ): the sender keeps one DEALER per destination and sends ``[header, data]`` with
+``copy=False``; the receiver is a ROUTER answering one ``TransferAck`` frame. A DEALER whose
+peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+
+from ketch.engine.cache_manager.protocol import (
+    TransferAck,
+    TransferHeader,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("ketch.cache_manager.transport")
+
+ReceiveHandler = Callable[[TransferHeader, memoryview], TransferAck]
+"""Checks and stores one transfer; runs on the receiver's thread."""
+
+_POLL_MS = 100
+
+
+class TransferError(Exception):
+    """A push did not reach its peer (or the peer refused it); the message says why."""
+
+
+class KVSender(ABC):
+    """Sends block data to peers; used from one thread only."""
+
+    @abstractmethod
+    def send(self, dest: str, header: TransferHeader, data: np.ndarray) -> None:
+        """Delivers ``data`` (C-contiguous) to ``dest`` ("host:port"); raises TransferError."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(ABC):
+    """Receives block data from peers on its own thread, bound when constructed."""
+
+    @abstractmethod
+    def start(self, handler: ReceiveHandler) -> None: ...
+
+    @abstractmethod
+    def is_alive(self) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVTransport(ABC):
+    """A named way to move KV blocks: makes the sender and the (bound) receiver."""
+
+    name: str
+
+    @abstractmethod
+    def sender(self, timeout: float) -> KVSender: ...
+
+    @abstractmethod
+    def receiver(self, host: str, port: int) -> KVReceiver:
+        """Binds ``host:port``; raises OSError-like ValueError if the port is taken."""
+
+
+def parse_dest(dest: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port); raises ValueError naming ``dest``."""
+    host, sep, port = str(dest).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"push destination {dest!r} is not 'host:port'")
+    return host, int(port)
+
+
+class TcpSender(KVSender):
+    """One DEALER per destination; waits for the TransferAck up to ``timeout`` seconds."""
+
+    def __init__(self, context: zmq.Context, timeout: float) -> None:
+        self._context = context
+        self._timeout_ms = int(timeout * 1000)
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def _socket(self, dest: str) -> zmq.Socket:
+        sock = self._sockets.get(dest)
+        if sock is None:
+            host, port = parse_dest(dest)
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(address)
+            self._sockets[dest] = sock
+        return sock
+
+    def _drop(self, dest: str) -> None:
+        sock = self._sockets.pop(dest, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def send(self, dest: str, header: TransferHeader, data: np.ndarray) -> None:
+        try:
+            sock = self._socket(dest)
+        except (ValueError, zmq.ZMQError) as exc:
+            raise TransferError(f"cannot connect to peer {dest}: {exc}") from exc
+        try:
+            sock.send(encode(header), zmq.SNDMORE)
+            sock.send(data, copy=False)
+            deadline_ms = self._timeout_ms
+            while True:
+                if not sock.poll(deadline_ms, zmq.POLLIN):
+                    self._drop(dest)
+                    raise TransferError(
+                        f"peer {dest} did not acknowledge within {self._timeout_ms / 1000:g} s "
+                        "(is its cache manager running and its --kv-transfer-port reachable?)"
+                    )
+                frames = sock.recv_multipart()
+                try:
+                    ack = decode(frames[-1])
+                except ValueError as exc:
+                    self._drop(dest)
+                    raise TransferError(f"peer {dest} answered garbage: {exc}") from exc
+                if isinstance(ack, TransferAck) and ack.request_id == header.request_id:
+                    break
+                logger.debug("peer %s: dropping a stale answer %r", dest, ack)
+        except zmq.ZMQError as exc:
+            self._drop(dest)
+            raise TransferError(f"sending to peer {dest} failed: {exc}") from exc
+        if not ack.ok:
+            raise TransferError(f"peer {dest} refused the blocks: {ack.error}")
+
+    def close(self) -> None:
+        for dest in list(self._sockets):
+            self._drop(dest)
+
+
+class TcpReceiver(KVReceiver):
+    """A ROUTER on ``host:port``, served by its own thread."""
+
+    def __init__(self, context: zmq.Context, host: str, port: int) -> None:
+        self._sock = context.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        bind_host = "*" if host in ("0.0.0.0", "::") else host
+        bind_host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        try:
+            self._sock.bind(f"tcp://{bind_host}:{port}")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise ValueError(f"--kv-transfer-port {port} on {host} is not free: {exc}") from exc
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, handler: ReceiveHandler) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(handler,), name="kv-receiver", daemon=True
+        )
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, handler: ReceiveHandler) -> None:
+        sock = self._sock
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                sock.send_multipart([frames[0].bytes, encode(self._answer(frames, handler))])
+        finally:
+            sock.close(linger=0)
+
+    @staticmethod
+    def _answer(frames: list[zmq.Frame], handler: ReceiveHandler) -> TransferAck:
+        if len(frames) != 3:
+            logger.warning("malformed KV transfer: %d frames instead of 2", len(frames) - 1)
+            error = f"expected 2 frames (header, data), got {len(frames) - 1}"
+            return TransferAck("", False, error)
+        try:
+            header = decode(frames[1].bytes)
+        except ValueError as exc:
+            logger.warning("malformed KV transfer header: %s", exc)
+            return TransferAck("", False, str(exc))
+        if not isinstance(header, TransferHeader):
+            name = type(header).__name__
+            logger.warning("KV transfer port got a %s instead of a TransferHeader", name)
+            return TransferAck("", False, f"expected a TransferHeader, got {name}")
+        try:
+            return handler(header, frames[2].buffer)
+        except Exception as exc:  # a bug in handling one transfer must not end the receiver
+            logger.exception("storing KV transfer %s failed", header.request_id)
+            return TransferAck(str(header.request_id), False, f"internal error: {exc}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        else:
+            self._sock.close(linger=0)
+
+
+class TcpTransport(KVTransport):
+    """ZMQ over TCP (the default; works anywhere pods can reach each other)."""
+
+    name = "tcp"
+
+    def __init__(self, context: zmq.Context) -> None:
+        self._context = context
+
+    def sender(self, timeout: float) -> KVSender:
+        return TcpSender(self._context, timeout)
+
+    def receiver(self, host: str, port: int) -> KVReceiver:
+        return TcpReceiver(self._context, host, port)
+
+
+TRANSPORTS: dict[str, Callable[[zmq.Context], KVTransport]] = {"tcp": TcpTransport}
+
+
+def make_transport(name: str, context: zmq.Context) -> KVTransport:
+    try:
+        return TRANSPORTS[name](context)
+    except KeyError:
+        known = sorted(TRANSPORTS)
+        raise ValueError(f"--kv-transport {name!r} is unknown; choose from {known}") from None

@@ -1,0 +1,147 @@
+"""Helpers for tests against real ``ketch cache-manager`` processes on free loopback ports.
+
+A test plays the engine: it creates a KV segment in /dev/shm (the layout the worker uses),
+starts cache managers as subprocesses and talks to them over a ZMQ DEALER, as the engine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from ketch.engine.cache_manager import protocol as p
+
+KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
+START_TIMEOUT_S = 30.0
+SMALL = {"num_layers": 2, "kv_heads": 2, "num_blocks": 8, "block_size": 16, "head_dim": 8}
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+class Segment:
+    """A KV segment in /dev/shm filled with seeded random data, as the worker would hold."""
+
+    def __init__(self, seed: int = 0, **dims: int) -> None:
+        name = f"ketch-test-kv-{uuid.uuid4().hex[:10]}"
+        self.layout = p.KVLayout(**{**SMALL, **dims}, segment=name)
+        self.path = Path("/dev/shm") / name
+        size = int(np.prod(self.layout.shape)) * 4
+        with self.path.open("wb") as f:
+            f.truncate(size)
+        self.kv = np.memmap(self.path, dtype=np.float32, mode="r+", shape=self.layout.shape)
+        self.kv[:] = np.random.default_rng(seed).standard_normal(self.layout.shape)
+
+    def block(self, index: int) -> np.ndarray:
+        return np.array(self.kv[:, :, :, index])
+
+    def remove(self) -> None:
+        del self.kv
+        self.path.unlink(missing_ok=True)
+
+
+class CacheManagerProcess:
+    """One ``ketch cache-manager`` subprocess; its output goes to a log shown on failures."""
+
+    def __init__(self, *args: str) -> None:
+        self.queue_port, self.kv_port, self.http_port = free_ports(3)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.kv_address = f"127.0.0.1:{self.kv_port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="ketch-cm-", suffix=".log")[1])
+        command = [KETCH, "cache-manager", "--host", "127.0.0.1"]
+        command += ["--cache-queue-port", str(self.queue_port), "--kv-transfer-port"]
+        command += [str(self.kv_port), "--cache-manager-port", str(self.http_port), *args]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> CacheManagerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                raise AssertionError(f"cache manager exited ({code}):\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise AssertionError(f"cache manager not healthy after {timeout:.0f} s:\n{self.log()}")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample as ``{(name, sorted label items): value}``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then kill if it does not go; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class FakeEngine:
+    """The engine's side of the cache queue: a DEALER that sends one message and waits."""
+
+    def __init__(self, manager: CacheManagerProcess, engine_id: str | None = None) -> None:
+        self.engine_id = engine_id or uuid.uuid4().hex[:8]
+        self.context = zmq.Context.instance()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{manager.queue_port}")
+
+    def send(self, message: p.Message) -> None:
+        self.sock.send(p.encode(message))
+
+    def receive(self, timeout: float = 15.0) -> p.Message:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no answer from the cache manager within {timeout} s")
+        return p.decode(self.sock.recv())
+
+    def ask(self, message: p.Message, timeout: float = 15.0) -> p.Message:
+        self.send(message)
+        return self.receive(timeout)
+
+    def hello(self, segment: Segment, version: int = p.PROTOCOL_VERSION) -> p.HelloAck:
+        ack = self.ask(p.Hello(self.engine_id, version, segment.layout))
+        assert isinstance(ack, p.HelloAck), ack
+        return ack
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
