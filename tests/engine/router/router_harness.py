@@ -121,14 +121,20 @@ class FakeInstance:
     """
 
     def __init__(
-        self, role: str = "mixed", pd_comm_port: int | None = None, break_stream: bool = False
+        self,
+        role: str = "mixed",
+        pd_comm_port: int | None = None,
+        break_stream: bool = False,
+        host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> None:
         self.role = role
         self.pd_comm_port = pd_comm_port
         self.break_stream = break_stream
         self.requests: list[dict[str, Any]] = []
-        (self.port,) = free_ports(1)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = port or free_ports(1)[0]
+        self.url = f"http://{host}:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._runner: web.AppRunner | None = None
@@ -146,7 +152,7 @@ class FakeInstance:
         app.router.add_post("/v1/chat/completions", self._completions)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        site = web.TCPSite(self._runner, self.host, self.port)
         self._loop.run_until_complete(site.start())
         self._started.set()
         self._loop.run_forever()
