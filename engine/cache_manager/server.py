@@ -306,7 +306,11 @@ class CacheManager:
         try:
             data = np.ascontiguousarray(att.kv[:, :, :, push.blocks])
             header = p.TransferHeader(
-                p.PROTOCOL_VERSION, push.request_id, att.layout, list(push.dest_blocks)
+                p.PROTOCOL_VERSION,
+                push.request_id,
+                att.layout,
+                list(push.dest_blocks),
+                engine_id=str(push.dest_engine_id or ""),
             )
             sender.send(push.dest, header, data)
         except TransferError as exc:
@@ -356,6 +360,11 @@ class CacheManager:
             )
         if att is None:
             return "no engine is attached to this cache manager"
+        if header.engine_id and header.engine_id != att.engine_id:
+            return (
+                f"the blocks are for engine {header.engine_id}, but engine {att.engine_id} is "
+                "attached here (the peer engine restarted)"
+            )
         if not isinstance(header.layout, p.KVLayout):
             return "the header has no KV layout"
         mismatch = att.layout.mismatch(header.layout)

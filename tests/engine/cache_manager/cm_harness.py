@@ -64,14 +64,18 @@ class Segment:
 class CacheManagerProcess:
     """One ``ketch cache-manager`` subprocess; its output goes to a log shown on failures."""
 
-    def __init__(self, *args: str) -> None:
-        self.queue_port, self.kv_port, self.http_port = free_ports(3)
+    def __init__(self, *args: str, ports: list[int] | None = None) -> None:
+        """``ports`` (queue, kv, http): set by ``args`` (e.g. a --config file), not by flags."""
+        self.queue_port, self.kv_port, self.http_port = ports or free_ports(3)
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.kv_address = f"127.0.0.1:{self.kv_port}"
         self.log_path = Path(tempfile.mkstemp(prefix="ketch-cm-", suffix=".log")[1])
-        command = [KETCH, "cache-manager", "--host", "127.0.0.1"]
-        command += ["--cache-queue-port", str(self.queue_port), "--kv-transfer-port"]
-        command += [str(self.kv_port), "--cache-manager-port", str(self.http_port), *args]
+        command = [KETCH, "cache-manager"]
+        if ports is None:
+            command += ["--host", "127.0.0.1", "--cache-queue-port", str(self.queue_port)]
+            command += ["--kv-transfer-port", str(self.kv_port)]
+            command += ["--cache-manager-port", str(self.http_port)]
+        command += args
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()

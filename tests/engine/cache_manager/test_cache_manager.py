@@ -138,6 +138,11 @@ def test_push_refusals_name_the_problem(pair, segments) -> None:
         assert not done.ok and "destination block 8" in done.error, done
         done = prefill.ask(p.Push("req-4", [0], receiver.kv_address, [3]))
         assert not done.ok and "device block 0" in done.error, done
+        push = p.Push("req-6", [1], receiver.kv_address, [3], dest_engine_id="restarted")
+        done = prefill.ask(push)
+        assert not done.ok and "for engine restarted" in done.error, done
+        push = p.Push("req-7", [1], receiver.kv_address, [3], dest_engine_id=decode.engine_id)
+        assert prefill.ask(push).ok
         done = prefill.ask(p.Push("req-5", [1], "nowhere", [3]))
         assert not done.ok and "'nowhere'" in done.error, done
         fails = receiver.metrics()[
