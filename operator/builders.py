@@ -6,13 +6,14 @@ no-op on the server. Children, per InferenceService ``N``:
 
 - ConfigMap ``N-config``: one ``ketch serve`` config file per role (``<role>.yaml``) and the
   router's (``router.yaml``) when disaggregated.
-- Per role: Deployment ``N-<role>`` (engine container, optional cache-manager sidecar, memory-backed
-  ``/dev/shm``), Service ``N-<role>`` (API), headless Service ``N-<role>-peers`` (peer discovery),
-  PodDisruptionBudget ``N-<role>``.
+- Per role: Deployment ``N-<role>`` (engine container, cache-manager sidecar unless disabled,
+  memory-backed ``/dev/shm``; the containers come from ``containers``), Service ``N-<role>``
+  (API), headless Service ``N-<role>-peers`` (peer discovery), PodDisruptionBudget ``N-<role>``.
 - Per autoscaled role: HorizontalPodAutoscaler ``N-<role>`` (mode ``hpa``, the default) or KEDA
   ScaledObject ``N-<role>`` (mode ``keda``), targeting Deployment ``N-<role>``.
 - Disaggregated: Deployment, Service and PodDisruptionBudget ``N-router``.
-- NetworkPolicy ``N``: internal ports only from the InferenceService's own pods.
+- NetworkPolicy ``N``: the API, metrics and sidecar HTTP ports open; pd-comm and kv-transfer
+  only from the InferenceService's own pods; no other port.
 """
 
 from __future__ import annotations
@@ -23,7 +24,21 @@ from typing import Any
 import yaml
 
 from ketch.operator import autoscaling, crd
-from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
+from ketch.operator.containers import (
+    CONFIG_DIR,
+    PORT_HTTP,
+    PORT_KV_TRANSFER,
+    PORT_PD_COMM,
+    PRESTOP_SLEEP,
+    cache_manager_container,
+    container_security,
+    engine_container,
+    http_probe,
+    model_fetch_container,
+    model_volume,
+    needs_model_volume,
+)
+from ketch.operator.spec import API_KEY_PATH, ServiceSpec
 
 MANAGER = "ketch-operator"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -31,10 +46,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_ROLE = "serving.ketch.dev/role"
 ANNOTATION_CONFIG_HASH = "serving.ketch.dev/config-hash"
-CONFIG_DIR = "/etc/ketch"
 RUN_AS_USER = 1000
-# Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
-PRESTOP_SLEEP = 5
 SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
 
 Obj = dict[str, Any]
@@ -147,15 +159,6 @@ def config_hash(*texts: str) -> str:
 # --------------------------------------------------------------------------- pods
 
 
-def container_security() -> Obj:
-    return {
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
 def pod_security() -> Obj:
     return {
         "runAsNonRoot": True,
@@ -163,141 +166,6 @@ def pod_security() -> Obj:
         "runAsGroup": RUN_AS_USER,
         "fsGroup": RUN_AS_USER,
         "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _http_probe(path: str, period: int, failures: int) -> Obj:
-    return {
-        "httpGet": {"path": path, "port": "http"},
-        "periodSeconds": period,
-        "timeoutSeconds": 3,
-        "failureThreshold": failures,
-    }
-
-
-def _quantity_plus_gi(quantity: str, extra_gi: int) -> str:
-    """'4Gi' + 1 -> '5Gi' (binary units only; other units get a separate memory field)."""
-    if quantity.endswith("Gi") and quantity[:-2].isdigit():
-        return f"{int(quantity[:-2]) + extra_gi}Gi"
-    return quantity
-
-
-def engine_container(svc: ServiceSpec, role: str) -> Obj:
-    engine = svc.spec["engine"]
-    ports = svc.ports
-    res = svc.role(role)["resources"]
-    container_ports = [{"name": "http", "containerPort": ports["http"], "protocol": "TCP"}]
-    if ports.get("metrics") is not None:
-        container_ports.append(
-            {"name": "metrics", "containerPort": ports["metrics"], "protocol": "TCP"}
-        )
-    container_ports.append(
-        {"name": "worker-queue", "containerPort": ports["engineWorkerQueue"], "protocol": "TCP"}
-    )
-    if role != "mixed":
-        container_ports.append(
-            {"name": "pd-comm", "containerPort": ports["pdComm"], "protocol": "TCP"}
-        )
-    limits: dict[str, str] = {}
-    requests: dict[str, str] = {}
-    for key in ("cpu", "memory"):
-        if res.get(key):
-            limits[key] = requests[key] = res[key]
-    if res["gpus"] > 0:
-        limits[res["gpuResourceName"]] = requests[res["gpuResourceName"]] = str(res["gpus"])
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
-    if _needs_model_volume(svc):
-        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if "apiKeySecretRef" in svc.spec.get("auth", {}):
-        mounts.append(
-            {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
-        )
-    env = [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])]
-    out: Obj = {
-        "name": "engine",
-        "image": engine["image"],
-        "imagePullPolicy": engine["imagePullPolicy"],
-        "command": ["ketch", "serve"],
-        "args": ["--config", f"{CONFIG_DIR}/{role}.yaml", *engine.get("extraArgs", [])],
-        "ports": container_ports,
-        "env": env,
-        "resources": {"limits": limits, "requests": requests} if limits else {},
-        "volumeMounts": mounts,
-        # Model loading can take minutes: the startup probe allows 20 before liveness applies.
-        "startupProbe": _http_probe("/health", 10, 120),
-        "livenessProbe": _http_probe("/health", 10, 3),
-        "readinessProbe": _http_probe("/ready", 5, 2),
-        # The server drains on SIGTERM (/ready turns 503, in-flight requests finish); the sleep
-        # first lets the endpoints controller take the pod out of its Services.
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
-        "securityContext": container_security(),
-    }
-    return out
-
-
-def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
-    cm = svc.spec["cacheManager"]
-    memory = cm.get("memory") or _quantity_plus_gi(cm["hostSwapSpace"], 1)
-    return {
-        "name": "cache-manager",
-        "image": svc.spec["engine"]["image"],
-        "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
-        "command": ["ketch", "cache-manager"],
-        "args": [
-            "--config",
-            f"{CONFIG_DIR}/{role}.yaml",
-            "--host-swap-space",
-            cm["hostSwapSpace"],
-        ],
-        "ports": [
-            {"name": "cache-queue", "containerPort": svc.ports["cacheQueue"], "protocol": "TCP"}
-        ],
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": {
-            "limits": {"cpu": cm["cpu"], "memory": memory},
-            "requests": {"cpu": cm["cpu"], "memory": memory},
-        },
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-        "securityContext": container_security(),
-    }
-
-
-def _needs_model_volume(svc: ServiceSpec) -> bool:
-    return svc.spec["model"]["uri"].split("://", 1)[0] in ("pvc", "hf", "s3")
-
-
-def model_volume(svc: ServiceSpec) -> Obj:
-    uri = svc.spec["model"]["uri"]
-    scheme, rest = uri.split("://", 1)
-    if scheme == "pvc":
-        claim = rest.split("/", 1)[0]
-        return {"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    return {"name": "models", "emptyDir": {}}
-
-
-def model_fetch_container(svc: ServiceSpec) -> Obj:
-    """hf:// and s3:// weights are fetched into the pod's model volume before the engine starts."""
-    engine = svc.spec["engine"]
-    return {
-        "name": "model-fetch",
-        "image": engine["image"],
-        "imagePullPolicy": engine["imagePullPolicy"],
-        "command": ["ketch", "fetch-model"],
-        "args": [svc.spec["model"]["uri"], MODEL_MOUNT],
-        "env": [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])],
-        "volumeMounts": [
-            {"name": "models", "mountPath": MODEL_MOUNT},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-        "securityContext": container_security(),
     }
 
 
@@ -314,7 +182,7 @@ def engine_pod(svc: ServiceSpec, role: str, config_text: str) -> Obj:
         },
         {"name": "tmp", "emptyDir": {}},
     ]
-    if _needs_model_volume(svc):
+    if needs_model_volume(svc):
         volumes.append(model_volume(svc))
     auth = svc.spec.get("auth", {}).get("apiKeySecretRef")
     if auth:
@@ -401,8 +269,8 @@ def router_deployment(svc: ServiceSpec) -> Obj:
         "args": ["--config", f"{CONFIG_DIR}/router.yaml"],
         "ports": [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}],
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
-        "readinessProbe": _http_probe("/ready", 5, 2),
-        "livenessProbe": _http_probe("/health", 10, 3),
+        "readinessProbe": http_probe("/ready", 5, 2),
+        "livenessProbe": http_probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
         "securityContext": container_security(),
     }
@@ -442,10 +310,17 @@ def api_service(svc: ServiceSpec, role: str) -> Obj:
 
 
 def peers_service(svc: ServiceSpec, role: str) -> Obj:
-    """Headless: DNS lists every pod of the role, ready or not, for the router and peers."""
-    ports = [_service_port("http", svc.ports["http"])]
+    """Headless: DNS lists every pod of the role, ready or not, for the router and peers.
+
+    Prefill/decode roles also name their pd-comm port (decode engines connect to prefill
+    engines) and their sidecars' kv-transfer port (prefill sidecars push KV blocks to decode
+    sidecars), so SRV records find both.
+    """
+    ports = [_service_port(PORT_HTTP, svc.ports["http"])]
     if role != "mixed":
-        ports.append(_service_port("pd-comm", svc.ports["pdComm"]))
+        ports.append(_service_port(PORT_PD_COMM, svc.ports["pdComm"]))
+        if svc.spec["cacheManager"]["enabled"]:
+            ports.append(_service_port(PORT_KV_TRANSFER, svc.ports["kvTransfer"]))
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -469,23 +344,35 @@ def disruption_budget(svc: ServiceSpec, role: str) -> Obj:
 
 
 def network_policy(svc: ServiceSpec) -> Obj:
-    """The API (and metrics) port is open; every other port only to this InferenceService's pods."""
-    own_pods = {
-        "podSelector": {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}}
-    }
-    public = [{"port": svc.ports["http"], "protocol": "TCP"}]
-    if svc.ports.get("metrics") is not None:
-        public.append({"port": svc.ports["metrics"], "protocol": "TCP"})
+    """Ingress to the InferenceService's pods: the API, metrics and cache-manager HTTP ports are
+    open; the pod-to-pod ports of disaggregated serving (pd-comm, kv-transfer) only to this
+    InferenceService's own pods; nothing else (the worker and cache queues are loopback-only).
+    """
+    pods = {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}}
+    ports = svc.ports
+    cache_manager = svc.spec["cacheManager"]["enabled"]
+    public = [_policy_port(ports["http"])]
+    if ports.get("metrics") is not None:
+        public.append(_policy_port(ports["metrics"]))
+    if cache_manager:  # the sidecar's /health and /metrics, like the engine's
+        public.append(_policy_port(ports["cacheManager"]))
+    ingress: list[Obj] = []
+    if svc.disaggregated:  # decode -> prefill pd-comm; prefill sidecar -> decode kv-transfer
+        internal = [_policy_port(ports["pdComm"])]
+        if cache_manager:
+            internal.append(_policy_port(ports["kvTransfer"]))
+        ingress.append({"from": [{"podSelector": pods}], "ports": internal})
+    ingress.append({"ports": public})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": metadata(svc, svc.name, instance_labels(svc)),
-        "spec": {
-            "podSelector": {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [own_pods]}, {"ports": public}],
-        },
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def _policy_port(port: int) -> Obj:
+    return {"port": port, "protocol": "TCP"}
 
 
 # --------------------------------------------------------------------------- autoscaling

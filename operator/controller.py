@@ -522,4 +522,3 @@ def _error_reason(exc: Exception) -> str:
     if isinstance(exc, OSError | asyncio.TimeoutError):
         return "Unreachable"
     return "Internal"
-

@@ -34,6 +34,9 @@ LONGEST_CHILD_SUFFIX = len("-prefill-peers")
 MAX_NAME_LENGTH = 63 - LONGEST_CHILD_SUFFIX
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+# Units both Kubernetes (the sidecar's memory limit) and 'ketch cache-manager --swap-space' read
+# alike: a plain number is bytes to one and GiB to the other, 'm' milli to one, mega to the other.
+SWAP_SPACE_PATTERN = r"^(0|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi))$"
 MODEL_URI_PATTERN = (
     r"^(tiny|file:///.+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/]+/.+|s3://[^/]+/.+)$"
 )
@@ -420,12 +423,21 @@ def _model() -> dict[str, Any]:
 
 def _cache_manager() -> dict[str, Any]:
     return obj(
-        "The cache-manager sidecar: host swap space for KV blocks and KV transfer between "
-        "prefill and decode pods.",
+        "The cache-manager sidecar ('ketch cache-manager') in every engine pod: host memory as "
+        "swap space for KV blocks evicted from the prefix cache, and the KV transfer from prefill "
+        "pods to decode pods (sidecar to sidecar). Disaggregated serving needs it.",
         {
-            "enabled": boolean("Run the cache-manager sidecar in every engine pod.", default=False),
+            "enabled": boolean(
+                "Run the cache-manager sidecar in every engine pod (required with roles.prefill "
+                "and roles.decode).",
+                default=True,
+            ),
             "hostSwapSpace": string(
-                "Host memory for swapped-out KV blocks.", default="4Gi", pattern=QUANTITY_PATTERN
+                "Host memory for KV blocks evicted from the GPU prefix cache (ketch "
+                "cache-manager --swap-space): a binary quantity such as 4Gi or 512Mi; 0 disables "
+                "swapping.",
+                default="4Gi",
+                pattern=SWAP_SPACE_PATTERN,
             ),
             "cpu": string(
                 "CPU request and limit of the sidecar.", default="1", pattern=QUANTITY_PATTERN
@@ -513,6 +525,12 @@ def spec_schema() -> dict[str, Any]:
         required=("model", "roles"),
         rules=(
             *tuple(_tp_rule(r) for r in ROLE_NAMES),
+            (
+                "!(has(self.roles.prefill) || has(self.roles.decode)) || self.cacheManager.enabled",
+                "roles.prefill/decode (disaggregated serving) need cacheManager.enabled: true: the "
+                "KV cache moves between the pods' cache-manager sidecars",
+                ".cacheManager.enabled",
+            ),
             (
                 "!has(self.roles.mixed) || self.engine.tensorParallelSize == 1 "
                 "|| self.roles.mixed.resources.gpus > 0",

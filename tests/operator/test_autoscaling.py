@@ -331,8 +331,8 @@ def test_podmonitor_overlay_selects_engine_pods():
     assert monitor["kind"] == "PodMonitor"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"any": True}
-    [endpoint] = spec["podMetricsEndpoints"]
-    assert endpoint["path"] == "/metrics"
+    engine, sidecar = spec["podMetricsEndpoints"]
+    assert engine["path"] == sidecar["path"] == "/metrics"
     # It selects exactly the engine pods the operator builds, on a port they name.
     kids = children(body(disaggregated=True))
     for (kind, name), child in kids.items():
@@ -346,8 +346,9 @@ def test_podmonitor_overlay_selects_engine_pods():
         )
         assert selected == (name != "chat-router"), name
         if selected:
-            ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
-            assert endpoint["port"] in ports
+            containers = {c["name"]: c for c in template["spec"]["containers"]}
+            assert engine["port"] in {p["name"] for p in containers["engine"]["ports"]}
+            assert sidecar["port"] in {p["name"] for p in containers["cache-manager"]["ports"]}
 
 
 def test_example_is_autoscaled_with_an_hpa():

@@ -128,9 +128,15 @@ def cluster(kube) -> Iterator[Cluster]:
     namespace = f"e2e-{uuid.uuid4().hex[:8]}"
     c = Cluster(kube, namespace)
     c.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE), ns=False)
-    c.run("apply", "-f", "-", ns=False, input=yaml.safe_dump(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-    ))
+    c.run(
+        "apply",
+        "-f",
+        "-",
+        ns=False,
+        input=yaml.safe_dump(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        ),
+    )
     yield c
     c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
 

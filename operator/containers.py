@@ -1,0 +1,194 @@
+"""Pure builders for the containers of an engine pod: the engine, the cache-manager sidecar and
+the model-fetch init container, with the probes, mounts and security context they share.
+
+``builders`` assembles them into pods; like it, nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
+
+CONFIG_DIR = "/etc/ketch"
+# Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
+PRESTOP_SLEEP = 5
+# Container port names (at most 15 characters, DNS-label style): Services and probes use them.
+PORT_HTTP = "http"
+PORT_PD_COMM = "pd-comm"
+PORT_CACHE_QUEUE = "cache-queue"
+PORT_KV_TRANSFER = "kv-transfer"
+PORT_CM_HTTP = "cm-http"
+
+Obj = dict[str, Any]
+
+
+def container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def http_probe(path: str, period: int, failures: int, port: str = PORT_HTTP) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _port(name: str, number: int) -> Obj:
+    return {"name": name, "containerPort": number, "protocol": "TCP"}
+
+
+_BINARY_UNITS = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+
+
+def quantity_plus_gi(quantity: str, extra_gi: int) -> str:
+    """A binary quantity plus ``extra_gi`` GiB: '4Gi' + 1 -> '5Gi', '512Mi' + 1 -> '1536Mi',
+    '0' + 1 -> '1Gi'. Anything else comes back unchanged."""
+    number, unit = quantity[:-2], quantity[-2:]
+    if quantity == "0":
+        size = 0
+    elif unit in _BINARY_UNITS and number.replace(".", "", 1).isdigit():
+        size = int(float(number) * _BINARY_UNITS[unit])
+    else:
+        return quantity
+    size += extra_gi * _BINARY_UNITS["Gi"]
+    for name in ("Gi", "Mi", "Ki"):
+        if size % _BINARY_UNITS[name] == 0:
+            return f"{size // _BINARY_UNITS[name]}{name}"
+    return str(size)
+
+
+def needs_model_volume(svc: ServiceSpec) -> bool:
+    return svc.spec["model"]["uri"].split("://", 1)[0] in ("pvc", "hf", "s3")
+
+
+def engine_container(svc: ServiceSpec, role: str) -> Obj:
+    """``ketch serve --config /etc/ketch/<role>.yaml``: the API, and in prefill/decode roles the
+    pd-comm port the other role's pods connect to."""
+    engine = svc.spec["engine"]
+    ports = svc.ports
+    res = svc.role(role)["resources"]
+    container_ports = [_port(PORT_HTTP, ports["http"])]
+    if ports.get("metrics") is not None:
+        container_ports.append(_port("metrics", ports["metrics"]))
+    container_ports.append(_port("worker-queue", ports["engineWorkerQueue"]))
+    if role != "mixed":
+        container_ports.append(_port(PORT_PD_COMM, ports["pdComm"]))
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    for key in ("cpu", "memory"):
+        if res.get(key):
+            limits[key] = requests[key] = res[key]
+    if res["gpus"] > 0:
+        limits[res["gpuResourceName"]] = requests[res["gpuResourceName"]] = str(res["gpus"])
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if needs_model_volume(svc):
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if "apiKeySecretRef" in svc.spec.get("auth", {}):
+        mounts.append(
+            {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
+        )
+    env = [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])]
+    return {
+        "name": "engine",
+        "image": engine["image"],
+        "imagePullPolicy": engine["imagePullPolicy"],
+        "command": ["ketch", "serve"],
+        "args": ["--config", f"{CONFIG_DIR}/{role}.yaml", *engine.get("extraArgs", [])],
+        "ports": container_ports,
+        "env": env,
+        "resources": {"limits": limits, "requests": requests} if limits else {},
+        "volumeMounts": mounts,
+        # Model loading can take minutes: the startup probe allows 20 before liveness applies.
+        "startupProbe": http_probe("/health", 10, 120),
+        "livenessProbe": http_probe("/health", 10, 3),
+        "readinessProbe": http_probe("/ready", 5, 2),
+        # The server drains on SIGTERM (/ready turns 503, in-flight requests finish); the sleep
+        # first lets the endpoints controller take the pod out of its Services.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
+        "securityContext": container_security(),
+    }
+
+
+def cache_manager_args(svc: ServiceSpec, role: str) -> list[str]:
+    """The sidecar's ``ketch cache-manager`` arguments: it reads the role's config file (ports,
+    role, timeouts) like the engine, and holds ``hostSwapSpace`` of host memory."""
+    swap = svc.spec["cacheManager"]["hostSwapSpace"]
+    return ["--config", f"{CONFIG_DIR}/{role}.yaml", "--swap-space", swap]
+
+
+def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
+    """The cache-manager sidecar: host swap space for evicted prefix-cache blocks and, in
+    prefill/decode roles, KV transfer from prefill pods to decode pods.
+
+    Ports: ``cache-queue`` (engine <-> sidecar, bound to loopback), ``kv-transfer`` (prefill
+    sidecars push KV blocks to decode sidecars) and ``cm-http`` (``/health``, ``/metrics``).
+    """
+    cm = svc.spec["cacheManager"]
+    ports = svc.ports
+    memory = cm.get("memory") or quantity_plus_gi(cm["hostSwapSpace"], 1)
+    return {
+        "name": "cache-manager",
+        "image": svc.spec["engine"]["image"],
+        "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
+        "command": ["ketch", "cache-manager"],
+        "args": cache_manager_args(svc, role),
+        "ports": [
+            _port(PORT_CACHE_QUEUE, ports["cacheQueue"]),
+            _port(PORT_KV_TRANSFER, ports["kvTransfer"]),
+            _port(PORT_CM_HTTP, ports["cacheManager"]),
+        ],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {
+            "limits": {"cpu": cm["cpu"], "memory": memory},
+            "requests": {"cpu": cm["cpu"], "memory": memory},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # Reserving the swap space takes a moment: up to 2 minutes before liveness applies.
+        "startupProbe": http_probe("/health", 5, 24, PORT_CM_HTTP),
+        "livenessProbe": http_probe("/health", 10, 3, PORT_CM_HTTP),
+        "readinessProbe": http_probe("/health", 5, 2, PORT_CM_HTTP),
+        "securityContext": container_security(),
+    }
+
+
+def model_volume(svc: ServiceSpec) -> Obj:
+    uri = svc.spec["model"]["uri"]
+    scheme, rest = uri.split("://", 1)
+    if scheme == "pvc":
+        claim = rest.split("/", 1)[0]
+        return {"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return {"name": "models", "emptyDir": {}}
+
+
+def model_fetch_container(svc: ServiceSpec) -> Obj:
+    """hf:// and s3:// weights are fetched into the pod's model volume before the engine starts."""
+    engine = svc.spec["engine"]
+    return {
+        "name": "model-fetch",
+        "image": engine["image"],
+        "imagePullPolicy": engine["imagePullPolicy"],
+        "command": ["ketch", "fetch-model"],
+        "args": [svc.spec["model"]["uri"], MODEL_MOUNT],
+        "env": [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])],
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODEL_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": container_security(),
+    }
