@@ -69,9 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("uri", help="hf://org/name[@revision] or s3://bucket/prefix")
     fetch.add_argument("dest", help="directory to fill")
     fetch.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    from ketch.engine.cache_manager.cli import add_cache_manager_parser
+    from ketch.engine.router.cli import add_router_parser
     from ketch.engine.serving.serve import add_serve_parser
 
     add_serve_parser(commands)
+    add_cache_manager_parser(commands)
+    add_router_parser(commands)
     return parser
 
 
@@ -91,6 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ketch.engine.serving.serve import run_serve
 
             return run_serve(args)
+        if args.command == "cache-manager":
+            from ketch.engine.cache_manager.cli import run_cache_manager
+
+            return run_cache_manager(args)
+        if args.command == "router":
+            from ketch.engine.router.cli import run_router
+
+            return run_router(args)
         return _generate(args)
     except ValueError as exc:  # bad flags, bad prompts, bad model directories
         print(f"ketch: error: {exc}", file=sys.stderr)

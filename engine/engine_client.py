@@ -33,6 +33,7 @@ from ketch.engine.core.messages import (
 )
 from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.worker.shm import remove_segments
 
@@ -60,10 +61,14 @@ class EngineClient:
         port: int,
         run_dir: Path | None = None,
         worker_port: int | None = None,
+        server: ServerConfig | None = None,
     ) -> None:
-        """``worker_port``: run the model in a separate worker process fed over that port."""
+        """``worker_port``: run the model in a separate worker process fed over that port.
+        ``server``: the instance's settings (cache manager and prefill/decode links)."""
         self.config = config
         self.worker_port = worker_port
+        self.server = server
+        self.last_snapshot: EngineSnapshot | None = None
         self.input_addr, self.output_addr = ipc_addresses(port, run_dir)
         self._context = zmq.asyncio.Context()
         self._requests = self._context.socket(zmq.PUSH)
@@ -92,7 +97,7 @@ class EngineClient:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
             target=run_engine_process,
-            args=(self.config, self.input_addr, self.output_addr, self.worker_port),
+            args=(self.config, self.input_addr, self.output_addr, self.worker_port, self.server),
             name="ketch-engine",
             daemon=False,  # it has a worker child; it exits by itself when this process goes
         )
@@ -121,8 +126,12 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         final_only: bool = False,
+        pairing: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Streams a request's deltas until it finishes; aborts it if the caller stops early."""
+        """Streams a request's deltas until it finishes; aborts it if the caller stops early.
+
+        ``pairing`` (decode role): the prefill peer's pd-comm "host:port" and this instance's
+        host as the peer reaches it."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         if request_id in self._queues:
@@ -132,7 +141,15 @@ class EngineClient:
         finished = False
         try:
             await self._requests.send(
-                encode(AddRequest(request_id, prompt_token_ids, params, final_only))
+                encode(
+                    AddRequest(
+                        request_id,
+                        prompt_token_ids,
+                        params,
+                        final_only,
+                        *(pairing or (None, None)),
+                    )
+                )
             )
             while not finished:
                 delta = _coalesce(await queue.get(), queue)
@@ -165,8 +182,10 @@ class EngineClient:
     def _dispatch(self, message: object) -> None:
         if not isinstance(message, StepOutputs):
             return
-        if message.snapshot is not None and self.on_snapshot is not None:
-            self.on_snapshot(message.snapshot)
+        if message.snapshot is not None:
+            self.last_snapshot = message.snapshot
+            if self.on_snapshot is not None:
+                self.on_snapshot(message.snapshot)
         for delta in message.deltas:
             if delta.metrics is not None and self.on_finished is not None:
                 self.on_finished(delta.metrics)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ketch.engine.cache_manager.client import CacheManagerClient
 from ketch.engine.config import EngineConfig
 from ketch.engine.core.messages import (
     AbortRequests,
@@ -26,7 +27,10 @@ from ketch.engine.core.messages import (
     decode,
     encode,
 )
+from ketch.engine.disagg.coordinator import PDCoordinator
 from ketch.engine.outputs import RequestOutput
+from ketch.engine.serving.config import ServerConfig
+from ketch.engine.stats import EngineSnapshot
 
 if TYPE_CHECKING:  # paddle is imported only inside the engine process
     from ketch.engine.llm_engine import LLMEngine
@@ -37,9 +41,17 @@ _IDLE_POLL_MS = 100
 
 
 def run_engine_process(
-    config: EngineConfig, input_addr: str, output_addr: str, worker_port: int | None = None
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    worker_port: int | None = None,
+    server: ServerConfig | None = None,
 ) -> None:
-    """Process entry point: load the model, then serve until stopped (SIGTERM) or orphaned."""
+    """Process entry point: load the model, then serve until stopped (SIGTERM) or orphaned.
+
+    With ``server`` (``ketch serve``) the engine also links to its cache manager on
+    ``cache_queue_port`` (when the model runs in a worker, whose KV cache it can map) and, in a
+    prefill or decode role, talks to its peers on ``pd_comm_port``."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
@@ -50,6 +62,7 @@ def run_engine_process(
         from ketch.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, worker_port)
+        links = _Links.create(engine, server)
     except Exception as exc:  # any start-up failure is reported, then the process exits
         outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
         outputs.close(linger=2000)
@@ -60,17 +73,90 @@ def run_engine_process(
     try:
         outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
         # Gauges (KV blocks, batch limits) are right from the start, before any request.
-        outputs.send(encode(StepOutputs(deltas=[], snapshot=engine.snapshot())))
-        _serve(engine, requests, outputs)
+        outputs.send(encode(StepOutputs(deltas=[], snapshot=links.snapshot())))
+        _serve(engine, links, requests, outputs)
     finally:
+        links.close()
         engine.close()
 
 
-def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None:
+class _Links:
+    """The engine's optional links: its cache manager and its prefill/decode peers."""
+
+    def __init__(
+        self, engine: LLMEngine, cache: CacheManagerClient | None, pd: PDCoordinator | None
+    ) -> None:
+        self.engine, self.cache, self.pd = engine, cache, pd
+
+    @classmethod
+    def create(cls, engine: LLMEngine, server: ServerConfig | None) -> _Links:
+        if server is None:
+            return cls(engine, None, None)
+        cache = None
+        if engine.kv_layout.segment and engine.config.runner == "model":
+            cache = CacheManagerClient(
+                server.cache_queue_port,
+                engine.kv_layout,
+                on_attach=lambda slots: engine.kv_cache.attach_swap(cache, slots),
+                on_detach=lambda _: _detached(engine, links),
+            )
+        elif server.role != "mixed":
+            raise ValueError(
+                f"role {server.role} moves KV blocks between instances, so the model must run "
+                "in a worker with a shared KV cache (not --runner null)"
+            )
+        pd = PDCoordinator(engine, server, cache) if server.role != "mixed" else None
+        links = cls(engine, cache, pd)
+        return links
+
+    def sockets(self) -> list[zmq.Socket]:
+        sockets = [self.cache.socket] if self.cache else []
+        return sockets + (self.pd.sockets() if self.pd else [])
+
+    @property
+    def attached(self) -> bool:
+        return self.cache is not None and self.cache.attached
+
+    @property
+    def busy(self) -> bool:
+        return self.pd is not None and self.pd.num_waiting > 0
+
+    def tick(self) -> list[RequestDelta]:
+        if self.cache is not None:
+            self.cache.tick()
+        if self.pd is None:
+            return []
+        outputs, errors = self.pd.tick()
+        return [*(_delta(o) for o in outputs), *errors]
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot(
+            extra_waiting=self.pd.num_waiting if self.pd else 0,
+            cache_attached=self.attached,
+        )
+
+    def close(self) -> None:
+        if self.pd is not None:
+            self.pd.close()
+        if self.cache is not None:
+            self.cache.close()
+
+
+def _detached(engine: LLMEngine, links: _Links) -> None:
+    engine.kv_cache.detach_swap()
+    if links.pd is not None:
+        links.pd.on_cache_detached()
+
+
+def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
+    registered: set[zmq.Socket] = set()
     parent = os.getppid()
     while True:
+        for socket in set(links.sockets()) - registered:  # peers are connected on first use
+            poller.register(socket, zmq.POLLIN)
+            registered.add(socket)
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
         if os.getppid() != parent:
@@ -79,28 +165,50 @@ def _serve(engine: LLMEngine, requests: zmq.Socket, outputs: zmq.Socket) -> None
         if not busy:
             engine.check_health()  # a dead worker ends this process (non-zero exit)
         deltas: list[RequestDelta] = []
-        changed = False
         while events.get(requests) and requests.poll(0):
-            _apply(engine, decode(requests.recv()), deltas)
-            changed = True
+            _apply(engine, links, decode(requests.recv()), deltas)
+        attached = links.attached
+        deltas += links.tick()
+        changed = bool(deltas) or events.get(requests) or links.busy or attached != links.attached
         if engine.has_unfinished_requests():
-            deltas += [_delta(o) for o in engine.step()]
+            step_outputs = engine.step()
+            if links.pd is not None:
+                links.pd.on_step_outputs(step_outputs)
+            deltas += [_delta(o) for o in step_outputs]
             changed = True
         if changed:
-            outputs.send(encode(StepOutputs(deltas=deltas, snapshot=engine.snapshot())))
+            outputs.send(encode(StepOutputs(deltas=deltas, snapshot=links.snapshot())))
 
 
-def _apply(engine: LLMEngine, message: object, rejected: list[RequestDelta]) -> None:
+def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[RequestDelta]) -> None:
     if isinstance(message, AddRequest):
         try:
-            engine.add_request(
-                message.request_id, message.prompt_token_ids, message.params, message.final_only
-            )
+            if message.prefill is not None:
+                if links.pd is None:
+                    raise ValueError("this instance is not in the decode role")
+                request = engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    message.final_only,
+                    queue=False,
+                )
+                links.pd.add_remote(request, message.prefill, message.decode_host or "127.0.0.1")
+            else:
+                engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    message.final_only,
+                )
         except ValueError as exc:
             rejected.append(RequestDelta(request_id=message.request_id, error=str(exc)))
     elif isinstance(message, AbortRequests):
-        for metrics in engine.abort_request(message.request_ids):
-            rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=metrics))
+        metrics = engine.abort_request(message.request_ids)
+        if links.pd is not None:
+            metrics += links.pd.abort(message.request_ids)
+        for m in metrics:
+            rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=m))
 
 
 def _delta(output: RequestOutput) -> RequestDelta:

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.config import EngineConfig
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
@@ -21,6 +22,7 @@ from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.null_runner import NullRunner
+from ketch.engine.worker.shm import shm_names
 from ketch.engine.worker.worker_process import RemoteRunner
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class LLMEngine:
         """``worker_port`` runs the model in a worker process fed over that loopback port
         (``ketch serve``); without it the model runs in this process (offline ``LLM``)."""
         self.config = config
+        self.worker_port = worker_port
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
@@ -70,6 +73,7 @@ class LLMEngine:
             dtype=dtype,
             num_threads=config.num_threads,
         )
+        self.runner_config = runner_config
         if config.runner == "null":
             self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner(_null_token(self))
         elif worker_port is None:
@@ -128,9 +132,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         final_only: bool = False,
-    ) -> None:
+        seed: int | None = None,
+        queue: bool = True,
+    ) -> Request:
         """Queues a request. With ``final_only`` its output comes once, when it finishes, and
-        (without stop strings) its text is decoded once at the end instead of per token."""
+        (without stop strings) its text is decoded once at the end instead of per token.
+
+        ``seed`` overrides the request's sampling seed (a prefill peer uses the decode side's);
+        with ``queue=False`` the request is tracked but not scheduled (its prompt is computed
+        elsewhere: see ``accept_first_token``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -139,13 +149,18 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.seed is not None:
+        if seed is not None:
+            pass
+        elif params.seed is not None:
             seed = params.seed
         else:
             seed = hash((self.config.seed, self._num_seeded)) & ((1 << 63) - 1)
             self._num_seeded += 1
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids, seed)
-        self.scheduler.add_request(request)
+        if queue:
+            self.scheduler.add_request(request)
+        elif request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self._tracked[request_id] = _Tracked(
             prompt=text,
             detokenizer=IncrementalDetokenizer(
@@ -153,6 +168,52 @@ class LLMEngine:
             ),
             logprobs=[] if params.logprobs is not None else None,
             final_only=final_only,
+        )
+        return request
+
+    def accept_first_token(
+        self, request: Request, logprob: TokenLogprob | None
+    ) -> RequestOutput | None:
+        """A request whose prompt a prefill peer computed (its KV is in ``request.block_ids``,
+        its first token appended): emits that token, then decodes it here unless it is done."""
+        tracked = self._tracked[request.request_id]
+        if logprob is not None and tracked.logprobs is not None:
+            tracked.logprobs.append(logprob)
+        token_id = request.token_ids[-1]
+        if token_id in request.stop_ids or len(request.token_ids) >= request.max_len:
+            request.finish_on(token_id)
+        output = self._process(request)
+        if request.is_finished:
+            self.kv_cache.free(request)
+        else:
+            self.scheduler.add_request(request, front=True)
+        return output
+
+    def drop_tracked(self, request: Request) -> RequestMetrics | None:
+        """Forgets a request that never reached the scheduler; its metrics if it was live."""
+        tracked = self._tracked.pop(request.request_id, None)
+        return None if tracked is None else self._request_metrics(request, tracked)
+
+    @property
+    def model_fingerprint(self) -> str:
+        """What a prefill peer must serve too for its KV to be usable here."""
+        mc = self.model_config
+        return (
+            f"{mc.architecture}(layers={mc.num_hidden_layers}, hidden={mc.hidden_size}, "
+            f"vocab={mc.vocab_size}, kv_heads={mc.num_key_value_heads}, head_dim={mc.head_dim})"
+        )
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        mc = self.model_config
+        return KVLayout(
+            num_layers=mc.num_hidden_layers,
+            kv_heads=mc.num_key_value_heads,
+            num_blocks=self.kv_cache.pool.num_blocks,
+            block_size=self.config.block_size,
+            head_dim=mc.head_dim,
+            dtype=self.runner_config.dtype,
+            segment=shm_names(self.worker_port)[0] if self.worker_port is not None else "",
         )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -199,6 +260,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self._last_batch_size = len(sched.num_scheduled_tokens)
+        self.kv_cache.flush()  # evicted blocks reach the host swap before the worker reuses them
         runner_output = self.runner.execute(sched)
         updated = self.scheduler.update_from_output(sched, runner_output)
         if runner_output.logprobs:
@@ -277,13 +339,14 @@ class LLMEngine:
             finish_reason=request.finish_reason or "abort",
         )
 
-    def snapshot(self) -> EngineSnapshot:
+    def snapshot(self, extra_waiting: int = 0, cache_attached: bool = False) -> EngineSnapshot:
         """Gauges and cumulative counters for metrics, as of the last step."""
         scheduler, pool = self.scheduler, self.kv_cache.pool
         stats = scheduler.stats
         return EngineSnapshot(
             num_requests_running=len(scheduler.running),
-            num_requests_waiting=len(scheduler.waiting),
+            num_requests_waiting=len(scheduler.waiting) + extra_waiting,
+            cache_manager_attached=cache_attached,
             kv_cache_usage=pool.usage,
             free_kv_blocks=pool.num_free_blocks,
             total_kv_blocks=pool.num_usable_blocks,

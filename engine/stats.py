@@ -61,3 +61,4 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    cache_manager_attached: bool = False

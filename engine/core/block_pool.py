@@ -9,7 +9,7 @@ A prefix-cache hit on such a block takes it back out of the queue.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BlockKey = tuple[int, int]
 """(block id, generation): the identity of one cached block content."""
@@ -19,6 +19,10 @@ ROOT: BlockKey = (0, 0)
 
 UNCACHED: BlockKey = (-1, -1)
 """A parent that is not in the cache: its children can never be found, so are not cached."""
+
+EvictHook = Callable[[int, int, int, tuple[int, ...]], None]
+"""Called as (block id, block hash, parent's block hash, tokens) just before a cached block's
+content is forgotten, while the block still holds it (the host swap tier keeps a copy)."""
 
 
 class BlockPool:
@@ -36,11 +40,13 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._parent_of: dict[int, BlockKey] = {}
+        self._parent_hash_of: dict[int, int] = {}
         self._cached: dict[int, int] = {}
         # Bumped on every eviction, so (block id, generation) names one content forever and a
         # child can name its parent exactly, even after the parent's block is reused.
         self._generation = [0] * num_blocks
         self.num_evictions = 0
+        self.on_evict: EvictHook | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,7 +112,12 @@ class BlockPool:
         return block_id
 
     def cache(
-        self, block_id: int, block_hash: int, parent: BlockKey, tokens: tuple[int, ...]
+        self,
+        block_id: int,
+        block_hash: int,
+        parent: BlockKey,
+        tokens: tuple[int, ...],
+        parent_hash: int = 0,
     ) -> BlockKey:
         """Registers a full, computed block; returns the identity under which it is cached.
 
@@ -125,17 +136,24 @@ class BlockPool:
         self._hash_of[block_id] = block_hash
         self._tokens_of[block_id] = tokens
         self._parent_of[block_id] = parent
+        self._parent_hash_of[block_id] = parent_hash
         self._cached[block_hash] = block_id
         return self.key(block_id)
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (nothing goes to the host swap tier)."""
+        hook, self.on_evict = self.on_evict, None
         for block_id in list(self._hash_of):
             self._evict(block_id)
+        self.on_evict = hook
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id)
-        del self._tokens_of[block_id]
+        tokens = self._tokens_of.pop(block_id)
         del self._parent_of[block_id]
+        parent_hash = self._parent_hash_of.pop(block_id)
+        if self.on_evict is not None:
+            self.on_evict(block_id, block_hash, parent_hash, tokens)
         if self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
         self._generation[block_id] += 1

@@ -17,12 +17,17 @@ from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
 @dataclass
 class AddRequest:
-    """Queue a tokenised request; outputs stream back as ``RequestDelta`` messages."""
+    """Queue a tokenised request; outputs stream back as ``RequestDelta`` messages.
+
+    ``prefill``/``decode_host`` (decode role): the prefill peer's pd-comm "host:port" and the
+    address it reaches this instance at, as the router paired them."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     final_only: bool = False
+    prefill: str | None = None
+    decode_host: str | None = None
 
 
 @dataclass
@@ -44,6 +49,7 @@ class RequestDelta:
     # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
+    error_code: int | None = None  # the HTTP status for ``error`` when it is not a 400
     metrics: RequestMetrics | None = None  # on the finishing delta
 
     @property
@@ -96,6 +102,8 @@ def decode(data: bytes) -> Message:
             prompt_token_ids=body["prompt_token_ids"],
             params=SamplingParams(**body["params"]),
             final_only=body["final_only"],
+            prefill=body.get("prefill"),
+            decode_host=body.get("decode_host"),
         )
     if kind is StepOutputs:
         snapshot = body.get("snapshot")

@@ -42,6 +42,7 @@ class Request:
         "cache_parent",
         "eos_token_ids",
         "first_scheduled_time",
+        "keep_blocks",
         "max_len",
         "max_tokens",
         "min_len",
@@ -92,6 +93,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
+        # Keep the KV blocks after finishing (a prefill for a peer: they are sent afterwards).
+        self.keep_blocks = False
 
     @property
     def num_tokens(self) -> int:

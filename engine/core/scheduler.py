@@ -54,17 +54,24 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
+        # Blocks of finished requests that asked to keep them (``Request.keep_blocks``: a
+        # prefill for a peer, until its KV is sent), by request id.
+        self.held: dict[str, list[int]] = {}
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queues a request (``front``: ahead of the others, e.g. one whose KV is ready)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.max_len = min(request.max_len, self.config.max_model_len)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -135,16 +142,24 @@ class Scheduler:
     ) -> int:
         waiting, running = self.waiting, self.running
         kv_cache = self.kv_cache
+        bs = self.block_size
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = waiting[0]
-            hits = kv_cache.get_computed_blocks(request)
-            n = min(request.num_tokens - len(hits) * self.block_size, budget)
-            if not kv_cache.allocate_slots(request, n, hits):
+            if request.block_ids:  # handed over by a prefill peer: its prompt KV is here
+                hits: list[int] = []
+                host: list[int] = []
+            else:
+                hits = kv_cache.get_computed_blocks(request)
+                host = kv_cache.get_host_hits(request, len(hits))
+            n = request.num_tokens - request.num_computed_tokens - (len(hits) + len(host)) * bs
+            if not kv_cache.allocate_slots(request, min(n, budget), hits, host):
                 break
+            # A failed swap-in leaves those blocks to compute: n is what is really left.
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             waiting.popleft()
-            if request.status == RequestStatus.WAITING:
+            if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = len(hits) * self.block_size
+                request.num_cached_tokens = request.num_computed_tokens
                 self.stats.prefix_hit_tokens += request.num_cached_tokens
                 self.stats.prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
@@ -216,15 +231,28 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
+        if request.keep_blocks:
+            self.held[request.request_id] = request.block_ids
+            request.block_ids = []
+        else:
+            self.kv_cache.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
 
-    def check_integrity(self) -> None:
-        """Raises if any KV block is leaked or owned twice (tests and idle-time checks)."""
-        self.kv_cache.pool.check_integrity(r.block_ids for r in self.requests.values())
+    def release_held(self, request_id: str) -> None:
+        """Frees the blocks a finished ``keep_blocks`` request kept (idempotent)."""
+        block_ids = self.held.pop(request_id, None)
+        if block_ids:
+            self.kv_cache.pool.free(reversed(block_ids))
+
+    def check_integrity(self, *extra_owners: list[int]) -> None:
+        """Raises if any KV block is leaked or owned twice (tests and idle-time checks).
+
+        ``extra_owners``: block lists held outside the scheduler (decode reservations)."""
+        owners = [r.block_ids for r in self.requests.values()]
+        self.kv_cache.pool.check_integrity([*owners, *self.held.values(), *extra_owners])
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")
 

@@ -29,13 +29,17 @@ class Choice:
     params: SamplingParams
     output: CompletionOutput = field(init=False)
     num_cached_tokens: int = 0
+    pairing: tuple[str, str] | None = None  # decode role: (prefill peer, this host)
 
     def __post_init__(self) -> None:
         self.output = CompletionOutput(index=self.index, text="", token_ids=[])
 
 
 def make_choices(
-    prompts: list[list[int]], params: SamplingParams, max_model_len: int
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_model_len: int,
+    pairing: tuple[str, str] | None = None,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get seed + i so the choices differ."""
     choices = []
@@ -48,13 +52,15 @@ def make_choices(
                 param="prompt",
             )
         for i in range(params.n):
-            choices.append(Choice(len(choices), p, prompt, params.for_choice(i)))
+            choices.append(Choice(len(choices), p, prompt, params.for_choice(i), pairing=pairing))
     return choices
 
 
 def _apply(choice: Choice, delta: RequestDelta) -> None:
     out = choice.output
     if delta.error is not None:
+        if delta.error_code is not None:
+            raise ProtocolError(delta.error_code, delta.error)
         raise _engine_error(delta.error, started=bool(out.token_ids))
     out.token_ids = [*out.token_ids, *delta.new_token_ids]
     out.text += delta.new_text
@@ -82,7 +88,9 @@ async def stream_choice(
     """Runs one choice, yielding it after each delta (with ``final_only``: once, at the end)."""
     request_id = f"req-{uuid.uuid4().hex}"
     try:
-        stream = engine.generate(request_id, choice.prompt_token_ids, choice.params, final_only)
+        stream = engine.generate(
+            request_id, choice.prompt_token_ids, choice.params, final_only, choice.pairing
+        )
         async for delta in stream:
             _apply(choice, delta)
             yield choice

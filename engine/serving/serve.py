@@ -41,6 +41,8 @@ def check_ports(config: ServerConfig) -> None:
     wanted = {"--port": (config.host, config.port)}
     if config.metrics_port is not None:
         wanted["--metrics-port"] = (config.host, config.metrics_port)
+    if config.role != "mixed":
+        wanted["--pd-comm-port"] = (config.host, config.pd_comm_port)
     for flag, (host, port) in wanted.items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -64,17 +66,14 @@ def read_api_key(config: ServerConfig) -> str | None:
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
-    if config.role != "mixed":
-        raise ValueError(
-            f"--role {config.role} needs prefill/decode disaggregation, which is not built yet; "
-            "use --role mixed"
-        )
     check_ports(config)
     api_key = read_api_key(config)
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
     name = config.served_model_name or engine_config.model
-    engine = EngineClient(engine_config, config.port, worker_port=config.engine_worker_queue_port)
+    engine = EngineClient(
+        engine_config, config.port, worker_port=config.engine_worker_queue_port, server=config
+    )
     logger.info("starting the engine for %s", model_path)
     ready = await engine.start()
     state = ServingState(

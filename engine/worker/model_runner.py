@@ -154,16 +154,20 @@ class ModelRunner:
             state.num_computed_tokens = computed
 
     def _new_state(self, new: NewRequestData) -> RequestState:
+        sampling = SamplingState.create(
+            new.sampling_params,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            new.seed,
+            self.config.eos_token_ids,
+        )
+        # Output tokens sampled elsewhere (a prefill peer's first token) used the generator:
+        # take the same draws, so a seeded request samples exactly as on one instance.
+        sampling.skip_draws(len(new.token_ids) - new.num_prompt_tokens)
         return RequestState(
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            sampling=SamplingState.create(
-                new.sampling_params,
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                new.seed,
-                self.config.eos_token_ids,
-            ),
+            sampling=sampling,
         )
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:

@@ -46,6 +46,12 @@ class SamplingState:
             stop_ids=np.fromiter(sorted(stop), dtype=np.int64),
         )
 
+    def skip_draws(self, num_tokens: int) -> None:
+        """Advances the generator as sampling ``num_tokens`` tokens would have."""
+        if not self.params.greedy:
+            for _ in range(num_tokens):
+                self.generator.random()
+
     @property
     def plain_greedy(self) -> bool:
         p = self.params

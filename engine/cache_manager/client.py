@@ -1,0 +1,178 @@
+"""The engine process's link to its cache manager (``ketch cache-manager``), which is optional.
+
+The engine connects a DEALER to the cache manager's ROUTER on ``127.0.0.1:<cache_queue_port>``
+and says ``Hello`` with its KV layout every second until answered; once attached it pings every
+second and detaches after ``SILENCE_S`` without a word (the sidecar died or restarted), which
+drops the swap tier. Nothing here blocks the step loop for long: ``tick`` never waits; ``swap``
+waits at most ``SWAP_TIMEOUT_S`` for plain memory copies and detaches if that passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import zmq
+
+from ketch.engine.cache_manager.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    HelloAck,
+    KVLayout,
+    Ping,
+    Pong,
+    Push,
+    PushDone,
+    Swap,
+    SwapDone,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+HELLO_INTERVAL_S = 1.0
+SILENCE_S = 3.0
+SWAP_TIMEOUT_S = 5.0
+
+
+class CacheManagerClient:
+    """Attach/detach, swaps (synchronous) and pushes (asynchronous) for one engine process."""
+
+    def __init__(
+        self,
+        port: int,
+        layout: KVLayout,
+        on_attach: Callable[[int], None],
+        on_detach: Callable[[str], None],
+    ) -> None:
+        """``on_attach(swap_slots)`` runs when a cache manager (re)attaches; ``on_detach(why)``
+        when it goes; pushes in flight are then lost (``take_push_results`` won't report them)."""
+        self.layout = layout
+        self.engine_id = uuid.uuid4().hex
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # send nothing while no cache manager listens
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.port = port
+        self.cache_manager_id: str | None = None
+        self.swap_slots = 0
+        self._on_attach = on_attach
+        self._on_detach = on_detach
+        self._last_heard = 0.0
+        self._last_sent = 0.0
+        self._seq = 0
+        self._push_results: list[PushDone] = []
+        self._last_error: str | None = None
+
+    @property
+    def attached(self) -> bool:
+        return self.cache_manager_id is not None
+
+    def tick(self) -> None:
+        """Handles whatever arrived and keeps the link alive; never blocks."""
+        while self.socket.poll(0):
+            self._handle(self.socket.recv())
+        now = time.monotonic()
+        if self.attached and now - self._last_heard > SILENCE_S:
+            self._detach(f"the cache manager was silent for {SILENCE_S:.0f} s")
+        if now - self._last_sent >= HELLO_INTERVAL_S:
+            if self.attached:
+                self._send(Ping(self.engine_id))
+            else:
+                self._send(Hello(self.engine_id, PROTOCOL_VERSION, self.layout))
+
+    def swap(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> bool:
+        """Copies blocks out to swap slots, then slots into blocks; True once confirmed."""
+        if not self.attached:
+            return False
+        self._seq += 1
+        seq = self._seq
+        if not self._send(Swap(seq, out, into)):
+            return False
+        deadline = time.monotonic() + SWAP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.socket.poll(100):
+                continue
+            message = self._handle(self.socket.recv())
+            if isinstance(message, SwapDone) and message.seq == seq:
+                if not message.ok:
+                    logger.warning("the cache manager refused a swap: %s", message.error)
+                return message.ok
+        self._detach(f"the cache manager did not answer a swap within {SWAP_TIMEOUT_S:.0f} s")
+        return False
+
+    def push(
+        self,
+        request_id: str,
+        blocks: list[int],
+        dest: str,
+        dest_blocks: list[int],
+        dest_engine_id: str = "",
+    ) -> bool:
+        """Asks the cache manager to send blocks to a peer; the result comes through
+        ``take_push_results``. False if it could not even be asked."""
+        message = Push(request_id, blocks, dest, dest_blocks, dest_engine_id)
+        return self.attached and self._send(message)
+
+    def take_push_results(self) -> list[PushDone]:
+        results, self._push_results = self._push_results, []
+        return results
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    def _send(self, message: object) -> bool:
+        try:
+            self.socket.send(encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
+        except zmq.Again:
+            return False  # no cache manager connected
+        self._last_sent = time.monotonic()
+        return True
+
+    def _handle(self, data: bytes) -> object | None:
+        try:
+            message = decode(data)
+        except ValueError as exc:
+            logger.warning("ignoring a malformed message from the cache manager: %s", exc)
+            return None
+        self._last_heard = time.monotonic()
+        if isinstance(message, HelloAck):
+            self._attach(message)
+        elif isinstance(message, Pong) and message.cache_manager_id != self.cache_manager_id:
+            self._detach("the cache manager restarted")  # a new one: say Hello again
+        elif isinstance(message, PushDone):
+            self._push_results.append(message)
+        return message
+
+    def _attach(self, ack: HelloAck) -> None:
+        if ack.error:
+            if ack.error != self._last_error:
+                logger.error("the cache manager refused to attach: %s", ack.error)
+                self._last_error = ack.error
+            return
+        if ack.cache_manager_id == self.cache_manager_id:
+            return  # a late answer to a repeated Hello
+        if self.attached:
+            self._detach("the cache manager restarted")
+        self.cache_manager_id = ack.cache_manager_id
+        self.swap_slots = ack.swap_slots
+        self._last_error = None
+        logger.info(
+            "cache manager attached on port %d: %d host swap slots (%.1f MiB)",
+            self.port,
+            ack.swap_slots,
+            ack.swap_slots * self.layout.block_bytes / 2**20,
+        )
+        self._on_attach(ack.swap_slots)
+
+    def _detach(self, why: str) -> None:
+        if not self.attached:
+            return
+        logger.warning("cache manager detached: %s; host swap and KV transfer are off", why)
+        self.cache_manager_id = None
+        self.swap_slots = 0
+        self._push_results.clear()
+        self._on_detach(why)

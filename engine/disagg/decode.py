@@ -1,0 +1,254 @@
+"""The decode side of prefill/decode disaggregation, inside a decode engine process.
+
+A request arrives with its prefill peer's pd-comm address (the router chose the pair). The
+decode engine reserves KV blocks for the whole prompt (reusing its own prefix-cache hits),
+waiting up to ``pd_block_timeout`` for them, and asks the prefill engine to compute the prompt and
+have its cache manager write the KV into those blocks. ``PrefillDone`` brings the first token:
+the request joins the scheduler with its prompt already computed and decodes from there.
+
+Failures end the request with an error the API server turns into a 503: no blocks in time, a
+prefill peer that says it failed, or one silent for ``pd_peer_timeout``. Blocks a silent peer
+might still write into are kept out of use for ``QUARANTINE_S`` before they are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ketch.engine.core.messages import RequestDelta
+from ketch.engine.core.request import Request
+from ketch.engine.disagg.messages import (
+    PD_PROTOCOL_VERSION,
+    AbortPrefill,
+    PdMessage,
+    PdPing,
+    PdPong,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+)
+from ketch.engine.outputs import RequestOutput, TokenLogprob
+from ketch.engine.stats import RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+QUARANTINE_S = 10.0
+PING_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Remote:
+    request: Request
+    peer: str  # the prefill engine's pd-comm "host:port"
+    kv_dest: str
+    queued_at: float
+    sent: bool = False
+    aborted: bool = False
+    heard: float = 0.0
+
+
+class DecodeSide:
+    """Requests whose prompt a prefill peer computes, from reservation to hand-over."""
+
+    def __init__(
+        self,
+        engine,  # LLMEngine (untyped: paddle is imported only inside the engine process)
+        send: Callable[[str, PdMessage], None],
+        block_timeout: float,
+        peer_timeout: float,
+        kv_transfer_port: int,
+        cache_engine_id: Callable[[], str | None],
+    ) -> None:
+        self.engine = engine
+        self._send = send
+        self.block_timeout = block_timeout
+        self.peer_timeout = peer_timeout
+        self.kv_transfer_port = kv_transfer_port
+        self._cache_engine_id = cache_engine_id  # None while no cache manager is attached
+        self._remote: dict[str, _Remote] = {}
+        self._quarantine: list[tuple[float, list[int]]] = []
+        self._last_ping = 0.0
+        self.outputs: list[RequestOutput] = []
+        self.errors: list[RequestDelta] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._remote)
+
+    def held_blocks(self) -> list[list[int]]:
+        """Blocks owned here (reservations and quarantine), for integrity checks."""
+        return [r.request.block_ids for r in self._remote.values()] + [
+            b for _, b in self._quarantine
+        ]
+
+    def add(self, request: Request, prefill: str, decode_host: str) -> None:
+        """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
+        self._remote[request.request_id] = _Remote(
+            request, prefill, f"{decode_host}:{self.kv_transfer_port}", time.monotonic()
+        )
+
+    def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
+        """Client went away: drop unsent ones, ask the peer to stop for sent ones."""
+        aborted = []
+        for request_id in request_ids:
+            remote = self._remote.get(request_id)
+            if remote is None or remote.aborted:
+                continue
+            metrics = self.engine.drop_tracked(remote.request)
+            if metrics is not None:
+                aborted.append(metrics)
+            if remote.sent:
+                remote.aborted = True  # blocks stay reserved until the peer confirms
+                self._send(remote.peer, AbortPrefill(request_id))
+            else:
+                self._release(request_id, quarantine=False)
+        return aborted
+
+    # ---- the loop ----
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._reserve(now)
+        self._check_peers(now)
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, block_ids = self._quarantine.pop(0)
+            self.engine.kv_cache.pool.free(reversed(block_ids))
+
+    def on_message(self, peer: str, message: PdMessage) -> None:
+        now = time.monotonic()
+        for remote in self._remote.values():
+            if remote.peer == peer:
+                remote.heard = now
+        if isinstance(message, PrefillDone):
+            self._handed_over(message)
+        elif isinstance(message, PrefillFailed):
+            remote = self._remote.get(message.request_id)
+            if remote is not None and not remote.aborted:
+                self._fail(message.request_id, message.error, message.status_code, False)
+            elif remote is not None:
+                self._release(message.request_id, quarantine=False)
+        elif isinstance(message, PdPong):
+            for request_id in message.unknown_request_ids:
+                if request_id in self._remote and self._remote[request_id].sent:
+                    self._fail(
+                        request_id,
+                        f"the prefill instance {peer} lost the request (it restarted?); retry",
+                        503,
+                        True,
+                    )
+
+    def _reserve(self, now: float) -> None:
+        kv = self.engine.kv_cache
+        bs = kv.block_size
+        for request_id, remote in list(self._remote.items()):
+            if remote.sent:
+                continue
+            engine_id = self._cache_engine_id()
+            if engine_id is None:
+                self._fail(
+                    request_id,
+                    "this decode instance has no cache manager attached, so it cannot receive "
+                    "KV blocks; check its cache-manager sidecar",
+                    503,
+                    False,
+                )
+                continue
+            request = remote.request
+            hits = kv.get_computed_blocks(request)
+            prompt = request.num_tokens
+            if not kv.allocate_slots(request, prompt - len(hits) * bs, hits):
+                if now - remote.queued_at > self.block_timeout:
+                    needed = math.ceil(prompt / bs) - len(hits)
+                    self._fail(
+                        request_id,
+                        f"the decode instance has no free KV blocks for this request (it needs "
+                        f"{needed}, {kv.pool.num_free_blocks} are free) after waiting "
+                        f"{self.block_timeout:.0f} s; retry later or add decode replicas",
+                        503,
+                        False,
+                    )
+                    continue
+                break  # first come, first served: later requests wait behind this one
+            kv.flush()  # evicted blocks go to the host before the peer overwrites them
+            remote.sent, remote.heard = True, now
+            request.num_cached_tokens = len(hits) * bs
+            self._send(
+                remote.peer,
+                PrefillRequest(
+                    version=PD_PROTOCOL_VERSION,
+                    request_id=request_id,
+                    prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+                    params=request.sampling_params,
+                    seed=request.seed,
+                    model=self.engine.model_fingerprint,
+                    layout=self.engine.kv_layout,
+                    kv_dest=remote.kv_dest,
+                    dest_blocks=request.block_ids[len(hits) :],
+                    start_block=len(hits),
+                    dest_engine_id=engine_id,
+                ),
+            )
+
+    def _check_peers(self, now: float) -> None:
+        waiting: dict[str, list[str]] = {}
+        for request_id, remote in list(self._remote.items()):
+            if not remote.sent:
+                continue
+            if now - remote.heard > self.peer_timeout:
+                self._fail(
+                    request_id,
+                    f"the prefill instance {remote.peer} did not answer for "
+                    f"{self.peer_timeout:.0f} s; retry",
+                    503,
+                    True,
+                )
+            else:
+                waiting.setdefault(remote.peer, []).append(request_id)
+        if now - self._last_ping >= PING_INTERVAL_S and waiting:
+            self._last_ping = now
+            for peer, request_ids in waiting.items():
+                self._send(peer, PdPing(request_ids))
+
+    def _handed_over(self, done: PrefillDone) -> None:
+        remote = self._remote.get(done.request_id)
+        if remote is None:
+            return
+        if remote.aborted:
+            self._release(done.request_id, quarantine=False)
+            return
+        del self._remote[done.request_id]
+        request = remote.request
+        engine = self.engine
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = max(request.num_cached_tokens, done.num_cached_tokens)
+        request.first_scheduled_time = time.monotonic()
+        request.token_ids.append(done.token_id)
+        logprob = None
+        if done.logprob is not None:
+            logprob = TokenLogprob(done.token_id, done.logprob[0], list(done.logprob[1]))
+        output = engine.accept_first_token(request, logprob)
+        if output is not None:
+            self.outputs.append(output)
+
+    def _fail(self, request_id: str, error: str, status_code: int, quarantine: bool) -> None:
+        remote = self._remote.get(request_id)
+        if remote is None:
+            return
+        logger.warning("request %s failed: %s", request_id, error)
+        self.engine.drop_tracked(remote.request)
+        self.errors.append(RequestDelta(request_id, error=error, error_code=status_code))
+        self._release(request_id, quarantine)
+
+    def _release(self, request_id: str, quarantine: bool) -> None:
+        remote = self._remote.pop(request_id)
+        block_ids, remote.request.block_ids = remote.request.block_ids, []
+        if not block_ids:
+            return
+        if quarantine:
+            self._quarantine.append((time.monotonic() + QUARANTINE_S, block_ids))
+        else:
+            self.engine.kv_cache.pool.free(reversed(block_ids))

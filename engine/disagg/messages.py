@@ -1,0 +1,101 @@
+"""Messages between prefill and decode engines over ``--pd-comm-port`` (tagged JSON, one frame).
+
+Every engine in a prefill or decode role binds a ZMQ ROUTER on its pd-comm port. A decode engine
+connects a DEALER to each prefill engine it uses and sends:
+
+- ``PrefillRequest``: compute this prompt and put its KV blocks into my blocks ``dest_blocks``
+  through my cache manager at ``kv_dest``; the prefill engine answers ``PrefillDone`` (the first
+  token, once the blocks are there) or ``PrefillFailed``.
+- ``AbortPrefill``: the client went away; the prefill engine answers ``PrefillFailed`` once
+  nothing more will be written into the decode engine's blocks.
+- ``PdPing``: liveness, listing the requests the decode engine waits for; ``PdPong`` names those
+  the prefill engine does not know (it restarted), which then fail at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ketch.engine.cache_manager.protocol import KVLayout
+from ketch.engine.sampling_params import SamplingParams
+
+PD_PROTOCOL_VERSION = 1
+
+
+@dataclass
+class PrefillRequest:
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    model: str  # the decode engine's model fingerprint; the prefill engine must match it
+    layout: KVLayout
+    kv_dest: str  # "host:port" of the decode instance's cache manager KV transfer endpoint
+    dest_blocks: list[int]  # decode blocks for prompt blocks start_block, start_block + 1, ...
+    start_block: int
+    dest_engine_id: str = ""  # the decode engine's id at its cache manager (see Push)
+
+
+@dataclass
+class PrefillDone:
+    request_id: str
+    token_id: int
+    logprob: tuple[float, list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill engine found in its prefix cache
+    num_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+@dataclass
+class PrefillFailed:
+    request_id: str
+    error: str
+    status_code: int = 503
+
+
+@dataclass
+class AbortPrefill:
+    request_id: str
+
+
+@dataclass
+class PdPing:
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PdPong:
+    unknown_request_ids: list[str] = field(default_factory=list)
+
+
+PdMessage = PrefillRequest | PrefillDone | PrefillFailed | AbortPrefill | PdPing | PdPong
+_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (PrefillRequest, PrefillDone, PrefillFailed, AbortPrefill, PdPing, PdPong)
+}
+
+
+def encode(message: PdMessage) -> bytes:
+    body = dataclasses.asdict(message)
+    return json.dumps({"type": type(message).__name__, "body": body}).encode()
+
+
+def decode(data: bytes) -> PdMessage:
+    """Parses one message; raises ValueError on anything malformed."""
+    try:
+        raw = json.loads(data)
+        kind = _TYPES[raw["type"]]
+        body: dict[str, Any] = dict(raw["body"])
+        if kind is PrefillRequest:
+            body["params"] = SamplingParams(**body["params"])
+            body["layout"] = KVLayout(**body["layout"])
+        if kind is PrefillDone and body.get("logprob") is not None:
+            chosen, top = body["logprob"]
+            body["logprob"] = (chosen, [(int(t), float(lp)) for t, lp in top])
+        return kind(**body)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed prefill/decode message: {exc}") from exc

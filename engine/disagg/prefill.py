@@ -1,0 +1,183 @@
+"""The prefill side of prefill/decode disaggregation, inside a prefill engine process.
+
+A decode engine sends ``PrefillRequest``: the prompt, the sampling settings and seed, and where
+the KV goes. This side checks that the two instances can share KV at all (protocol version,
+model, KV layout), runs the prompt as a one-token request that keeps its blocks when it
+finishes, has its cache manager push the blocks into the decode instance's cache, and only then
+hands the first token over (``PrefillDone``). Any failure answers ``PrefillFailed`` and frees
+the blocks; nothing is left behind when a decode peer disappears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ketch.engine.cache_manager.client import CacheManagerClient
+from ketch.engine.cache_manager.protocol import PushDone
+from ketch.engine.disagg.messages import (
+    PD_PROTOCOL_VERSION,
+    AbortPrefill,
+    PdMessage,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+)
+from ketch.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    identity: bytes  # the decode engine's DEALER, to answer through the ROUTER
+    message: PrefillRequest
+    pushing: bool = False
+    aborted: bool = False
+    done: PrefillDone | None = None
+
+
+class PrefillSide:
+    """Prompts computed for decode peers, from request to hand-over."""
+
+    def __init__(
+        self,
+        engine,  # LLMEngine
+        reply: Callable[[bytes, PdMessage], None],
+        cache: CacheManagerClient | None,
+    ) -> None:
+        self.engine = engine
+        self._reply = reply
+        self.cache = cache
+        self._prefills: dict[str, _Prefill] = {}
+
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._prefills
+
+    def on_request(self, identity: bytes, message: PrefillRequest) -> None:
+        request_id = message.request_id
+        problem = self._check(message)
+        if problem is None and request_id in self._prefills:
+            problem = f"request id {request_id!r} is already being prefilled here"
+        if problem is not None:
+            logger.warning("refusing prefill request %s: %s", request_id, problem)
+            self._reply(identity, PrefillFailed(request_id, problem, 400))
+            return
+        p = message.params
+        # One token here; stop strings and the rest of the output are the decode side's.
+        params = dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1), stop=[])
+        try:
+            request = self.engine.add_request(
+                request_id, message.prompt_token_ids, params, final_only=True, seed=message.seed
+            )
+        except ValueError as exc:
+            self._reply(identity, PrefillFailed(request_id, str(exc), 400))
+            return
+        request.keep_blocks = True
+        self._prefills[request_id] = _Prefill(identity, message)
+
+    def _check(self, message: PrefillRequest) -> str | None:
+        engine = self.engine
+        if message.version != PD_PROTOCOL_VERSION:
+            return (
+                f"version mismatch: the decode instance speaks prefill/decode protocol "
+                f"{message.version}, this prefill instance {PD_PROTOCOL_VERSION}; run the same "
+                "Ketch version on both roles"
+            )
+        if message.model != engine.model_fingerprint:
+            return (
+                f"model mismatch: the decode instance serves {message.model}, this prefill "
+                f"instance {engine.model_fingerprint}"
+            )
+        mismatch = engine.kv_layout.mismatch(message.layout)
+        if mismatch is not None:
+            return mismatch
+        if self.cache is None or not self.cache.attached:
+            return (
+                "this prefill instance has no cache manager attached, so it cannot send KV "
+                "blocks; check its cache-manager sidecar"
+            )
+        blocks = math.ceil(len(message.prompt_token_ids) / engine.kv_cache.block_size)
+        if len(message.dest_blocks) != blocks - message.start_block or message.start_block < 0:
+            return (
+                f"the decode instance offered {len(message.dest_blocks)} blocks from block "
+                f"{message.start_block} for a {blocks}-block prompt"
+            )
+        return None
+
+    def on_abort(self, identity: bytes, message: AbortPrefill) -> None:
+        prefill = self._prefills.get(message.request_id)
+        if prefill is None:  # unknown or finished: nothing more will be written
+            self._reply(identity, PrefillFailed(message.request_id, "aborted", 499))
+        elif prefill.pushing:
+            prefill.aborted = True  # answered when the push ends
+        else:
+            self.engine.abort_request([message.request_id])
+            self._finish(message.request_id, PrefillFailed(message.request_id, "aborted", 499))
+
+    def on_step_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Pushes the KV of prefills that just produced their token."""
+        for output in outputs:
+            prefill = self._prefills.get(output.request_id)
+            if prefill is None or not output.finished or prefill.pushing:
+                continue
+            message = prefill.message
+            completion = output.outputs[0]
+            logprob = None
+            if completion.logprobs:
+                first = completion.logprobs[0]
+                logprob = (first.logprob, [tuple(t) for t in first.top])
+            prefill.done = PrefillDone(
+                message.request_id,
+                completion.token_ids[0],
+                logprob,  # type: ignore[arg-type]
+                output.num_cached_tokens,
+            )
+            held = self.engine.scheduler.held.get(message.request_id, [])
+            start = message.start_block
+            blocks = held[start : start + len(message.dest_blocks)]
+            pushed = len(blocks) == len(message.dest_blocks) and self.cache is not None
+            if pushed:
+                pushed = self.cache.push(
+                    message.request_id,
+                    blocks,
+                    message.kv_dest,
+                    message.dest_blocks,
+                    message.dest_engine_id,
+                )
+            if pushed:
+                prefill.pushing = True
+            else:
+                error = "the prefill instance's cache manager is not attached; retry"
+                self._finish(message.request_id, PrefillFailed(message.request_id, error))
+
+    def on_push_results(self, results: list[PushDone]) -> None:
+        for result in results:
+            prefill = self._prefills.get(result.request_id)
+            if prefill is None or prefill.done is None:
+                continue
+            if prefill.aborted:
+                answer: PdMessage = PrefillFailed(result.request_id, "aborted", 499)
+            elif result.ok:
+                answer = dataclasses.replace(
+                    prefill.done, num_bytes=result.num_bytes, transfer_seconds=result.seconds
+                )
+            else:
+                error = f"sending the KV to {prefill.message.kv_dest} failed: {result.error}"
+                answer = PrefillFailed(result.request_id, error)
+            self._finish(result.request_id, answer)
+
+    def on_cache_detached(self) -> None:
+        """Pushes in flight are lost with the cache manager."""
+        for request_id, prefill in list(self._prefills.items()):
+            if prefill.pushing:
+                error = "the prefill instance's cache manager went away during the KV transfer"
+                self._finish(request_id, PrefillFailed(request_id, error))
+
+    def _finish(self, request_id: str, answer: PdMessage) -> None:
+        prefill = self._prefills.pop(request_id)
+        self.engine.scheduler.release_held(request_id)
+        self._reply(prefill.identity, answer)
