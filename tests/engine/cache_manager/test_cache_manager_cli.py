@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from cm_harness import KETCH, CacheManagerProcess, FakeEngine, Segment, free_ports
 
 from ketch.engine.cache_manager.config import CacheManagerConfig, parse_swap_space
-from ketch.engine.cache_manager.protocol import KVLayout
+from ketch.engine.cache_manager.protocol import KVLayout, Ping
 from ketch.engine.cache_manager.swap import SwapStore
 
 
@@ -134,3 +135,24 @@ def test_swap_store_checks_everything_before_copying() -> None:
     store.reset()
     assert store.used == set()
     assert "no swap space" in SwapStore(layout, 0).swap(kv, [(1, 0)], [])
+
+
+@pytest.mark.timeout(60)
+def test_silent_engine_is_detached_and_can_say_hello_again() -> None:
+    manager = CacheManagerProcess("--swap-space", "1Mi").wait_ready()
+    segment = Segment()
+    try:
+        engine = FakeEngine(manager)
+        assert engine.hello(segment).error is None
+        deadline = time.monotonic() + 20  # detached after 5 s of silence
+        while manager.health()["engine_attached"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert manager.health()["engine_attached"] is False, manager.log()
+        engine.send(Ping(engine.engine_id))  # no Pong: the engine must say Hello again
+        assert not engine.sock.poll(500)
+        assert engine.hello(segment).error is None
+        assert manager.health()["engine_attached"] is True
+        engine.close()
+    finally:
+        assert manager.stop() == 0, manager.log()
+        segment.remove()
