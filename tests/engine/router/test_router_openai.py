@@ -107,7 +107,7 @@ def test_dns_name_entries_resolve_to_instances(instances: list[Server]) -> None:
 
 @pytest.mark.timeout(60)
 def test_registration_heartbeat_and_expiry(instances: list[Server]) -> None:
-    with running_router("--registration-only", "--registration-ttl", "1.5",
+    with running_router("--registration-only", "--registration-ttl", "1.0",
                         "--health-interval", "0.2") as r:  # fmt: skip
         assert httpx.get(f"{r.url}/ready", timeout=5).status_code == 503
         reply = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
@@ -120,10 +120,10 @@ def test_registration_heartbeat_and_expiry(instances: list[Server]) -> None:
         wait_for(lambda: r.instances().get(url, {}).get("healthy"), 10, "registered, healthy")
         out = client(r.url).completions.create(model="tiny", prompt="registered", max_tokens=2)
         assert out.choices[0].text
-        for _ in range(5):  # heartbeats keep it for longer than the TTL
+        for _ in range(4):  # heartbeats keep it for longer than the TTL
             httpx.post(register, json={"url": url, "role": "mixed"})
             assert url in r.instances()
-            time.sleep(0.5)
+            time.sleep(0.4)
         wait_for(lambda: url not in r.instances(), 10, "expiry after the heartbeats stop")
 
         bad = httpx.post(register, json={"role": "mixed"})
@@ -149,3 +149,4 @@ def test_no_healthy_instance_is_a_clear_503() -> None:
         ready = httpx.get(f"{r.url}/ready", timeout=5)
         assert ready.status_code == 503 and ready.json()["problems"]
         assert httpx.get(f"{r.url}/v1/models", timeout=5).status_code == 503
+        assert r.stop() == 0  # SIGTERM: a clean exit
