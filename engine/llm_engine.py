@@ -40,6 +40,7 @@ class _Tracked:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     token_ids: list[int] = field(default_factory=list)
+    kv_handover_seconds: float | None = None
 
 
 class LLMEngine:
@@ -172,11 +173,12 @@ class LLMEngine:
         return request
 
     def accept_first_token(
-        self, request: Request, logprob: TokenLogprob | None
+        self, request: Request, logprob: TokenLogprob | None, handover_seconds: float | None
     ) -> RequestOutput | None:
         """A request whose prompt a prefill peer computed (its KV is in ``request.block_ids``,
         its first token appended): emits that token, then decodes it here unless it is done."""
         tracked = self._tracked[request.request_id]
+        tracked.kv_handover_seconds = handover_seconds
         if logprob is not None and tracked.logprobs is not None:
             tracked.logprobs.append(logprob)
         token_id = request.token_ids[-1]
@@ -337,6 +339,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             finish_reason=request.finish_reason or "abort",
+            kv_handover_seconds=tracked.kv_handover_seconds,
         )
 
     def snapshot(self, extra_waiting: int = 0, cache_attached: bool = False) -> EngineSnapshot:

@@ -112,6 +112,12 @@ def _histograms() -> dict[str, _Histogram]:
         ("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS),
         ("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS),
         ("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS),
+        (
+            "kv_handover_seconds",
+            "Decode role: the prefill peer's end of prefill to this instance taking the request "
+            "over (KV transfer and hand-over).",
+            TTFT_BUCKETS,
+        ),
     ]
     return {name: _Histogram(name, doc, bounds) for name, doc, bounds in specs}
 
@@ -157,6 +163,7 @@ class EngineMetrics:
             "time_per_output_token_seconds": metrics.time_per_output_token,
             "e2e_request_latency_seconds": metrics.e2e_latency,
             "request_queue_time_seconds": metrics.queue_time,
+            "kv_handover_seconds": metrics.kv_handover_seconds,
         }
         for name, value in latencies.items():
             if value is not None:

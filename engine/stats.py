@@ -22,6 +22,7 @@ class RequestMetrics:
     num_cached_tokens: int
     num_preemptions: int
     finish_reason: str
+    kv_handover_seconds: float | None = None  # decode role: prefill end -> taken over here
 
     @property
     def queue_time(self) -> float | None:

@@ -230,7 +230,8 @@ class DecodeSide:
         logprob = None
         if done.logprob is not None:
             logprob = TokenLogprob(done.token_id, done.logprob[0], list(done.logprob[1]))
-        output = engine.accept_first_token(request, logprob)
+        handover = max(0.0, time.time() - done.finished_at) if done.finished_at else None
+        output = engine.accept_first_token(request, logprob, handover)
         if output is not None:
             self.outputs.append(output)
 

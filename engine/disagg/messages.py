@@ -48,6 +48,7 @@ class PrefillDone:
     num_cached_tokens: int = 0  # prompt tokens the prefill engine found in its prefix cache
     num_bytes: int = 0
     transfer_seconds: float = 0.0
+    finished_at: float = 0.0  # the prefill engine's wall clock when its prefill step ended
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,6 +136,7 @@ class PrefillSide:
                 completion.token_ids[0],
                 logprob,  # type: ignore[arg-type]
                 output.num_cached_tokens,
+                finished_at=time.time(),
             )
             held = self.engine.scheduler.held.get(message.request_id, [])
             start = message.start_block

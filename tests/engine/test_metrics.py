@@ -23,6 +23,7 @@ HISTOGRAMS = [
     "time_to_first_token_seconds", "time_per_output_token_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
     "request_generation_tokens",
+    "kv_handover_seconds",  # prefill/decode (issue 5); not one of FastDeploy's names
 ]  # fmt: skip
 COUNTERS = [
     "requests_number", "request_success_total", "prompt_tokens_total",
