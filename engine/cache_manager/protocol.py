@@ -15,12 +15,21 @@ answers ``HelloAck``. After that:
   transfer). Asynchronous: the engine keeps the blocks referenced until ``PushDone`` arrives.
 
 Cache manager -> cache manager (KV transfer, ``--kv-transfer-port``, bound on all interfaces): the
-sender connects a DEALER to ``tcp://<host>:<kv_transfer_port>`` and sends two frames: a
-``TransferHeader`` (JSON) and the block data: the sender's ``kv[:, :, :, blocks]`` gathered into
-one C-contiguous array of shape ``layout.transfer_shape(len(blocks))``, i.e.
-``[num_layers, 2, kv_heads, n, block_size, head_dim]``, block ``i`` going to ``dest_blocks[i]``.
-The receiver checks version, layout, block range and frame size, writes the blocks into its
-engine's KV segment (``kv[:, :, :, dest_blocks] = data``) and answers one ``TransferAck`` frame.
+sender connects a DEALER to ``tcp://<host>:<kv_transfer_port>`` and sends the push as ``parts``
+messages (``part`` 0, 1, ...), each of two frames: a ``TransferHeader`` (JSON) and the block data
+of the layers ``[lo, hi)`` named by ``layers``: the sender's ``kv[lo:hi, :, :, blocks]`` gathered
+into one C-contiguous array of shape ``layout.transfer_shape(len(blocks), hi - lo)``, i.e.
+``[hi - lo, 2, kv_heads, n, block_size, head_dim]``, block ``i`` going to ``dest_blocks[i]``. The
+parts cover the layers in order without gaps, so the sender gathers part k+1 while part k is on
+the wire and the receiver stores part k while part k+1 arrives (pipelining). A header without
+``layers`` is the one-part transfer of every layer (``parts`` 1: the original format).
+
+The receiver checks every part on its own (version, engine id, layout, block range, layer range,
+frame size) and against the earlier parts of the same push (same blocks, next part, next
+layers), writes it into its engine's KV segment (``kv[lo:hi, :, :, dest_blocks] = data``) and
+answers exactly one ``TransferAck`` per push: ok after the last part is stored, or an error as
+soon as a part is refused (the push's later parts are then dropped unanswered). A push whose
+parts stop coming is forgotten after the transfer timeout, never acknowledged.
 """
 
 from __future__ import annotations
@@ -62,10 +71,10 @@ class KVLayout:
         """One block's data as sent over the wire and kept in a swap slot."""
         return (self.num_layers, 2, self.kv_heads, self.block_size, self.head_dim)
 
-    def transfer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The wire shape of ``num_blocks`` blocks: ``kv[:, :, :, blocks]``."""
+    def transfer_shape(self, num_blocks: int, num_layers: int | None = None) -> tuple[int, ...]:
+        """The wire shape of ``num_blocks`` blocks of ``num_layers`` (default all) layers."""
         return (
-            self.num_layers,
+            self.num_layers if num_layers is None else num_layers,
             2,
             self.kv_heads,
             num_blocks,
@@ -162,6 +171,11 @@ class TransferHeader:
     layout: KVLayout  # the sender's (its num_blocks/segment are irrelevant to the receiver)
     dest_blocks: list[int]
     engine_id: str = ""  # Push.dest_engine_id: refused unless it is the attached engine's id
+    # Multi-part pushes: the layers [lo, hi) this message's data holds (None: all of them), and
+    # which part of how many it is. Parts come in order and cover the layers in order.
+    layers: list[int] | None = None
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass

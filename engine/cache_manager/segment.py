@@ -68,20 +68,48 @@ def _rows(array: np.ndarray) -> np.ndarray:
     return array.reshape(lay * kv * heads, n, bs * hd)
 
 
+def runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """``(i, block, length)`` for each run of consecutive block ids starting at ``blocks[i]``."""
+    out: list[tuple[int, int, int]] = []
+    for i, block in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == block:
+            start, first, length = out[-1]
+            out[-1] = (start, first, length + 1)
+        else:
+            out.append((i, block, 1))
+    return out
+
+
 def gather(kv: np.ndarray, blocks: list[int], out: np.ndarray) -> np.ndarray:
     """``out[:, :, :, i] = kv[:, :, :, blocks[i]]`` into a C-contiguous ``out``; returns ``out``.
 
-    One strided copy per block: about 4x faster than numpy's fancy indexing on the block axis
-    (measured 3.4 ms against 14-20 ms for 16 blocks of 1.6 MB).
+    One strided copy per run of consecutive blocks: about 4x faster than numpy's fancy indexing
+    on the block axis (measured 3.4 ms against 14-20 ms for 16 scattered blocks of 1.6 MB).
+    ``kv`` may be a slice of layers (``kv[lo:hi]``) with a matching ``out``.
     """
     src, dst = _rows(kv), _rows(out)
-    for i, block in enumerate(blocks):
-        dst[:, i] = src[:, block]
+    for i, block, length in runs(blocks):
+        dst[:, i : i + length] = src[:, block : block + length]
     return out
 
 
 def scatter(kv: np.ndarray, blocks: list[int], data: np.ndarray) -> None:
-    """``kv[:, :, :, blocks[i]] = data[:, :, :, i]``, one strided copy per block."""
+    """``kv[:, :, :, blocks[i]] = data[:, :, :, i]``, one strided copy per run of blocks."""
     src, dst = _rows(data), _rows(kv)
-    for i, block in enumerate(blocks):
-        dst[:, block] = src[:, i]
+    for i, block, length in runs(blocks):
+        dst[:, block : block + length] = src[:, i : i + length]
+
+
+PART_BYTES = 2 << 20
+"""About how many bytes one part of a multi-part push holds (whole layers, at least one)."""
+
+
+def layer_ranges(
+    layout: p.KVLayout, num_blocks: int, part_bytes: int = PART_BYTES
+) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` layer ranges a push of ``num_blocks`` blocks is sent in, in order."""
+    layer_bytes = layout.block_bytes // layout.num_layers * num_blocks
+    per_part = max(1, part_bytes // max(1, layer_bytes))
+    return [
+        (lo, min(lo + per_part, layout.num_layers)) for lo in range(0, layout.num_layers, per_part)
+    ]

@@ -5,9 +5,11 @@ Threads (ZMQ sockets never cross them):
 - main: a ROUTER on ``tcp://127.0.0.1:<cache_queue_port>`` for the engine (Hello, Ping, Swap,
   Push) and a PULL on an inproc address where the sender posts finished pushes. Swaps are done
   here, at once (the engine waits on them inside its step loop).
-- sender: takes pushes from a queue, gathers the blocks and sends them with the transport; so a
-  slow or dead peer never delays the engine's swaps.
-- receiver (the transport's): stores blocks arriving from peers into the attached engine's cache.
+- sender: takes pushes from a queue, gathers the blocks and sends them with the transport, a few
+  layers per part (the next part is gathered while the last one travels); so a slow or dead peer
+  never delays the engine's swaps.
+- receiver (the transport's): stores blocks arriving from peers into the attached engine's cache
+  (``receive.TransferReceiver``).
 - http: ``/health`` and ``/metrics``.
 
 The engine decides everything (blocks, slots, destinations); this process copies, checks the
@@ -23,6 +25,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +36,13 @@ from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.config import CacheManagerConfig
 from ketch.engine.cache_manager.http import HttpEndpoint
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
+from ketch.engine.cache_manager.receive import TransferReceiver
 from ketch.engine.cache_manager.segment import (
     Attachment,
     bad_blocks,
     gather,
+    layer_ranges,
     map_segment,
-    scatter,
 )
 from ketch.engine.cache_manager.swap import SwapStore
 from ketch.engine.cache_manager.transport import TransferError, make_transport, parse_dest
@@ -106,7 +110,9 @@ class CacheManager:
 
     def run(self) -> int:
         cfg = self.config
-        self.receiver.start(self._receive)
+        self.receiver.start(
+            TransferReceiver(lambda: self.attachment, self.metrics, cfg.transfer_timeout)
+        )
         self._sender.start()
         self.http.start()
         logger.info(
@@ -319,87 +325,50 @@ class CacheManager:
             self._buffer = np.empty(size, dtype=att.kv.dtype)
         return self._buffer[:size].reshape(shape)
 
-    def _send_one(self, sender: Any, job: _PushJob) -> p.PushDone:
+    def _parts(self, job: _PushJob) -> Iterator[tuple[p.TransferHeader, np.ndarray]]:
+        """The push's parts, each gathered only when the transport asks for it."""
         push, att = job.push, job.attachment
-        start = time.perf_counter()
-        try:
-            data = gather(att.kv, push.blocks, self._send_buffer(att, len(push.blocks)))
+        buffer = self._send_buffer(att, len(push.blocks))
+        ranges = layer_ranges(att.layout, len(push.blocks))
+        for part, (lo, hi) in enumerate(ranges):
+            data = gather(att.kv[lo:hi], push.blocks, buffer[lo:hi])
             header = p.TransferHeader(
                 p.PROTOCOL_VERSION,
                 push.request_id,
                 att.layout,
                 list(push.dest_blocks),
                 engine_id=str(push.dest_engine_id or ""),
+                layers=[lo, hi],
+                part=part,
+                parts=len(ranges),
             )
-            sender.send(push.dest, header, data)
+            yield header, data
+
+    def _send_one(self, sender: Any, job: _PushJob) -> p.PushDone:
+        push, att = job.push, job.attachment
+        start = time.perf_counter()
+        try:
+            sender.send(push.dest, self._parts(job))
         except TransferError as exc:
             self._buffer = None  # the transport may still hold the failed one
             self.metrics.kv_transfer_failures.labels(direction="send").inc()
             logger.warning("push %s to %s failed: %s", push.request_id, push.dest, exc)
             return p.PushDone(push.request_id, False, error=str(exc))
         except Exception as exc:  # report it; the sender must stay alive
+            self._buffer = None
             self.metrics.kv_transfer_failures.labels(direction="send").inc()
             logger.exception("push %s to %s failed", push.request_id, push.dest)
             return p.PushDone(push.request_id, False, error=f"push to peer {push.dest}: {exc}")
         seconds = time.perf_counter() - start
-        self.metrics.kv_sent_bytes.inc(data.nbytes)
+        num_bytes = att.layout.block_bytes * len(push.blocks)
+        self.metrics.kv_sent_bytes.inc(num_bytes)
         self.metrics.kv_transfers.labels(direction="send").inc()
         self.metrics.kv_transfer_seconds.observe(seconds)
         logger.info(
             "pushed %d blocks (%d bytes) of %s to %s in %.1f ms",
-            len(push.blocks), data.nbytes, push.request_id, push.dest, seconds * 1000,
+            len(push.blocks), num_bytes, push.request_id, push.dest, seconds * 1000,
         )  # fmt: skip
-        return p.PushDone(push.request_id, True, num_bytes=int(data.nbytes), seconds=seconds)
-
-    # ---- receiver thread ----
-
-    def _receive(self, header: p.TransferHeader, data: memoryview) -> p.TransferAck:
-        att = self.attachment  # one snapshot: a re-attach meanwhile does not change the target
-        error = self._check_transfer(att, header, data)
-        request_id = str(header.request_id)
-        if error is not None or att is None:
-            self.metrics.kv_transfer_failures.labels(direction="receive").inc()
-            logger.warning("KV transfer %s refused: %s", request_id, error)
-            return p.TransferAck(request_id, False, error)
-        blocks = header.dest_blocks
-        shape = att.layout.transfer_shape(len(blocks))
-        scatter(att.kv, blocks, np.frombuffer(data, dtype=att.kv.dtype).reshape(shape))
-        self.metrics.kv_received_bytes.inc(len(data))
-        self.metrics.kv_transfers.labels(direction="receive").inc()
-        logger.info("received %d blocks (%d bytes) of %s", len(blocks), len(data), request_id)
-        return p.TransferAck(request_id, True)
-
-    @staticmethod
-    def _check_transfer(
-        att: Attachment | None, header: p.TransferHeader, data: memoryview
-    ) -> str | None:
-        if header.version != p.PROTOCOL_VERSION:
-            return (
-                f"version mismatch: peer speaks {header.version}, "
-                f"this cache manager {p.PROTOCOL_VERSION}"
-            )
-        if att is None:
-            return "no engine is attached to this cache manager"
-        if header.engine_id and header.engine_id != att.engine_id:
-            return (
-                f"the blocks are for engine {header.engine_id}, but engine {att.engine_id} is "
-                "attached here (the peer engine restarted)"
-            )
-        if not isinstance(header.layout, p.KVLayout):
-            return "the header has no KV layout"
-        mismatch = att.layout.mismatch(header.layout)
-        if mismatch:
-            return mismatch
-        blocks = header.dest_blocks
-        if not isinstance(blocks, list) or not blocks:
-            return "dest_blocks must be a non-empty list"
-        error = bad_blocks(blocks, att.layout.num_blocks, "destination block")
-        if error:
-            return error
-        expected = att.layout.block_bytes * len(blocks)
-        if len(data) != expected:
-            return f"data frame holds {len(data)} bytes; {len(blocks)} blocks need {expected}"
-        return None
+        return p.PushDone(push.request_id, True, num_bytes=num_bytes, seconds=seconds)
 
 
 def run(config: CacheManagerConfig) -> int:

@@ -1,15 +1,18 @@
 """How KV blocks travel between cache managers: a pluggable transport, chosen by name.
 
-A transport has two halves. The *sender* (``KVSender.send``) delivers one header and one buffer
-of block data to a peer and returns once the peer acknowledged it, or raises ``TransferError``.
-The *receiver* (``KVReceiver``) listens on the KV transfer port and hands every arriving
-``(header, data)`` to a handler of the cache manager, which checks and stores the blocks and
-returns the ``TransferAck`` to send back. The transport moves bytes; what they mean is the
-cache manager's business, so RDMA/NIXL-style transports can be added next to ``tcp`` with the
-same two methods.
+A transport has two halves. The *sender* (``KVSender.send``) delivers the parts of one push (a
+header and a buffer of block data each, produced lazily so the next part is gathered while the
+previous one travels) to a peer and returns once the peer acknowledged the push, or raises
+``TransferError``. The *receiver* (``KVReceiver``) listens on the KV transfer port and hands
+every arriving ``(peer, header, data)`` to a handler of the cache manager, which checks and
+stores the blocks and returns the ``TransferAck`` to send back (None: no answer yet). The
+transport moves bytes; what they mean is the cache manager's business, so RDMA/NIXL-style
+transports can be added next to ``tcp`` with the same two methods.
 
-``tcp`` (ZMQ): the sender keeps one DEALER per destination and sends ``[header, data]`` with
-``copy=False``; the receiver is a ROUTER answering one ``TransferAck`` frame. A DEALER whose
+``tcp`` (ZMQ): the sender keeps one DEALER per destination and sends each part as its own
+message ``[header, data]`` with ``copy=False`` (ZMQ starts writing part k while part k+1 is
+gathered); the receiver is a ROUTER receiving without copies and answering one ``TransferAck``
+frame per push. A DEALER whose
 peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import zmq
@@ -32,8 +35,11 @@ from ketch.engine.cache_manager.protocol import (
 
 logger = logging.getLogger("ketch.cache_manager.transport")
 
-ReceiveHandler = Callable[[TransferHeader, memoryview], TransferAck]
-"""Checks and stores one transfer; runs on the receiver's thread."""
+ReceiveHandler = Callable[[bytes, TransferHeader, memoryview], TransferAck | None]
+"""Checks and stores one part (peer identity, header, data); runs on the receiver's thread."""
+
+Parts = Iterable[tuple[TransferHeader, np.ndarray]]
+"""The parts of one push, in order; the data must stay untouched until ``send`` returns."""
 
 _POLL_MS = 100
 
@@ -46,8 +52,9 @@ class KVSender(ABC):
     """Sends block data to peers; used from one thread only."""
 
     @abstractmethod
-    def send(self, dest: str, header: TransferHeader, data: np.ndarray) -> None:
-        """Delivers ``data`` (C-contiguous) to ``dest`` ("host:port"); raises TransferError."""
+    def send(self, dest: str, parts: Parts) -> None:
+        """Delivers the parts (C-contiguous data) to ``dest`` ("host:port") and waits for the
+        push's acknowledgement; raises TransferError."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -114,36 +121,48 @@ class TcpSender(KVSender):
         if sock is not None:
             sock.close(linger=0)
 
-    def send(self, dest: str, header: TransferHeader, data: np.ndarray) -> None:
+    def send(self, dest: str, parts: Parts) -> None:
         try:
             sock = self._socket(dest)
         except (ValueError, zmq.ZMQError) as exc:
             raise TransferError(f"cannot connect to peer {dest}: {exc}") from exc
+        request_id = None
+        ack = None
         try:
-            sock.send(encode(header), zmq.SNDMORE)
-            sock.send(data, copy=False)
-            deadline_ms = self._timeout_ms
-            while True:
-                if not sock.poll(deadline_ms, zmq.POLLIN):
+            for header, data in parts:
+                request_id = header.request_id
+                sock.send(encode(header), zmq.SNDMORE)
+                sock.send(data, copy=False)
+                if sock.poll(0, zmq.POLLIN):  # an early answer: a part was refused
+                    ack = self._answer(sock, dest, request_id)
+                    if ack is not None:
+                        break
+            while ack is None:
+                if not sock.poll(self._timeout_ms, zmq.POLLIN):
                     self._drop(dest)
                     raise TransferError(
                         f"peer {dest} did not acknowledge within {self._timeout_ms / 1000:g} s "
                         "(is its cache manager running and its --kv-transfer-port reachable?)"
                     )
-                frames = sock.recv_multipart()
-                try:
-                    ack = decode(frames[-1])
-                except ValueError as exc:
-                    self._drop(dest)
-                    raise TransferError(f"peer {dest} answered garbage: {exc}") from exc
-                if isinstance(ack, TransferAck) and ack.request_id == header.request_id:
-                    break
-                logger.debug("peer %s: dropping a stale answer %r", dest, ack)
+                ack = self._answer(sock, dest, request_id)
         except zmq.ZMQError as exc:
             self._drop(dest)
             raise TransferError(f"sending to peer {dest} failed: {exc}") from exc
         if not ack.ok:
             raise TransferError(f"peer {dest} refused the blocks: {ack.error}")
+
+    def _answer(self, sock: zmq.Socket, dest: str, request_id: str | None) -> TransferAck | None:
+        """Reads one answer: the push's TransferAck, or None for a stale one (dropped)."""
+        frames = sock.recv_multipart()
+        try:
+            ack = decode(frames[-1])
+        except ValueError as exc:
+            self._drop(dest)
+            raise TransferError(f"peer {dest} answered garbage: {exc}") from exc
+        if isinstance(ack, TransferAck) and ack.request_id == request_id:
+            return ack
+        logger.debug("peer %s: dropping a stale answer %r", dest, ack)
+        return None
 
     def close(self) -> None:
         for dest in list(self._sockets):
@@ -184,12 +203,14 @@ class TcpReceiver(KVReceiver):
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
                 frames = sock.recv_multipart(copy=False)
-                sock.send_multipart([frames[0].bytes, encode(self._answer(frames, handler))])
+                answer = self._answer(frames, handler)
+                if answer is not None:
+                    sock.send_multipart([frames[0].bytes, encode(answer)])
         finally:
             sock.close(linger=0)
 
     @staticmethod
-    def _answer(frames: list[zmq.Frame], handler: ReceiveHandler) -> TransferAck:
+    def _answer(frames: list[zmq.Frame], handler: ReceiveHandler) -> TransferAck | None:
         if len(frames) != 3:
             logger.warning("malformed KV transfer: %d frames instead of 2", len(frames) - 1)
             error = f"expected 2 frames (header, data), got {len(frames) - 1}"
@@ -204,7 +225,7 @@ class TcpReceiver(KVReceiver):
             logger.warning("KV transfer port got a %s instead of a TransferHeader", name)
             return TransferAck("", False, f"expected a TransferHeader, got {name}")
         try:
-            return handler(header, frames[2].buffer)
+            return handler(frames[0].bytes, header, frames[2].buffer)
         except Exception as exc:  # a bug in handling one transfer must not end the receiver
             logger.exception("storing KV transfer %s failed", header.request_id)
             return TransferAck(str(header.request_id), False, f"internal error: {exc}")
