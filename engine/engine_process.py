@@ -167,9 +167,10 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
         deltas: list[RequestDelta] = []
         while events.get(requests) and requests.poll(0):
             _apply(engine, links, decode(requests.recv()), deltas)
-        attached = links.attached
+        before = (links.attached, engine.kv_cache.pool.num_free_blocks)
         deltas += links.tick()
-        changed = bool(deltas) or events.get(requests) or links.busy or attached != links.attached
+        after = (links.attached, engine.kv_cache.pool.num_free_blocks)
+        changed = bool(deltas) or events.get(requests) or links.busy or before != after
         if engine.has_unfinished_requests():
             step_outputs = engine.step()
             if links.pd is not None:

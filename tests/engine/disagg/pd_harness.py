@@ -37,11 +37,14 @@ class Pod:
             *serve_args,
         )
         self.url = self.server.url
+        self._pd_address: str | None = None
 
     def wait_ready(self) -> Pod:
         self.cm.wait_ready()
         self.server.wait_ready()
         wait_for(self.ready, 60, f"{self.role} instance ready (cache manager attached)", 0.2)
+        if self.role != "mixed":
+            assert self.pd_address
         return self
 
     def ready(self) -> dict | None:
@@ -53,9 +56,12 @@ class Pod:
 
     @property
     def pd_address(self) -> str:
-        info = self.ready()
-        assert info is not None, f"{self.role} instance not ready"
-        return f"127.0.0.1:{info['pd_comm_port']}"
+        """The pd-comm "host:port" (read from /ready once, so it is known after a kill)."""
+        if self._pd_address is None:
+            info = self.ready()
+            assert info is not None, f"{self.role} instance not ready"
+            self._pd_address = f"127.0.0.1:{info['pd_comm_port']}"
+        return self._pd_address
 
     def engine_metric(self, name: str) -> float:
         return metric(scrape(self.url), name)
