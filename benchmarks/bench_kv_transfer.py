@@ -10,6 +10,13 @@ The baseline, measured in the same run: the same bytes as one frame from a DEALE
 process to a ROUTER in another process, which answers a one-frame ack (raw ZMQ, no copies).
 The ratio column is cache-manager MB/s / raw MB/s; the target is >= 0.7.
 
+A second table (``--handover``, on by default) times the hand-over end to end through real
+processes: a prefill and a decode ``ketch serve --model tiny`` instance, each with its cache
+manager, serve completions of P-token prompts; the decode instance's ``ketch:kv_handover_seconds``
+histogram (prefill's end of prefill to the decode engine taking the request over, right before
+its first decode step) gives the mean per prompt size, next to the time to first token of the
+same prompts on a mixed ``ketch serve`` (the baseline, measured in the same run).
+
 Run as a script, ``.venv/bin/python benchmarks/bench_kv_transfer.py [--pushes 20]`` (never
 ``python -m`` from the repository root: its ``operator/`` would shadow the standard library).
 Timings on a shared machine vary; compare rows of one run, and the ratio column.
@@ -166,10 +173,80 @@ def warm_up(src: Instance, dst: Instance) -> None:
         dst.hello()
 
 
+def _harness() -> None:
+    """Makes the tests' process harnesses (pd_harness, serve_harness, cm_harness) importable."""
+    tests = Path(__file__).resolve().parent.parent / "tests" / "engine"
+    for sub in ("disagg", "serving", "cache_manager"):
+        if str(tests / sub) not in sys.path:
+            sys.path.insert(0, str(tests / sub))
+
+
+def complete(url: str, prompt: list[int], headers: dict[str, str] | None = None) -> float:
+    """One greedy completion of one token; returns its latency in seconds."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    return elapsed
+
+
+def measure_handover(sizes: list[int], repeats: int) -> None:
+    """The second table: prefill -> decode hand-over against a mixed instance's TTFT."""
+    _harness()
+    from pd_harness import Pod
+    from serve_harness import Server, metric, scrape
+
+    pods: list[Pod] = []
+    mixed = None
+    try:
+        pods = [Pod("prefill", swap_space="0"), Pod("decode", swap_space="0")]
+        mixed = Server()
+        for pod in pods:
+            pod.wait_ready()
+        mixed.wait_ready()
+        prefill, decode = pods
+        headers = {"x-ketch-prefill": prefill.pd_address, "x-ketch-decode-host": "127.0.0.1"}
+        print(f"\nhand-over, tiny model, block 16, {repeats} requests per prompt size (means)")
+        print(f"{'tokens':>6} {'handover ms':>11} {'pd e2e ms':>9} {'mixed TTFT ms':>13} "
+              f"{'handover/TTFT':>13}")  # fmt: skip
+        rng = np.random.default_rng(0)
+        for size in sizes:
+            prompts = [[int(t) for t in rng.integers(1, 200, size)] for _ in range(repeats + 1)]
+            complete(decode.url, prompts[0], headers)  # warm-up: compiles this shape, untimed
+            complete(mixed.url, prompts[0])
+            before = scrape(decode.url)
+            pd = [complete(decode.url, prompt, headers) for prompt in prompts[1:]]
+            after = scrape(decode.url)
+            count = metric(after, "kv_handover_seconds_count") - metric(
+                before, "kv_handover_seconds_count"
+            )
+            total = metric(after, "kv_handover_seconds_sum") - metric(
+                before, "kv_handover_seconds_sum"
+            )
+            ttft = statistics.mean(complete(mixed.url, prompt) for prompt in prompts[1:])
+            handover = total / count if count else float("nan")
+            print(
+                f"{size:>6} {handover * 1e3:>11.1f} {statistics.mean(pd) * 1e3:>9.1f} "
+                f"{ttft * 1e3:>13.1f} {handover / ttft:>13.2f}"
+            )
+    finally:
+        for pod in pods:
+            pod.stop()
+        if mixed is not None:
+            mixed.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pushes", type=int, default=20, help="timed pushes per batch size")
     parser.add_argument("--num-blocks", type=int, default=160, help="blocks per KV segment")
+    parser.add_argument(
+        "--handover", action=argparse.BooleanOptionalAction, default=True,
+        help="also time the prefill -> decode hand-over through real ketch serve instances",
+    )  # fmt: skip
+    parser.add_argument("--prompt-tokens", default="64,256,500", help="hand-over prompt sizes")
+    parser.add_argument("--requests", type=int, default=5, help="hand-over requests per size")
     args = parser.parse_args()
     src, dst = Instance(args.num_blocks, 1), Instance(args.num_blocks, 2)
     block_bytes = src.layout.block_bytes
@@ -196,6 +273,9 @@ def main() -> None:
         dst.close()
     verdict = "met" if min(ratios) >= TARGET_RATIO else "MISSED"
     print(f"target: cache-manager/raw >= {TARGET_RATIO} at every batch size: {verdict}")
+    if args.handover:
+        sizes = [int(size) for size in args.prompt_tokens.split(",")]
+        measure_handover(sizes, args.requests)
 
 
 if __name__ == "__main__":
