@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
-from pd_harness import BLOCK_SIZE, Pod, running_pods
+from pd_harness import BLOCK_SIZE, Pod, all_blocks_free, running_pods
 from router_harness import Router
-from serve_harness import Server
+from serve_harness import Server, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,11 +31,18 @@ def cluster() -> Iterator[dict]:
         with running_pods(
             ("prefill", "--max-num-batched-tokens", "48"),  # long prompts prefill in chunks
             ("decode",),
-        ) as (prefill, decode):
+            ("prefill", "--block-size", "32"),  # a KV layout the decode instance can't take
+        ) as (prefill, decode, other_layout):
             mixed.wait_ready()
             router = Router("--prefill", prefill.url, "--decode", decode.url)
             try:
-                yield {"router": router, "mixed": mixed, "prefill": prefill, "decode": decode}
+                yield {
+                    "router": router,
+                    "mixed": mixed,
+                    "prefill": prefill,
+                    "decode": decode,
+                    "other_layout": other_layout,
+                }
             finally:
                 router.stop()
     finally:
@@ -125,3 +133,14 @@ def test_chat_and_logprobs_through_the_router(cluster: dict) -> None:
 def test_decode_instance_refuses_unpaired_requests(cluster: dict) -> None:
     with pytest.raises(openai.BadRequestError, match="ketch router"):
         _complete(cluster["decode"].url, "Hello", stream=False)
+
+
+def test_kv_layout_mismatch_between_prefill_and_decode_is_refused(cluster: dict) -> None:
+    decode, other = cluster["decode"], cluster["other_layout"]
+    headers = {"x-ketch-prefill": other.pd_address, "x-ketch-decode-host": "127.0.0.1"}
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4}
+    response = httpx.post(f"{decode.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 400
+    assert "block_size is 16 on the sender, 32 here" in response.json()["error"]["message"]
+    # Nothing is left reserved on the decode side.
+    wait_for(lambda: all_blocks_free(decode), 20, "decode's blocks freed", 0.2)

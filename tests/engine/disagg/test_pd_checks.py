@@ -1,0 +1,101 @@
+"""A prefill engine refuses requests it cannot serve correctly, with a message naming why.
+
+A real (offline, in-process) engine plays the prefill side; what a decode engine would send is
+built by hand, so each mismatch can be tried on its own. The end-to-end tests run the happy path
+and a real KV layout mismatch between processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ketch.engine.config import EngineConfig
+from ketch.engine.disagg.messages import (
+    PD_PROTOCOL_VERSION,
+    PrefillFailed,
+    PrefillRequest,
+    decode,
+    encode,
+)
+from ketch.engine.disagg.prefill import PrefillSide
+from ketch.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ketch.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model="tiny", block_size=16, kv_cache_memory="16MiB"))
+
+
+class _Attached:
+    attached = True
+
+
+def _request(engine, **changes) -> PrefillRequest:
+    prompt = list(range(5, 45))  # 40 tokens: 3 blocks of 16
+    message = PrefillRequest(
+        version=PD_PROTOCOL_VERSION,
+        request_id="r1",
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=8, temperature=0),
+        seed=7,
+        model=engine.model_fingerprint,
+        layout=engine.kv_layout,
+        kv_dest="127.0.0.1:1",
+        dest_blocks=[4, 5, 6],
+        start_block=0,
+    )
+    return dataclasses.replace(message, **changes)
+
+
+def _answer(engine, message: PrefillRequest, cache=_Attached) -> PrefillFailed | None:
+    replies = []
+    side = PrefillSide(engine, lambda identity, reply: replies.append(reply), cache())
+    # Through the wire format, as the ROUTER delivers it.
+    side.on_request(b"peer", decode(encode(message)))
+    if not replies:
+        engine.abort_request([message.request_id])
+        engine.scheduler.release_held(message.request_id)
+        return None
+    return replies[0]
+
+
+def test_a_matching_request_is_taken(engine) -> None:
+    assert _answer(engine, _request(engine)) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"version": PD_PROTOCOL_VERSION + 1}, "version mismatch"),
+        ({"model": "OtherForCausalLM(layers=80)"}, "model mismatch"),
+        ({"dest_blocks": [4, 5]}, "offered 2 blocks from block 0 for a 3-block prompt"),
+        ({"start_block": 1, "dest_blocks": [5, 6]}, None),
+    ],
+    ids=["version", "model", "blocks", "start-block"],
+)
+def test_mismatches_are_refused_clearly(engine, changes: dict, expected: str | None) -> None:
+    answer = _answer(engine, _request(engine, **changes))
+    if expected is None:
+        assert answer is None
+    else:
+        assert isinstance(answer, PrefillFailed) and answer.status_code == 400
+        assert expected in answer.error
+
+
+def test_kv_layout_mismatch_names_the_field(engine) -> None:
+    layout = dataclasses.replace(engine.kv_layout, block_size=32)
+    answer = _answer(engine, _request(engine, layout=layout))
+    assert isinstance(answer, PrefillFailed)
+    assert "block_size is 32 on the sender, 16 here" in answer.error
+
+
+def test_no_cache_manager_is_refused(engine) -> None:
+    class Detached:
+        attached = False
+
+    answer = _answer(engine, _request(engine), cache=Detached)
+    assert isinstance(answer, PrefillFailed) and "no cache manager attached" in answer.error
