@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import types
 from collections.abc import Sequence
 
 from ketch.engine.cli_args import add_engine_args, engine_config_from_args
@@ -77,6 +78,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_manager_parser(commands)
     add_router_parser(commands)
     return parser
+
+
+def config_file_classes(args: argparse.Namespace) -> tuple[type, ...]:
+    """The settings the subcommand's ``--config`` file may hold (none: it takes no file)."""
+    module = _command_module(args.command)
+    return module.config_file_classes() if module else ()
+
+
+def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
+    """``{port: Listener(flag)}`` the parsed command would listen on, given its config file's
+    values; builds the command's real configs, so a bad value raises the ValueError ``main``
+    prints. ``generate`` and ``fetch-model`` listen on nothing."""
+    module = _command_module(args.command)
+    return module.listening_ports(args, file_values) if module else {}
+
+
+def _command_module(command: str) -> types.ModuleType | None:
+    """The CLI module of ``serve``, ``cache-manager`` or ``router``; None for the others."""
+    if command == "serve":
+        from ketch.engine.serving import serve
+
+        return serve
+    if command == "cache-manager":
+        from ketch.engine.cache_manager import cli
+
+        return cli
+    if command == "router":
+        from ketch.engine.router import cli
+
+        return cli
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

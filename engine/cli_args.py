@@ -78,9 +78,14 @@ def read_config_file(path: str, *classes: type) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"config file {path} does not exist")
-    text = file.read_text()
+    return parse_config_text(file.read_text(), path, *classes)
+
+
+def parse_config_text(text: str, path: str, *classes: type) -> dict[str, Any]:
+    """What ``read_config_file`` makes of ``text`` read from ``path`` (its suffix picks YAML or
+    JSON; errors name it), without reading a file: e.g. a ConfigMap's key mounted at ``path``."""
     try:
-        if file.suffix in (".yaml", ".yml"):
+        if Path(path).suffix in (".yaml", ".yml"):
             import yaml
 
             data = yaml.safe_load(text)

@@ -65,18 +65,46 @@ def check_ports(config: CacheManagerConfig) -> None:
                 raise ValueError(f"{flag} {port} on {host} is not free: {exc.strerror}") from exc
 
 
-def run_cache_manager(args: argparse.Namespace) -> int:
-    from ketch.engine.cache_manager.server import run
-    from ketch.engine.cli_args import config_from_args, read_config_file
+# GET paths the sidecar's HTTP port serves (cache_manager.http).
+HTTP_PROBE_PATHS = ("/health", "/metrics")
+
+
+def config_file_classes() -> tuple[type, ...]:
+    """The settings a ``ketch cache-manager --config`` file (the role file) may hold."""
     from ketch.engine.config import EngineConfig
     from ketch.engine.serving.config import ServerConfig
 
-    file_values = {}
-    if args.config:
-        file_values = read_config_file(args.config, EngineConfig, ServerConfig, CacheManagerConfig)
+    return (EngineConfig, ServerConfig, CacheManagerConfig)
+
+
+def config_from(args: argparse.Namespace, file_values: dict | None) -> CacheManagerConfig:
+    from ketch.engine.cli_args import config_from_args
+
     try:
-        config = config_from_args(CacheManagerConfig, args, file_values)
+        return config_from_args(CacheManagerConfig, args, file_values)
     except TypeError as exc:  # a file value of the wrong kind
         raise ValueError(f"bad cache-manager setting: {exc}") from exc
+
+
+def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
+    """``{port: Listener(flag)}`` that ``ketch cache-manager`` binds (as ``check_ports`` does)."""
+    from ketch.engine.ports import Listener
+
+    config = config_from(args, file_values)
+    return {
+        config.cache_queue_port: Listener("--cache-queue-port", "127.0.0.1"),
+        config.kv_transfer_port: Listener("--kv-transfer-port", config.host),
+        config.cache_manager_port: Listener("--cache-manager-port", config.host, HTTP_PROBE_PATHS),
+    }
+
+
+def run_cache_manager(args: argparse.Namespace) -> int:
+    from ketch.engine.cache_manager.server import run
+    from ketch.engine.cli_args import read_config_file
+
+    file_values = {}
+    if args.config:
+        file_values = read_config_file(args.config, *config_file_classes())
+    config = config_from(args, file_values)
     check_ports(config)
     return run(config)

@@ -57,11 +57,30 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
     add_config_args(parser, RouterConfig, "router")
 
 
-def config_from(args: argparse.Namespace) -> RouterConfig:
+# GET paths a probe may use on the router's port (router.app).
+HTTP_PROBE_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/ketch/instances")
+
+
+def config_file_classes() -> tuple[type, ...]:
+    """The settings a ``ketch router --config`` file may hold."""
+    return (RouterConfig,)
+
+
+def config_from(args: argparse.Namespace, file_values: dict | None = None) -> RouterConfig:
+    """The router's config from flags over ``file_values`` (read from ``--config`` if None)."""
     from ketch.engine.cli_args import config_from_args, read_config_file
 
-    values = read_config_file(args.config, RouterConfig) if args.config else {}
-    return config_from_args(RouterConfig, args, values)
+    if file_values is None:
+        file_values = read_config_file(args.config, *config_file_classes()) if args.config else {}
+    return config_from_args(RouterConfig, args, file_values)
+
+
+def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
+    """``{port: Listener(flag)}`` that ``ketch router`` binds: its one HTTP port."""
+    from ketch.engine.ports import Listener
+
+    config = config_from(args, file_values or {})
+    return {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
 
 
 def run_router(args: argparse.Namespace) -> int:

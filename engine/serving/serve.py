@@ -182,10 +182,40 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     add_engine_args(parser)
 
 
+# GET paths a probe may use on each HTTP listener (api_server.create_app, _metrics_server).
+API_PROBE_PATHS = ("/health", "/ready", "/metrics", "/v1/models")
+METRICS_PROBE_PATHS = ("/metrics",)
+
+
+def config_file_classes() -> tuple[type, ...]:
+    """The settings a ``ketch serve --config`` file may hold (any other key is an error)."""
+    return (EngineConfig, ServerConfig)
+
+
+def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
+    """``{port: Listener(flag)}`` that ``ketch serve`` binds with these flags and file values.
+
+    Builds the configs ``run_serve`` builds (a bad value raises its ValueError). The engine's
+    worker queue is bound on 127.0.0.1; ``cache_queue_port`` is only connected to.
+    """
+    from ketch.engine.cli_args import config_from_args
+    from ketch.engine.ports import Listener
+
+    config_from_args(EngineConfig, args, file_values)
+    config = config_from_args(ServerConfig, args, file_values)
+    ports = {config.port: Listener("--port", config.host, API_PROBE_PATHS)}
+    if config.metrics_port is not None:
+        ports[config.metrics_port] = Listener("--metrics-port", config.host, METRICS_PROBE_PATHS)
+    ports[config.engine_worker_queue_port] = Listener("--engine-worker-queue-port", "127.0.0.1")
+    if config.role != "mixed":
+        ports[config.pd_comm_port] = Listener("--pd-comm-port", config.host)
+    return ports
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from ketch.engine.cli_args import config_from_args, read_config_file
 
-    values = read_config_file(args.config, EngineConfig, ServerConfig) if args.config else {}
+    values = read_config_file(args.config, *config_file_classes()) if args.config else {}
     engine_config = config_from_args(EngineConfig, args, values)
     server_config = config_from_args(ServerConfig, args, values)
     return asyncio.run(serve(engine_config, server_config))
