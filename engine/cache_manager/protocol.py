@@ -7,7 +7,8 @@ object (``encode``/``decode``). The engine says ``Hello`` (repeating it until an
 layout of its KV cache; the cache manager maps the shared-memory segment named in the layout and
 answers ``HelloAck``. After that:
 
-- ``Ping`` -> ``Pong``: liveness, both ways (each side treats ~3 missed seconds as a detach).
+- ``Ping`` -> ``Pong``: liveness, every second. The engine detaches after 3 s without a word
+  from the cache manager; the cache manager after 5 s without one from the engine.
 - ``Swap`` -> ``SwapDone``: copy device blocks out to host swap slots, then swap slots into device
   blocks (outs strictly before ins: an evicted block may be reused by an in of the same message).
   The engine blocks on the answer; the copies are plain memory copies.
@@ -87,12 +88,12 @@ class KVLayout:
         n = self.num_layers * 2 * self.kv_heads * self.block_size * self.head_dim
         return n * _DTYPE_BYTES[self.dtype]
 
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Why blocks of ``other`` cannot go into this cache, or None if they can."""
+    def mismatch(self, other: KVLayout, other_name: str = "the sender") -> str | None:
+        """Why blocks of ``other`` cannot go into this cache (or back), or None if they can."""
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "dtype"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                return f"KV layouts differ: {name} is {theirs} on the sender, {mine} here"
+                return f"KV layouts differ: {name} is {theirs} on {other_name}, {mine} here"
         return None
 
 

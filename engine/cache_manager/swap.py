@@ -15,8 +15,8 @@ from ketch.engine.cache_manager.protocol import KVLayout
 class SwapStore:
     """``slots`` block-sized buffers plus the set of slots that hold swapped-out data.
 
-    A slot is *used* from the swap-out that fills it until a swap-in reads it back (the engine
-    then owns the block again; the slot is free for reuse).
+    A slot is *used* from the swap-out that fills it on: a swap-in copies it back but the slot
+    keeps the block (the engine may swap it in again), until the engine reuses the slot.
     """
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
@@ -62,8 +62,6 @@ class SwapStore:
             self.used.add(slot)
         for slot, block in into:
             kv[:, :, :, block] = store[slot]
-        for slot, _ in into:
-            self.used.discard(slot)
         return None
 
     def reset(self) -> None:

@@ -63,9 +63,18 @@ class PrefillSide:
         problem = self._check(message)
         if problem is None and request_id in self._prefills:
             problem = f"request id {request_id!r} is already being prefilled here"
+        status = 400
+        if problem is None and (self.cache is None or not self.cache.attached):
+            status, problem = (
+                503,
+                (
+                    "the prefill instance has no cache manager attached, so it cannot send KV "
+                    "blocks; retry (and check its cache-manager sidecar)"
+                ),
+            )
         if problem is not None:
             logger.warning("refusing prefill request %s: %s", request_id, problem)
-            self._reply(identity, PrefillFailed(request_id, problem, 400))
+            self._reply(identity, PrefillFailed(request_id, problem, status))
             return
         p = message.params
         # One token here; stop strings and the rest of the output are the decode side's.
@@ -93,14 +102,9 @@ class PrefillSide:
                 f"model mismatch: the decode instance serves {message.model}, this prefill "
                 f"instance {engine.model_fingerprint}"
             )
-        mismatch = engine.kv_layout.mismatch(message.layout)
+        mismatch = engine.kv_layout.mismatch(message.layout, "the decode instance")
         if mismatch is not None:
             return mismatch
-        if self.cache is None or not self.cache.attached:
-            return (
-                "this prefill instance has no cache manager attached, so it cannot send KV "
-                "blocks; check its cache-manager sidecar"
-            )
         blocks = math.ceil(len(message.prompt_token_ids) / engine.kv_cache.block_size)
         if len(message.dest_blocks) != blocks - message.start_block or message.start_block < 0:
             return (

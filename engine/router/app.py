@@ -118,8 +118,16 @@ def create_app(state: RouterState) -> FastAPI:
             {"policy": state.policy.name, "instances": [i.to_json() for i in listed]}
         )
 
+    def registration_off() -> JSONResponse | None:
+        if state.config.registration or state.config.registration_only:
+            return None
+        message = "registration is off on this router; start it with --registration to allow it"
+        return error_response(403, message, "permission_error")
+
     @app.post("/v1/ketch/register")
     async def register(request: Request) -> JSONResponse:
+        if refused := registration_off():
+            return refused
         try:
             data = await request.json()
             inst = state.registry.register(str(data["url"]), str(data.get("role", "mixed")))
@@ -131,6 +139,8 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.delete("/v1/ketch/register")
     async def unregister(request: Request) -> JSONResponse:
+        if refused := registration_off():
+            return refused
         try:
             data = await request.json()
             removed = state.registry.unregister(str(data["url"]))

@@ -60,10 +60,15 @@ class RouterConfig:
         8004,
         "Prefill/decode control port of a prefill instance, used when its /ready does not say.",
     )
+    registration: bool = _opt(
+        False,
+        "Accept instances that register themselves (POST/DELETE /v1/ketch/register). Off by "
+        "default: whoever reaches the router's port could add a backend and receive traffic.",
+    )
     registration_only: bool = _opt(
         False,
         "Start with no instance list: instances come only from POST /v1/ketch/register (the "
-        "router is not ready until one registers). Registration is accepted either way.",
+        "router is not ready until one registers). Implies --registration.",
     )
     health_interval: float = _opt(
         1.0, "Seconds between /ready and /metrics polls of each instance.", minimum=0.05

@@ -68,7 +68,8 @@ def test_swap_out_and_back_in_copies_exact_bytes(pair, segments) -> None:
         == 2
     )
     assert after[("ketch:cache_manager_swap_in_blocks_total", ())] >= 1
-    assert after[("ketch:cache_manager_swap_used_blocks", ())] == 1  # slot 1 still holds block 4
+    # Both slots still hold their blocks (slot 0 may be swapped in again).
+    assert after[("ketch:cache_manager_swap_used_blocks", ())] == 2
     assert after[("ketch:cache_manager_swap_total_blocks", ())] == SWAP_SLOTS
     assert after[("ketch:cache_manager_engine_attached", ())] == 1
     engine.close()

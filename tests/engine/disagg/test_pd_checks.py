@@ -90,7 +90,7 @@ def test_kv_layout_mismatch_names_the_field(engine) -> None:
     layout = dataclasses.replace(engine.kv_layout, block_size=32)
     answer = _answer(engine, _request(engine, layout=layout))
     assert isinstance(answer, PrefillFailed)
-    assert "block_size is 32 on the sender, 16 here" in answer.error
+    assert "block_size is 32 on the decode instance, 16 here" in answer.error
 
 
 def test_no_cache_manager_is_refused(engine) -> None:
@@ -99,3 +99,4 @@ def test_no_cache_manager_is_refused(engine) -> None:
 
     answer = _answer(engine, _request(engine), cache=Detached)
     assert isinstance(answer, PrefillFailed) and "no cache manager attached" in answer.error
+    assert answer.status_code == 503  # a passing problem of this instance: retry

@@ -141,6 +141,6 @@ def test_kv_layout_mismatch_between_prefill_and_decode_is_refused(cluster: dict)
     body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4}
     response = httpx.post(f"{decode.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 400
-    assert "block_size is 16 on the sender, 32 here" in response.json()["error"]["message"]
+    assert "block_size is 16 on the decode instance, 32 here" in response.json()["error"]["message"]
     # Nothing is left reserved on the decode side.
     wait_for(lambda: all_blocks_free(decode), 20, "decode's blocks freed", 0.2)

@@ -149,4 +149,8 @@ def test_no_healthy_instance_is_a_clear_503() -> None:
         ready = httpx.get(f"{r.url}/ready", timeout=5)
         assert ready.status_code == 503 and ready.json()["problems"]
         assert httpx.get(f"{r.url}/v1/models", timeout=5).status_code == 503
+        # Registration is opt-in: nobody can add a backend to this router.
+        body = {"url": f"http://127.0.0.1:{dead}", "role": "mixed"}
+        refused = httpx.post(f"{r.url}/v1/ketch/register", json=body, timeout=5)
+        assert refused.status_code == 403 and "--registration" in refused.text
         assert r.stop() == 0  # SIGTERM: a clean exit
