@@ -22,6 +22,7 @@ _EXAMPLES = """examples:
   ketch-operator run --standalone -n dev      # no peering object needed (local testing)
   ketch-operator run --namespace llm          # one namespace (repeatable)
   ketch-operator render examples/mixed.yaml   # the children the operator would apply
+  ketch-operator check-wiring my-isvc.yaml    # do ports, probes and Services fit the processes?
   ketch-operator crd | kubectl apply -f -     # install or upgrade the CRD
   ketch-operator adapter-rules                # prometheus-adapter rules for autoscaling
 """
@@ -103,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--owner-uid", help=f"uid for owner references (default: {PLACEHOLDER_UID})"
     )
 
+    check = commands.add_parser(
+        "check-wiring",
+        help="render InferenceService file(s) and check the children's wiring",
+        description="Renders each InferenceService in FILE(s) like 'render', then reads every "
+        "'ketch' container as the process would (its args through the real 'ketch' parser, its "
+        "--config file from the rendered ConfigMap) and checks that declared ports, probes, "
+        "Services and the router's settings match what the processes listen on. Prints each "
+        "problem and exits 1, or prints one OK line and exits 0.",
+    )
+    check.add_argument(
+        "files", nargs="+", metavar="FILE", help="InferenceService YAML ('-' = stdin)"
+    )
+    check.add_argument(
+        "-n", "--namespace", help="namespace of objects that name none (default: 'default')"
+    )
+
     commands.add_parser(
         "crd",
         help="print the InferenceService CustomResourceDefinition",
@@ -137,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "render":
         return _render(args)
+    if args.command == "check-wiring":
+        return _check_wiring(args)
     return _run(args)
 
 
@@ -169,13 +188,18 @@ def render_object(
     return builders.build(parse(body))
 
 
-def _render(args: argparse.Namespace) -> int:
+def _render_files(
+    args: argparse.Namespace,
+) -> list[tuple[str, dict[str, Any], list[dict[str, Any]]]] | int:
+    """(file, InferenceService, children) for each object in ``args.files``; or the exit code
+    after printing why one could not be rendered."""
     out = []
     for path in args.files:
         try:
             docs = load_documents(path)
             for doc in docs:
-                out += render_object(doc, namespace=args.namespace, owner_uid=args.owner_uid)
+                uid = getattr(args, "owner_uid", None)
+                out.append((path, doc, render_object(doc, namespace=args.namespace, owner_uid=uid)))
         except FileNotFoundError:
             print(f"ketch-operator: error: {path}: no such file", file=sys.stderr)
             return 2
@@ -187,7 +211,34 @@ def _render(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"ketch-operator: error: {exc}", file=sys.stderr)
             return 1
-    sys.stdout.write(render_documents(out))
+    return out
+
+
+def _render(args: argparse.Namespace) -> int:
+    rendered = _render_files(args)
+    if isinstance(rendered, int):
+        return rendered
+    sys.stdout.write(render_documents([obj for _, _, children in rendered for obj in children]))
+    return 0
+
+
+def _check_wiring(args: argparse.Namespace) -> int:
+    from ketch.operator.wiring import check_wiring
+
+    rendered = _render_files(args)
+    if isinstance(rendered, int):
+        return rendered
+    problems = []
+    for path, doc, children in rendered:
+        name = (doc.get("metadata") or {}).get("name")
+        problems += [f"{path}: {name}: {problem}" for problem in check_wiring(children)]
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"ketch-operator: {len(problems)} wiring problem(s)", file=sys.stderr)
+        return 1
+    pods = sum(o["kind"] == "Deployment" for _, _, children in rendered for o in children)
+    print(f"wiring OK: {len(rendered)} InferenceService(s), {pods} Deployment(s) checked")
     return 0
 
 
