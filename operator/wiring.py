@@ -257,7 +257,8 @@ def _check_ports(proc: Process) -> list[str]:
         path = str(probe[handler].get("path") or "/").split("?", 1)[0]
         target = f"{path} port {port}" if handler == "httpGet" else f"port {port}"
         text = f"{proc.where}: {kind} ({handler} {target})"
-        number = by_name.get(port) if isinstance(port, str) and not port.isdigit() else int(port)
+        named = isinstance(port, str) and not port.isdigit()
+        number = by_name.get(port) if named else None if port is None else int(port)
         if number is None:
             names = sorted(by_name) or "none"
             problems.append(f"{text} names a port the container does not declare (names: {names})")
