@@ -202,7 +202,9 @@ def _choose(
 
 
 async def forward(state: RouterState, request: Request, path: str) -> Response:
-    """Forwards one OpenAI request; retries once elsewhere if the first connection fails."""
+    """Forwards one OpenAI request; retries once elsewhere if the first instance cannot be
+    reached or answers 503 (it refused the request before doing anything: draining, paused,
+    its engine just died — the health loop has not seen it yet)."""
     started = time.monotonic()
     if state.draining:
         return error_response(503, "the router is shutting down; retry shortly")
@@ -213,7 +215,8 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
     headers = _passed_headers(request)
     tried: set[str] = set()
     last_error = ""
-    for _attempt in range(2):
+    refused: Response | None = None
+    for attempt in range(2):
         picked = _pick(state, chunks, tried)
         if picked is None:
             break
@@ -235,7 +238,14 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
             state.metrics.upstream_errors.labels(target.url).inc()
             tried.add(target.url)
             continue
+        if resp.status == 503 and attempt == 0:
+            refused = await _relay(state, target, resp, started)
+            logger.info("%s answered 503; trying another instance", target.url)
+            tried.add(target.url)
+            continue
         return await _relay(state, target, resp, started)
+    if refused is not None:
+        return refused
     if last_error:
         state.metrics.requests.labels("none", "502").inc()
         return error_response(502, f"instances failed before answering: {last_error}")
