@@ -11,6 +11,8 @@ Only config-level imports here: the operator (no paddle in its image) imports th
 
 from __future__ import annotations
 
+import socket
+
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
@@ -51,3 +53,17 @@ class Listener(str):
 
     def __reduce__(self) -> tuple:  # pickle/copy keep host and paths
         return (Listener, (self.flag, self.host, self.http_paths))
+
+
+def check_free(listeners: dict[int, Listener]) -> None:
+    """Fails fast, naming the flag, if a port the process is about to listen on is taken."""
+    for port, listener in listeners.items():
+        family = socket.AF_INET6 if ":" in listener.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((listener.host, port))
+            except OSError as exc:
+                raise ValueError(
+                    f"{listener.flag} {port} on {listener.host} is not free: {exc.strerror}"
+                ) from exc

@@ -8,9 +8,12 @@ SIGTERM/SIGINT.
 from __future__ import annotations
 
 import argparse
-import socket
+from typing import TYPE_CHECKING
 
 from ketch.engine.cache_manager.config import CacheManagerConfig
+
+if TYPE_CHECKING:
+    from ketch.engine.ports import Listener
 
 _DESCRIPTION = """\
 The cache-manager sidecar of one Ketch instance (same pod as `ketch serve`, sharing /dev/shm
@@ -49,20 +52,10 @@ def add_cache_manager_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def check_ports(config: CacheManagerConfig) -> None:
-    """Fails fast, naming the flag, if a port this process binds is taken."""
-    wanted = {
-        "--cache-queue-port": ("127.0.0.1", config.cache_queue_port),
-        "--kv-transfer-port": (config.host, config.kv_transfer_port),
-        "--cache-manager-port": (config.host, config.cache_manager_port),
-    }
-    for flag, (host, port) in wanted.items():
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                raise ValueError(f"{flag} {port} on {host} is not free: {exc.strerror}") from exc
+    """Fails fast, naming the flag, if a port the sidecar binds is taken."""
+    from ketch.engine.ports import check_free
+
+    check_free(_listeners(config))
 
 
 # GET paths the sidecar's HTTP port serves (cache_manager.http).
@@ -88,9 +81,12 @@ def config_from(args: argparse.Namespace, file_values: dict | None) -> CacheMana
 
 def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
     """``{port: Listener(flag)}`` that ``ketch cache-manager`` binds (as ``check_ports`` does)."""
+    return _listeners(config_from(args, file_values))
+
+
+def _listeners(config: CacheManagerConfig) -> dict[int, Listener]:
     from ketch.engine.ports import Listener
 
-    config = config_from(args, file_values)
     return {
         config.cache_queue_port: Listener("--cache-queue-port", "127.0.0.1"),
         config.kv_transfer_port: Listener("--kv-transfer-port", config.host),

@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import socket
 
-import uvicorn
-
+from ketch.engine.ports import Listener, check_free
 from ketch.engine.router.app import RouterState, create_app
 from ketch.engine.router.config import RouterConfig
+from ketch.engine.serving.uvicorn_server import make_server, stop_event
 
 logger = logging.getLogger("ketch.router")
 
@@ -77,10 +75,7 @@ def config_from(args: argparse.Namespace, file_values: dict | None = None) -> Ro
 
 def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
     """``{port: Listener(flag)}`` that ``ketch router`` binds: its one HTTP port."""
-    from ketch.engine.ports import Listener
-
-    config = config_from(args, file_values or {})
-    return {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
+    return _listeners(config_from(args, file_values or {}))
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -91,34 +86,19 @@ def run_router(args: argparse.Namespace) -> int:
 
 def check_port(config: RouterConfig) -> None:
     """Fails fast, naming the flag, if the router's port is taken."""
-    with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((config.host, config.port))
-        except OSError as exc:
-            raise ValueError(
-                f"--port {config.port} on {config.host} is not free: {exc.strerror}"
-            ) from exc
+    check_free(_listeners(config))
+
+
+def _listeners(config: RouterConfig) -> dict[int, Listener]:
+    return {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
 
 
 async def serve_router(config: RouterConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns 0 after draining."""
     state = RouterState.from_config(config)
     await state.registry.start()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(state),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
-        )
-    )
-    server.install_signal_handlers = lambda: None  # we drain ourselves
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
+    stop = stop_event()
     server_task = asyncio.create_task(server.serve())
     healthy = sum(i.healthy for i in state.registry.instances.values())
     logger.info(

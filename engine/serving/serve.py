@@ -13,8 +13,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import socket
 from pathlib import Path
 
 import uvicorn
@@ -25,8 +23,10 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
 from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.ports import Listener, check_free
 from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
+from ketch.engine.serving.uvicorn_server import make_server, stop_event
 from ketch.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("ketch.serve")
@@ -38,18 +38,19 @@ _DEATH_GRACE_S = 3.0
 
 def check_ports(config: ServerConfig) -> None:
     """Fails fast, naming the flag, if a port this instance binds is taken."""
-    wanted = {"--port": (config.host, config.port)}
+    check_free(listeners(config))
+
+
+def listeners(config: ServerConfig) -> dict[int, Listener]:
+    """``{port: Listener}`` for what ``ketch serve`` binds. The engine's worker queue is bound on
+    127.0.0.1; ``cache_queue_port`` is only connected to."""
+    ports = {config.port: Listener("--port", config.host, API_PROBE_PATHS)}
     if config.metrics_port is not None:
-        wanted["--metrics-port"] = (config.host, config.metrics_port)
+        ports[config.metrics_port] = Listener("--metrics-port", config.host, METRICS_PROBE_PATHS)
+    ports[config.engine_worker_queue_port] = Listener("--engine-worker-queue-port", "127.0.0.1")
     if config.role != "mixed":
-        wanted["--pd-comm-port"] = (config.host, config.pd_comm_port)
-    for flag, (host, port) in wanted.items():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                raise ValueError(f"{flag} {port} on {host} is not free: {exc.strerror}") from exc
+        ports[config.pd_comm_port] = Listener("--pd-comm-port", config.host)
+    return ports
 
 
 def read_api_key(config: ServerConfig) -> str | None:
@@ -87,20 +88,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     )
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(state),
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
-        )
-    )
-    server.install_signal_handlers = lambda: None  # we drain ourselves
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
+    stop = stop_event()
     server_task = asyncio.create_task(server.serve())
     metrics_server = _metrics_server(state)
     metrics_task = asyncio.create_task(metrics_server.serve()) if metrics_server else None
@@ -136,11 +125,7 @@ def _metrics_server(state: ServingState) -> uvicorn.Server | None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=state.config.host, port=port, log_level="warning")
-    )
-    server.install_signal_handlers = lambda: None
-    return server
+    return make_server(app, state.config.host, port)
 
 
 async def _wait(state: ServingState, stop: asyncio.Event, server_task: asyncio.Task) -> int:
@@ -195,21 +180,11 @@ def config_file_classes() -> tuple[type, ...]:
 def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -> dict[int, str]:
     """``{port: Listener(flag)}`` that ``ketch serve`` binds with these flags and file values.
 
-    Builds the configs ``run_serve`` builds (a bad value raises its ValueError). The engine's
-    worker queue is bound on 127.0.0.1; ``cache_queue_port`` is only connected to.
-    """
+    Builds the configs ``run_serve`` builds (a bad value raises its ValueError)."""
     from ketch.engine.cli_args import config_from_args
-    from ketch.engine.ports import Listener
 
     config_from_args(EngineConfig, args, file_values)
-    config = config_from_args(ServerConfig, args, file_values)
-    ports = {config.port: Listener("--port", config.host, API_PROBE_PATHS)}
-    if config.metrics_port is not None:
-        ports[config.metrics_port] = Listener("--metrics-port", config.host, METRICS_PROBE_PATHS)
-    ports[config.engine_worker_queue_port] = Listener("--engine-worker-queue-port", "127.0.0.1")
-    if config.role != "mixed":
-        ports[config.pd_comm_port] = Listener("--pd-comm-port", config.host)
-    return ports
+    return listeners(config_from_args(ServerConfig, args, file_values))
 
 
 def run_serve(args: argparse.Namespace) -> int:
