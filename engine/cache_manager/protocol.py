@@ -35,10 +35,10 @@ parts stop coming is forgotten after the transfer timeout, never acknowledged.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from ketch.engine import wire
 
 PROTOCOL_VERSION = 1
 """Bumped whenever a message or the KV layout changes; peers with another version are refused."""
@@ -198,39 +198,24 @@ Message = (
     | TransferHeader
     | TransferAck
 )
-_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (
-        Hello,
-        Ping,
-        Swap,
-        Push,
-        HelloAck,
-        Pong,
-        SwapDone,
-        PushDone,
-        TransferHeader,
-        TransferAck,
-    )
-}
+_TYPES = wire.registry(
+    Hello, Ping, Swap, Push, HelloAck, Pong, SwapDone, PushDone, TransferHeader, TransferAck
+)
 
 
 def encode(message: Message) -> bytes:
-    body = dataclasses.asdict(message)
-    return json.dumps({"type": type(message).__name__, "body": body}).encode()
+    return wire.encode(message)
 
 
 def decode(data: bytes) -> Message:
     """Parses one message; raises ValueError on anything malformed (never trusts the peer)."""
-    try:
-        raw = json.loads(data)
-        kind = _TYPES[raw["type"]]
-        body: dict[str, Any] = dict(raw["body"])
-        if "layout" in body:
-            body["layout"] = KVLayout(**body["layout"])
-        for key in ("out", "into"):
-            if key in body:
-                body[key] = [(int(a), int(b)) for a, b in body[key]]
-        return kind(**body)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"malformed cache-manager message: {exc}") from exc
+    return wire.decode(data, _TYPES, _convert, "cache-manager")
+
+
+def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
+    if "layout" in body:
+        body["layout"] = KVLayout(**body["layout"])
+    for key in ("out", "into"):
+        if key in body:
+            body[key] = [(int(a), int(b)) for a, b in body[key]]
+    return body

@@ -6,11 +6,10 @@ so either side can be replaced (or inspected with a plain ZMQ client) without sh
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ketch.engine import wire
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
@@ -81,37 +80,25 @@ class EngineFailed:
 
 
 Message = AddRequest | AbortRequests | StepOutputs | EngineReady | EngineFailed
-_TYPES: dict[str, type] = {
-    t.__name__: t for t in (AddRequest, AbortRequests, StepOutputs, EngineReady, EngineFailed)
-}
+_TYPES = wire.registry(AddRequest, AbortRequests, StepOutputs, EngineReady, EngineFailed)
 
 
 def encode(message: Message) -> bytes:
-    return json.dumps({"type": type(message).__name__, "body": _plain(message)}).encode()
+    return wire.encode(message)
 
 
 def decode(data: bytes) -> Message:
-    raw = json.loads(data)
-    kind = _TYPES.get(raw.get("type"))
-    if kind is None:
-        raise ValueError(f"unknown message type {raw.get('type')!r}")
-    body: dict[str, Any] = raw["body"]
+    return wire.decode(data, _TYPES, _convert, "engine")
+
+
+def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
     if kind is AddRequest:
-        return AddRequest(
-            request_id=body["request_id"],
-            prompt_token_ids=body["prompt_token_ids"],
-            params=SamplingParams(**body["params"]),
-            final_only=body["final_only"],
-            prefill=body.get("prefill"),
-            decode_host=body.get("decode_host"),
-        )
-    if kind is StepOutputs:
+        body["params"] = SamplingParams(**body["params"])
+    elif kind is StepOutputs:
         snapshot = body.get("snapshot")
-        return StepOutputs(
-            deltas=[_delta(d) for d in body["deltas"]],
-            snapshot=None if snapshot is None else EngineSnapshot(**snapshot),
-        )
-    return kind(**body)
+        body["deltas"] = [_delta(d) for d in body["deltas"]]
+        body["snapshot"] = None if snapshot is None else EngineSnapshot(**snapshot)
+    return body
 
 
 def _delta(body: dict[str, Any]) -> RequestDelta:
@@ -126,7 +113,3 @@ def _delta(body: dict[str, Any]) -> RequestDelta:
             "metrics": None if metrics is None else RequestMetrics(**metrics),
         }
     )
-
-
-def _plain(message: Message) -> dict[str, Any]:
-    return dataclasses.asdict(message)

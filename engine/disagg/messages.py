@@ -14,11 +14,10 @@ connects a DEALER to each prefill engine it uses and sends:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ketch.engine import wire
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.sampling_params import SamplingParams
 
@@ -74,29 +73,23 @@ class PdPong:
 
 
 PdMessage = PrefillRequest | PrefillDone | PrefillFailed | AbortPrefill | PdPing | PdPong
-_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (PrefillRequest, PrefillDone, PrefillFailed, AbortPrefill, PdPing, PdPong)
-}
+_TYPES = wire.registry(PrefillRequest, PrefillDone, PrefillFailed, AbortPrefill, PdPing, PdPong)
 
 
 def encode(message: PdMessage) -> bytes:
-    body = dataclasses.asdict(message)
-    return json.dumps({"type": type(message).__name__, "body": body}).encode()
+    return wire.encode(message)
 
 
 def decode(data: bytes) -> PdMessage:
     """Parses one message; raises ValueError on anything malformed."""
-    try:
-        raw = json.loads(data)
-        kind = _TYPES[raw["type"]]
-        body: dict[str, Any] = dict(raw["body"])
-        if kind is PrefillRequest:
-            body["params"] = SamplingParams(**body["params"])
-            body["layout"] = KVLayout(**body["layout"])
-        if kind is PrefillDone and body.get("logprob") is not None:
-            chosen, top = body["logprob"]
-            body["logprob"] = (chosen, [(int(t), float(lp)) for t, lp in top])
-        return kind(**body)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"malformed prefill/decode message: {exc}") from exc
+    return wire.decode(data, _TYPES, _convert, "prefill/decode")
+
+
+def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
+    if kind is PrefillRequest:
+        body["params"] = SamplingParams(**body["params"])
+        body["layout"] = KVLayout(**body["layout"])
+    if kind is PrefillDone and body.get("logprob") is not None:
+        chosen, top = body["logprob"]
+        body["logprob"] = (chosen, [(int(t), float(lp)) for t, lp in top])
+    return body
