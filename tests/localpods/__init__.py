@@ -12,6 +12,7 @@ wherever another pod names its Service.
 ``run.py`` in this directory runs one by hand; see its ``--help``.
 """
 
-from localpods.cluster import LocalCluster, localize
+from localpods.cluster import LocalCluster
+from localpods.translate import localize
 
 __all__ = ["LocalCluster", "localize"]

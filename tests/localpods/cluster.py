@@ -22,11 +22,7 @@ time: a new pod must be ready before an old one is terminated (maxSurge 1, maxUn
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import json
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -34,35 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ketch.operator.cli import render_object
 from localpods.pod import Container, LocalPod, _Probe
 from localpods.proxy import ServiceProxies
+from localpods.translate import local_path, localize_args, localize_file
+from procs import free_ports
 
 Obj = dict[str, Any]
 _KETCH_BIN = Path(sys.executable).parent
-
-
-def localize(isvc: Obj, swap_space: str = "64Mi", kv_cache_memory: str = "128MiB") -> Obj:
-    """The same InferenceService made to run on a CPU machine: the built-in tiny model, no GPUs,
-    one tensor-parallel rank, the model's own context length, small KV cache and swap space.
-    Everything else (roles, replicas, ports, router, auth, cache manager) is kept."""
-    out = copy.deepcopy(isvc)
-    spec = out["spec"]
-    spec["model"]["uri"] = "tiny"
-    engine = spec.setdefault("engine", {})
-    for key in ("tensorParallelSize", "maxModelLen", "dtype", "numKvBlocks"):
-        engine.pop(key, None)
-    engine["kvCacheMemory"] = kv_cache_memory
-    if engine.get("blockSize", 64) > 64:
-        engine["blockSize"] = 64
-    for role in spec.get("roles", {}).values():
-        role.pop("scheduling", None)
-        role.setdefault("resources", {})["gpus"] = 0
-    if "cacheManager" in spec:
-        spec["cacheManager"]["hostSwapSpace"] = swap_space
-    return out
 
 
 class LocalCluster:
@@ -216,7 +191,7 @@ class LocalCluster:
         pod_dir.mkdir(parents=True)
         containers = [*spec.get("initContainers", []), *spec["containers"]]
         names = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
-        ports = dict(zip(names.values(), _free_ports(len(names)), strict=True))
+        ports = dict(zip(names.values(), free_ports(len(names)), strict=True))
         self._names[name], self._ports[name] = names, ports
         volumes = {v["name"]: self._volume_dir(v, pod_dir) for v in spec.get("volumes", [])}
         # Paths under any mount, as the pod's containers see them (config files name them too).
@@ -259,7 +234,7 @@ class LocalCluster:
         if "configMap" in volume:
             data = self._config_map(volume["configMap"]["name"])
             for key, text in data.items():
-                (path / key).write_text(self._localize_file(key, text, ports, mounts))
+                (path / key).write_text(localize_file(key, text, ports, mounts, self._resolve_name))
         elif "secret" in volume:
             secret = volume["secret"]["secretName"]
             if secret not in self.secrets:
@@ -284,12 +259,12 @@ class LocalCluster:
         )
 
         def local(value: str) -> str:
-            return self._resolve_name(_local_path(value, mounts))
+            return self._resolve_name(local_path(value, mounts))
 
         argv = [*c.get("command", []), *c.get("args", [])]
         if argv and argv[0] == "ketch":
             argv[0] = str(_KETCH_BIN / "ketch")
-        argv = _localize_args([local(a) for a in argv], ports)
+        argv = localize_args([local(a) for a in argv], ports)
         env = {"PATH": f"{_KETCH_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         for item in c.get("env", []):
             env[item["name"]] = local(self._env_value(item, pod))
@@ -342,28 +317,6 @@ class LocalCluster:
 
     # ---- names and ports ----
 
-    def _localize_file(
-        self, key: str, text: str, ports: dict[int, int], mounts: list[tuple[str, Path]]
-    ) -> str:
-        if key.endswith((".yaml", ".yml")):
-            return yaml.safe_dump(self._localize_value(yaml.safe_load(text), ports, mounts))
-        if key.endswith(".json"):
-            return json.dumps(self._localize_value(json.loads(text), ports, mounts))
-        return text
-
-    def _localize_value(
-        self, value: Any, ports: dict[int, int], mounts: list[tuple[str, Path]], key: str = ""
-    ) -> Any:
-        if isinstance(value, dict):
-            return {k: self._localize_value(v, ports, mounts, str(k)) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._localize_value(v, ports, mounts, key) for v in value]
-        if isinstance(value, int) and key.lower().endswith("port") and value in ports:
-            return ports[value]
-        if isinstance(value, str):
-            return self._resolve_name(_local_path(value, mounts))
-        return value
-
     def _resolve_name(self, value: str) -> str:
         """A Service's DNS name as cluster DNS would answer it, mapped to local addresses."""
         host, _, port = value.partition(":")
@@ -407,27 +360,6 @@ class LocalCluster:
         return out
 
 
-def _local_path(value: str, mounts: list[tuple[str, Path]]) -> str:
-    """A path under a volume mount, as it is on this machine (longest mount first)."""
-    for mount, path in mounts:
-        if value == mount or value.startswith(mount.rstrip("/") + "/"):
-            return str(path) + value[len(mount) :]
-    return value
-
-
-def _localize_args(argv: list[str], ports: dict[int, int]) -> list[str]:
-    """``--something-port N`` (or ``=N``) with a declared container port N -> its local port."""
-    out: list[str] = []
-    for arg in argv:
-        flag, eq, value = arg.partition("=")
-        if eq and flag.startswith("--") and flag.endswith("port") and value.isdigit():
-            arg = f"{flag}={ports.get(int(value), int(value))}"
-        elif out and out[-1].startswith("--") and out[-1].endswith("port") and arg.isdigit():
-            arg = str(ports.get(int(arg), int(arg)))
-        out.append(arg)
-    return out
-
-
 def _of_kind(objects: list[Obj], kind: str) -> list[Obj]:
     return [o for o in objects if o.get("kind") == kind]
 
@@ -435,13 +367,3 @@ def _of_kind(objects: list[Obj], kind: str) -> list[Obj]:
 def _is_router(deployment: Obj) -> bool:
     labels = deployment["spec"]["template"]["metadata"].get("labels", {})
     return labels.get("app.kubernetes.io/component") == "router"
-
-
-def _free_ports(count: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        found = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            found.append(sock.getsockname()[1])
-        return found

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,21 +21,11 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from ketch.engine.cache_manager import protocol as p
+from procs import free_ports, terminate
 
 KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
 START_TIMEOUT_S = 30.0
 SMALL = {"num_layers": 2, "kv_heads": 2, "num_blocks": 8, "block_size": 16, "head_dim": 8}
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports
 
 
 class Segment:
@@ -110,14 +98,7 @@ class CacheManagerProcess:
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, then kill if it does not go; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
 
 class FakeEngine:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import subprocess
 import tempfile
 import threading
@@ -19,7 +18,9 @@ from typing import Any
 import httpx
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import KETCH, Server, free_ports
+from serve_harness import KETCH, Server
+
+from procs import free_ports, terminate
 
 START_TIMEOUT_S = 60.0
 
@@ -84,15 +85,9 @@ class Router:
         return counts
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = terminate(self.proc, timeout)
         self.log_path.unlink(missing_ok=True)
-        return self.proc.returncode
+        return code
 
 
 @contextlib.contextmanager

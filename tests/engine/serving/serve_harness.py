@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,21 +22,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from procs import free_ports, terminate
+
 KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
 BASE_ARGS = ("--model", "tiny", "--host", "127.0.0.1", "--block-size", "16")
 KV_MEMORY = "64MiB"
 START_TIMEOUT_S = 120.0
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports
 
 
 class Server:
@@ -110,13 +100,7 @@ class Server:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; also kills any child left behind. Returns the code."""
         self._children |= {(p, _start_time(p)) for p in self.descendants()}
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc, timeout)
         for pid, started in self._children:  # no orphaned engine or worker outlives the tests
             if _start_time(pid) == started and not _is_zombie(pid):  # same process, still there
                 with contextlib.suppress(ProcessLookupError, PermissionError):

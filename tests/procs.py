@@ -1,0 +1,31 @@
+"""What every test harness that starts processes needs: free ports, and stopping a process."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
