@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -130,3 +131,16 @@ class FakeEngine:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+@contextlib.contextmanager
+def running_managers(count: int, *args: str) -> Iterator[list[CacheManagerProcess]]:
+    """``count`` cache managers with ``args``; each must exit 0 on SIGTERM at the end."""
+    managers = [CacheManagerProcess(*args) for _ in range(count)]
+    try:
+        for manager in managers:
+            manager.wait_ready()
+        yield managers
+    finally:
+        codes = [m.stop() for m in managers]
+    assert codes == [0] * count, [m.log() for m in managers]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from cm_harness import CacheManagerProcess, FakeEngine, Segment, free_ports
+from cm_harness import CacheManagerProcess, FakeEngine, Segment, free_ports, running_managers
 
 from ketch.engine.cache_manager import protocol as p
 
@@ -21,25 +21,9 @@ SWAP_SLOTS = 4
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[CacheManagerProcess, CacheManagerProcess]]:
     """Two cache managers (sender and receiver); both must exit 0 on SIGTERM at the end."""
-    managers = [
-        CacheManagerProcess("--swap-space", f"{SWAP_SLOTS * 4096}B", "--transfer-timeout", "2")
-        for _ in range(2)
-    ]
-    try:
-        for manager in managers:
-            manager.wait_ready()
-        yield managers[0], managers[1]
-    finally:
-        codes = [m.stop() for m in managers]
-    assert codes == [0, 0], [m.log() for m in managers]
-
-
-@pytest.fixture()
-def segments() -> Iterator[list[Segment]]:
-    made = [Segment(seed=1), Segment(seed=2)]
-    yield made
-    for segment in made:
-        segment.remove()
+    swap = f"{SWAP_SLOTS * 4096}B"
+    with running_managers(2, "--swap-space", swap, "--transfer-timeout", "2") as (a, b):
+        yield a, b
 
 
 @pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from cm_harness import CacheManagerProcess, FakeEngine, Segment
+from cm_harness import CacheManagerProcess, FakeEngine, Segment, running_managers
 
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.segment import gather, layer_ranges, runs, scatter
@@ -23,22 +23,8 @@ BIG = {"num_layers": 6, "kv_heads": 2, "num_blocks": 48, "block_size": 64, "head
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[CacheManagerProcess, CacheManagerProcess]]:
-    managers = [CacheManagerProcess("--swap-space", "0", "--transfer-timeout", "2") for _ in "ab"]
-    try:
-        for manager in managers:
-            manager.wait_ready()
-        yield managers[0], managers[1]
-    finally:
-        codes = [m.stop() for m in managers]
-    assert codes == [0, 0], [m.log() for m in managers]
-
-
-@pytest.fixture()
-def segments() -> Iterator[list[Segment]]:
-    made = [Segment(seed=1), Segment(seed=2)]
-    yield made
-    for segment in made:
-        segment.remove()
+    with running_managers(2, "--swap-space", "0", "--transfer-timeout", "2") as (a, b):
+        yield a, b
 
 
 def test_layer_ranges_cover_every_layer_in_order() -> None:
