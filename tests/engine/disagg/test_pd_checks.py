@@ -100,3 +100,15 @@ def test_no_cache_manager_is_refused(engine) -> None:
     answer = _answer(engine, _request(engine), cache=Detached)
     assert isinstance(answer, PrefillFailed) and "no cache manager attached" in answer.error
     assert answer.status_code == 503  # a passing problem of this instance: retry
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_instance_without_its_cache_manager_is_alive_but_not_ready() -> None:
+    import httpx
+    from serve_harness import running_server
+
+    with running_server("--role", "decode") as server:  # no sidecar started
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        ready = httpx.get(f"{server.url}/ready", timeout=10)
+        assert ready.status_code == 503
+        assert "cache manager not attached" in " ".join(ready.json()["problems"])

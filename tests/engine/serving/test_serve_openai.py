@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 from serve_harness import greedy
@@ -23,6 +24,13 @@ def client(server) -> openai.OpenAI:
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_ready_says_it_runs_without_a_cache_manager(server):
+    # No sidecar here: the mixed instance serves, and /ready's detail says what is missing.
+    detail = httpx.get(f"{server.url}/ready", timeout=10).json()
+    assert detail["ready"] and detail["role"] == "mixed"
+    assert detail["cache_manager"] == "not attached (no host swap space, no KV transfer)"
 
 
 def test_completion_equals_llm_generate(client, reference_llm):
