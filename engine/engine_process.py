@@ -87,6 +87,7 @@ class _Links:
         self, engine: LLMEngine, cache: CacheManagerClient | None, pd: PDCoordinator | None
     ) -> None:
         self.engine, self.cache, self.pd = engine, cache, pd
+        self._preemptions = 0
 
     @classmethod
     def create(cls, engine: LLMEngine, server: ServerConfig | None) -> _Links:
@@ -128,6 +129,22 @@ class _Links:
             return []
         outputs, errors = self.pd.tick()
         return [*(_delta(o) for o in outputs), *errors]
+
+    def after_step(self, outputs: list) -> None:
+        if self.pd is None:
+            return
+        self.pd.on_step_outputs(outputs)
+        # A prefill/decode instance never preempts silently: the request is recomputed here
+        # (this engine has the whole model), which costs the prefill it was spared.
+        preemptions = self.engine.scheduler.stats.num_preemptions
+        if preemptions > self._preemptions:
+            logger.warning(
+                "%s instance out of KV blocks: %d running request(s) preempted and recomputed "
+                "here; give it more KV cache memory or more replicas",
+                self.pd.role,
+                preemptions - self._preemptions,
+            )
+            self._preemptions = preemptions
 
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot(
@@ -173,8 +190,7 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
         changed = bool(deltas) or events.get(requests) or links.busy or before != after
         if engine.has_unfinished_requests():
             step_outputs = engine.step()
-            if links.pd is not None:
-                links.pd.on_step_outputs(step_outputs)
+            links.after_step(step_outputs)
             deltas += [_delta(o) for o in step_outputs]
             changed = True
         if changed:
