@@ -261,10 +261,9 @@ class LocalCluster:
         def local(value: str) -> str:
             return self._resolve_name(local_path(value, mounts))
 
-        argv = [*c.get("command", []), *c.get("args", [])]
-        if argv and argv[0] == "ketch":
-            argv[0] = str(_KETCH_BIN / "ketch")
-        argv = localize_args([local(a) for a in argv], ports)
+        argv = localize_args([local(a) for a in [*c.get("command", []), *c.get("args", [])]], ports)
+        if argv and argv[0] == "ketch":  # the image's ketch is this checkout's (after the
+            argv[0] = str(_KETCH_BIN / "ketch")  # rewriting: it may live under a mount path)
         env = {"PATH": f"{_KETCH_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         for item in c.get("env", []):
             env[item["name"]] = local(self._env_value(item, pod))

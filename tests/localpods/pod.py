@@ -68,14 +68,20 @@ class Container:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Starts the process; False (the reason in its log) if it could not even be run."""
         with self.log_path.open("ab") as log:
             log.write(f"--- start #{self.restarts} {time.strftime('%X')}: {self.argv}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            except OSError as exc:  # like a container whose command does not exist
+                log.write(f"cannot run the command: {exc}\n".encode())
+                self.proc = None
+                return False
         self.started_at = time.monotonic()
         self.started = "startup" not in self.probes
         self.ready = False
@@ -83,6 +89,7 @@ class Container:
         for probe in self.probes.values():
             probe.failures = 0
             probe.next_at = now + probe.spec.get("initialDelaySeconds", 0) * probe.scale
+        return True
 
     def signal(self, sig: int, group: bool = False) -> None:
         if self.proc is None:
@@ -185,9 +192,7 @@ class LocalPod:
     def _run_init(self) -> bool:
         for container in self.init:
             while not self._stop.is_set() and not self.terminating:
-                container.start()
-                assert container.proc is not None
-                code = container.proc.wait()
+                code = container.proc.wait() if container.start() and container.proc else -1
                 if code == 0:
                     break
                 container.restarts += 1
@@ -210,8 +215,10 @@ class LocalPod:
                     self.name, c.name, code, c.restarts, c.next_start - now,
                 )  # fmt: skip
                 c.proc = None
-            if now >= c.next_start:
-                c.start()
+            if now >= c.next_start and not c.start():
+                c.restarts += 1
+                c.next_start = now + self._backoff(c)
+                logger.warning("pod %s: container %s cannot start", self.name, c.name)
             return
         if not c.started:
             self._check(c, "startup", now, on_fail=lambda: self._restart(c, "startup probe"))
