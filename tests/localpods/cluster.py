@@ -306,7 +306,13 @@ class LocalCluster:
             return self._config_map(ref["name"])[ref["key"]]
         if "secretKeyRef" in source:
             ref = source["secretKeyRef"]
-            return self.secrets[ref["name"]][ref["key"]]
+            value = self.secrets.get(ref["name"], {}).get(ref["key"])
+            if value is None:
+                raise ValueError(
+                    f"env {item['name']} reads key {ref['key']!r} of Secret {ref['name']!r}: "
+                    "pass it in secrets= (run.py: --secret NAME=KEY=VALUE)"
+                )
+            return value
         raise ValueError(f"env {item['name']}: {sorted(source)} is not supported locally")
 
     def _probe_port(self, pod: str, probe: Obj) -> int:
