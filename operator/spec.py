@@ -153,6 +153,8 @@ class ServiceSpec:
             self.spec["model"]["uri"], self.name
         )
         values["role"] = role
+        if role == "decode":  # pairing headers may name only these prefill hosts
+            values["pd_prefill_peers"] = f"{self.name}-prefill-peers.{self.namespace}.svc"
         if "apiKeySecretRef" in self.spec.get("auth", {}):
             values["api_key_file"] = API_KEY_PATH
         return dict(sorted(values.items()))

@@ -25,12 +25,11 @@ from ketch.engine.router.config import RouterConfig
 from ketch.engine.router.instances import Instance, Registry
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
+from ketch.engine.serving.pairing import DECODE_HOST_HEADER, PREFILL_HEADER
 
 logger = logging.getLogger("ketch.router")
 
 _PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
-PREFILL_HEADER = "x-ketch-prefill"
-DECODE_HOST_HEADER = "x-ketch-decode-host"
 
 
 @dataclass

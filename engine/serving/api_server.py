@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from ketch.engine.serving.generation import (
     request_outputs,
     run_to_end,
 )
+from ketch.engine.serving.pairing import PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,9 +41,6 @@ from ketch.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
-# Set by the router on requests to a decode instance (see ketch.engine.router).
-PREFILL_HEADER = "x-ketch-prefill"
-DECODE_HOST_HEADER = "x-ketch-decode-host"
 
 
 @dataclass
@@ -61,6 +58,7 @@ class ServingState:
     draining: bool = False
     paused: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_peers: PrefillPeers = field(default_factory=lambda: PrefillPeers(None))
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -164,7 +162,8 @@ async def _completions(request: Request) -> Response:
     params = body.to_sampling_params(None)
     prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
     _check_vocab(state, prompts)
-    choices = make_choices(prompts, params, state.max_model_len, _pairing(state, request))
+    paired = await pairing(state.config, state.prefill_peers, request)
+    choices = make_choices(prompts, params, state.max_model_len, paired)
     meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
     if body.stream:
         return _sse(state, _completion_events(state, meta, choices, len(prompts)))
@@ -186,7 +185,8 @@ async def _chat_completions(request: Request) -> Response:
     except ValueError as exc:
         raise ProtocolError(400, str(exc), param="messages") from exc
     prompt = state.tokenizer.encode(text, add_special_tokens=False)
-    choices = make_choices([prompt], params, state.max_model_len, _pairing(state, request))
+    paired = await pairing(state.config, state.prefill_peers, request)
+    choices = make_choices([prompt], params, state.max_model_len, paired)
     meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
     if body.stream:
         return _sse(state, _chat_events(state, meta, choices))
@@ -194,29 +194,6 @@ async def _chat_completions(request: Request) -> Response:
         done = await run_to_end(state.engine, choices)
     output = request_outputs(done, 1)[0]
     return JSONResponse(R.chat_completion_response(meta, output, state.tokenizer))
-
-
-_HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
-
-
-def _pairing(state: ServingState, request: Request) -> tuple[str, str] | None:
-    """Decode role: the prefill peer the router paired this request with, and this host."""
-    if state.config.role != "decode":
-        return None
-    prefill = request.headers.get(PREFILL_HEADER)
-    if not prefill:
-        raise ProtocolError(
-            400,
-            "this is a decode instance: send requests through `ketch router`, which pairs each "
-            f"one with a prefill instance (header {PREFILL_HEADER}: host:pd-comm-port)",
-        )
-    host, _, port = prefill.strip().rpartition(":")
-    if not _HOST.match(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ProtocolError(400, f"{PREFILL_HEADER} must be host:port, got {prefill!r}")
-    decode_host = request.headers.get(DECODE_HOST_HEADER) or request.url.hostname or ""
-    if not _HOST.match(decode_host):
-        raise ProtocolError(400, f"{DECODE_HOST_HEADER} must be a host, got {decode_host!r}")
-    return f"{host}:{port}", decode_host
 
 
 def _check_vocab(state: ServingState, prompts: list[list[int]]) -> None:

@@ -65,6 +65,13 @@ class ServerConfig:
         "Prefill/decode roles: seconds a peer may stay silent before its requests fail.",
         minimum=1,
     )
+    pd_prefill_peers: str | None = _opt(
+        None,
+        "Decode role: the prefill instances this one may be paired with (a DNS name, e.g. the "
+        "prefill pods' headless Service, or comma-separated hosts). Unset: any, so only the "
+        "router may reach this instance.",
+        crd=False,
+    )
     role: str = _opt("mixed", "Instance role: mixed, prefill or decode.", choices=ROLES, crd=False)
     served_model_name: str | None = _opt(
         None, "Model name clients use in 'model'; defaults to the --model value.", crd="model.name"

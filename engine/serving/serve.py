@@ -26,6 +26,7 @@ from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.ports import Listener, check_free
 from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
+from ketch.engine.serving.pairing import PrefillPeers
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 from ketch.engine.tokenizer import Tokenizer
 
@@ -85,6 +86,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         metrics=EngineMetrics(name),
         max_model_len=ready.max_model_len,
         api_key=api_key,
+        prefill_peers=PrefillPeers(config.pd_prefill_peers),
     )
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished

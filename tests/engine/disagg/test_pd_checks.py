@@ -112,3 +112,22 @@ def test_a_decode_instance_without_its_cache_manager_is_alive_but_not_ready() ->
         ready = httpx.get(f"{server.url}/ready", timeout=10)
         assert ready.status_code == 503
         assert "cache manager not attached" in " ".join(ready.json()["problems"])
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_instance_takes_only_its_prefill_peers() -> None:
+    import httpx
+    from serve_harness import running_server
+
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+    with running_server("--role", "decode", "--pd-prefill-peers", "localhost") as server:
+        url = f"{server.url}/v1/completions"
+        stranger = {"x-ketch-prefill": "10.11.12.13:8004"}
+        refused = httpx.post(url, json=body, headers=stranger, timeout=30)
+        assert refused.status_code == 403
+        assert "10.11.12.13" in refused.text and "--pd-prefill-peers" in refused.text
+        # A peer that localhost resolves to passes the check; this instance then fails the
+        # request for a reason of its own (no cache manager was started for it).
+        peer = {"x-ketch-prefill": "127.0.0.1:8004", "x-ketch-decode-host": "127.0.0.1"}
+        taken = httpx.post(url, json=body, headers=peer, timeout=30)
+        assert taken.status_code == 503 and "cache manager" in taken.text

@@ -1,0 +1,88 @@
+"""Decode role: which prefill instance a request is paired with, and whether that is allowed.
+
+The router pairs each request with a prefill instance and says so in two headers:
+``x-ketch-prefill`` (the prefill engine's pd-comm ``host:port``) and ``x-ketch-decode-host``
+(this instance's address as the prefill side reaches it). The decode engine then connects to
+that prefill host, so the headers must not let just anyone point it anywhere:
+``--pd-prefill-peers`` (the operator sets it to the prefill pods' headless Service) limits the
+prefill hosts to the addresses that name resolves to. Unset, any host is taken: then only the
+router may be able to reach this instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+
+from fastapi import Request
+
+from ketch.engine.serving.config import ServerConfig
+from ketch.engine.serving.protocol import ProtocolError
+
+PREFILL_HEADER = "x-ketch-prefill"
+DECODE_HOST_HEADER = "x-ketch-decode-host"
+_HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
+_RESOLVE_EVERY_S = 5.0
+
+
+class PrefillPeers:
+    """The prefill hosts a decode instance accepts: entries of ``--pd-prefill-peers`` (DNS names
+    or addresses, ``:port`` ignored), resolved at most every few seconds."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.entries = [e.strip().rpartition(":")[0] or e.strip() for e in (spec or "").split(",")]
+        self.entries = [e.strip("[]") for e in self.entries if e]
+        self._addresses: set[str] = set()
+        self._resolved_at = -_RESOLVE_EVERY_S
+
+    @property
+    def restricted(self) -> bool:
+        return bool(self.entries)
+
+    async def allows(self, host: str) -> bool:
+        host = host.strip("[]")
+        if not self.restricted or host in self.entries:
+            return True
+        if time.monotonic() - self._resolved_at >= _RESOLVE_EVERY_S or host not in self._addresses:
+            self._addresses = await asyncio.to_thread(self._resolve)
+            self._resolved_at = time.monotonic()
+        return host in self._addresses
+
+    def _resolve(self) -> set[str]:
+        found: set[str] = set()
+        for entry in self.entries:
+            try:
+                found |= {info[4][0] for info in socket.getaddrinfo(entry, None)}
+            except OSError:
+                continue  # not resolvable now (no prefill pod yet): allows nothing from it
+        return found
+
+
+async def pairing(
+    config: ServerConfig, peers: PrefillPeers, request: Request
+) -> tuple[str, str] | None:
+    """Decode role: (prefill peer "host:port", this host) from the router's headers."""
+    if config.role != "decode":
+        return None
+    prefill = request.headers.get(PREFILL_HEADER)
+    if not prefill:
+        raise ProtocolError(
+            400,
+            "this is a decode instance: send requests through `ketch router`, which pairs each "
+            f"one with a prefill instance (header {PREFILL_HEADER}: host:pd-comm-port)",
+        )
+    host, _, port = prefill.strip().rpartition(":")
+    if not _HOST.match(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ProtocolError(400, f"{PREFILL_HEADER} must be host:port, got {prefill!r}")
+    if not await peers.allows(host):
+        raise ProtocolError(
+            403,
+            f"{PREFILL_HEADER} names {host}, which is not one of this decode instance's prefill "
+            f"peers ({', '.join(peers.entries)}; --pd-prefill-peers)",
+        )
+    decode_host = request.headers.get(DECODE_HOST_HEADER) or request.url.hostname or ""
+    if not _HOST.match(decode_host):
+        raise ProtocolError(400, f"{DECODE_HOST_HEADER} must be a host, got {decode_host!r}")
+    return f"{host}:{port}", decode_host
