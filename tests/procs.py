@@ -1,4 +1,5 @@
-"""What every test harness that starts processes needs: free ports, and stopping a process."""
+"""What every test harness that starts processes needs: free ports, stopping a process, and
+polling until something is true."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import contextlib
 import signal
 import socket
 import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def free_ports(count: int) -> list[int]:
@@ -29,3 +33,17 @@ def terminate(proc: subprocess.Popen, timeout: float) -> int:
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Polls ``predicate`` until it returns something truthy; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")

@@ -8,6 +8,7 @@ exist only in the emulator; those tests skip on a real cluster.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from test_builders import INVALID, invalid_body
 
+import procs
 from ketch.operator import builders, crd
 from ketch.operator.cli import render_documents, render_object
 from ketch.operator.controller import Controller, Work
@@ -70,14 +72,7 @@ class Cluster:
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+    return procs.wait_for(predicate, timeout, what, interval=0.2)
 
 
 def condition(body: dict[str, Any] | None, kind: str) -> dict[str, Any]:
@@ -123,22 +118,22 @@ def ready(cluster: Cluster, name: str) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def cluster(kube) -> Iterator[Cluster]:
-    namespace = f"e2e-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def fresh_namespace(kube: Any, prefix: str) -> Iterator[Cluster]:
+    """The CRD applied and a new namespace for one test module (deleted afterwards)."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
     c = Cluster(kube, namespace)
     c.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE), ns=False)
-    c.run(
-        "apply",
-        "-f",
-        "-",
-        ns=False,
-        input=yaml.safe_dump(
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-        ),
-    )
+    namespace_body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    c.run("apply", "-f", "-", ns=False, input=yaml.safe_dump(namespace_body))
     yield c
     c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(kube) -> Iterator[Cluster]:
+    with fresh_namespace(kube, "e2e") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

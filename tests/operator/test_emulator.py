@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import procs
 from kubeemu import Emulator, kubectl, start_emulator
 
 
@@ -30,14 +31,7 @@ def emu(kube: Any) -> Emulator:
 
 def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
     """Poll `fn` until it returns something truthy (the emulator's controllers are async)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.03)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+    return procs.wait_for(fn, timeout, what, interval=0.03)
 
 
 def cm(name: str, data: dict[str, str] | None = None, **meta: Any) -> dict[str, Any]:

@@ -5,34 +5,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from test_e2e import Cluster, condition, cpu_example, ready, wait_for
+from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
 from ketch.operator import crd
+from procs import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).parent / "ketch-operator")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class OperatorProcess:
     def __init__(self, cluster: Cluster, *args: str, log: Path):
-        self.metrics_port = free_port()
+        (self.metrics_port,) = free_ports(1)
         self.log = log
         env = {**os.environ, "KUBECONFIG": str(cluster.kube.kubeconfig)}
         self.proc = subprocess.Popen(
@@ -79,27 +71,8 @@ class OperatorProcess:
 
 @pytest.fixture
 def cluster(kube) -> Iterator[Cluster]:
-    namespace = f"proc-{uuid.uuid4().hex[:8]}"
-    c = Cluster(kube, namespace)
-    c.run(
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        str(ROOT / "crds" / f"{crd.CRD_NAME}.yaml"),
-        ns=False,
-    )
-    c.run(
-        "apply",
-        "-f",
-        "-",
-        ns=False,
-        input=yaml.safe_dump(
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-        ),
-    )
-    yield c
-    c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
+    with fresh_namespace(kube, "proc") as c:
+        yield c
 
 
 def test_operator_process_serves_metrics_and_health_and_stops_cleanly(cluster, tmp_path):

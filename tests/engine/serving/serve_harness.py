@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs import free_ports, terminate
+from procs import free_ports, terminate, wait_for  # noqa: F401 (re-exported)
 
 KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
 BASE_ARGS = ("--model", "tiny", "--host", "127.0.0.1", "--block-size", "16")
@@ -164,15 +164,3 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
         if line.startswith("data: "):
             data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Polls ``predicate`` until it returns something truthy; fails after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
