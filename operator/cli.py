@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ketch.operator import autoscaling, builders, crd
+from ketch.operator import autoscaling, builders, crd, objects
 from ketch.operator.spec import InvalidSpec, parse
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -147,7 +147,7 @@ def _priority(value: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "crd":
-        sys.stdout.write(builders.dump_yaml(crd.crd()))
+        sys.stdout.write(objects.dump_yaml(crd.crd()))
         return 0
     if args.command == "adapter-rules":
         sys.stdout.write(autoscaling.adapter_values())
@@ -242,8 +242,8 @@ def _check_wiring(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_documents(objects: list[dict[str, Any]]) -> str:
-    return "".join("---\n" + builders.dump_yaml(obj) for obj in objects)
+def render_documents(children: list[dict[str, Any]]) -> str:
+    return "".join("---\n" + objects.dump_yaml(obj) for obj in children)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ import socket
 import time
 from typing import Any
 
-from ketch.operator import builders, crd
+from ketch.operator import builders, crd, objects
 from ketch.operator import status as status_mod
 from ketch.operator.coordinated import Autoscale, CoordinatedScaling
 from ketch.operator.kube import ApiError, KubeClient
@@ -158,7 +158,7 @@ class Controller(CoordinatedScaling):
 
     def on_child_event(self, event_type: str, body: Obj) -> None:
         meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(builders.LABEL_INSTANCE)
+        owner = (meta.get("labels") or {}).get(objects.LABEL_INSTANCE)
         if not owner:
             return
         key = (meta.get("namespace") or "", owner)

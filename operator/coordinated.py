@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from ketch.operator import autoscaler, builders, scrape
+from ketch.operator import autoscaler, objects, scrape
 from ketch.operator import status as status_mod
 from ketch.operator.spec import ServiceSpec
 
@@ -209,7 +209,7 @@ class CoordinatedScaling:
             role_pods = [
                 p
                 for p in pods
-                if ((p.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_ROLE) == role
+                if ((p.get("metadata") or {}).get("labels") or {}).get(objects.LABEL_ROLE) == role
             ]
             got = await scrape.scrape_role(
                 session, role_pods, port, list(spec.targets), timeout, windows=windows, now=t

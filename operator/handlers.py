@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from ketch.operator import builders, crd
+from ketch.operator import crd, objects
 from ketch.operator.controller import Controller
 from ketch.operator.kube import KubeClient
 from ketch.operator.metrics import OperatorMetrics, start_http
@@ -123,7 +123,7 @@ def make_registry(
         controller = await _controller(state)
         controller.on_service_event(event.get("type") or "MODIFIED", event["object"])
 
-    managed = {builders.LABEL_MANAGED_BY: builders.MANAGER}
+    managed = {objects.LABEL_MANAGED_BY: objects.MANAGER}
     for api_version, plural in CHILD_RESOURCES:
         group, _, version = api_version.rpartition("/")
 

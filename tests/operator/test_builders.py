@@ -14,7 +14,7 @@ import yaml
 from ketch.engine.cli_args import read_config_file
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import builders, crd
+from ketch.operator import crd, objects
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, parse
@@ -315,7 +315,7 @@ def test_config_change_changes_the_pod_template_hash_and_nothing_else_does():
     changed = copy.deepcopy(body)
     changed["spec"]["engine"]["maxNumSeqs"] = 16
     after = children(changed)[("Deployment", "tiny-mixed")]
-    key = builders.ANNOTATION_CONFIG_HASH
+    key = objects.ANNOTATION_CONFIG_HASH
     assert (
         before["spec"]["template"]["metadata"]["annotations"][key]
         != after["spec"]["template"]["metadata"]["annotations"][key]

@@ -19,7 +19,7 @@ import pytest
 from test_e2e import Cluster, cluster, condition, operator, wait_for  # noqa: F401 (fixtures)
 
 from ketch.engine.metrics import PREFIX
-from ketch.operator import builders, crd
+from ketch.operator import crd, objects
 from kubeemu import start_emulator
 
 NAME = "coord"
@@ -68,13 +68,13 @@ class FakeMetrics:
         role, peers = None, 0
         for pod in pods:
             if (pod.get("status") or {}).get("podIP") == ip:
-                role = pod["metadata"]["labels"].get(builders.LABEL_ROLE)
+                role = pod["metadata"]["labels"].get(objects.LABEL_ROLE)
         for pod in pods:
             ready = any(
                 c["type"] == "Ready" and c["status"] == "True"
                 for c in (pod.get("status") or {}).get("conditions") or []
             )
-            if ready and pod["metadata"]["labels"].get(builders.LABEL_ROLE) == role:
+            if ready and pod["metadata"]["labels"].get(objects.LABEL_ROLE) == role:
                 peers += 1
         share = self.load.get(role or "", 0.0) / max(peers, 1)
         name = PREFIX + "num_requests_waiting"

@@ -25,7 +25,7 @@ import yaml
 from test_builders import INVALID, invalid_body
 
 import procs
-from ketch.operator import builders, crd
+from ketch.operator import crd, objects
 from ketch.operator.cli import render_documents, render_object
 from ketch.operator.controller import Controller, Work
 from ketch.operator.handlers import make_registry
@@ -219,7 +219,7 @@ def test_render_is_byte_identical_to_what_the_operator_applied(cluster, operator
         wait_for(lambda n=name: len(children(cluster, n)) >= 6, f"{name} children")
     settle(operator)
     applied: dict[tuple[str, str], Any] = {}
-    for entry in cluster.kube.applied(manager=builders.MANAGER):
+    for entry in cluster.kube.applied(manager=objects.MANAGER):
         if entry["namespace"] == cluster.namespace:
             applied[(entry["kind"], entry["name"])] = entry["body"]
     for example_name, name in names.items():
@@ -249,7 +249,7 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
     cluster.apply(cpu_example("beta"))
     before = wait_for(lambda: ready(cluster, "beta"), "beta Ready")
     dep = cluster.get("deployments", "beta-mixed")
-    old_hash = dep["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    old_hash = dep["spec"]["template"]["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH]
     cluster.run(
         "patch",
         crd.PLURAL,
@@ -269,7 +269,7 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
     )
     assert after["status"]["observedGeneration"] == after["metadata"]["generation"]
     dep = cluster.get("deployments", "beta-mixed")
-    new_hash = dep["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    new_hash = dep["spec"]["template"]["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH]
     assert new_hash != old_hash
     config = cluster.get("configmaps", "beta-config")["data"]["mixed.yaml"]
     assert yaml.safe_load(config)["max_num_seqs"] == 8
@@ -277,7 +277,7 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
         pods = cluster.items("pods", "app.kubernetes.io/instance=beta")
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         assert live and all(
-            p["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH] == new_hash for p in live
+            p["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH] == new_hash for p in live
         )
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ketch.operator import builders, controller, crd, handlers, kube
+from ketch.operator import controller, crd, handlers, kube, objects
 from ketch.operator.cli import build_parser, render_object
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -385,7 +385,7 @@ def test_operator_deployment(built, overlay):
     assert labels["app.kubernetes.io/part-of"] == "ketch"
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     # The operator watches pods labelled managed-by=ketch-operator as InferenceService children.
-    assert labels.get(builders.LABEL_MANAGED_BY) != builders.MANAGER
+    assert labels.get(objects.LABEL_MANAGED_BY) != objects.MANAGER
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
