@@ -88,6 +88,7 @@ class _Links:
     ) -> None:
         self.engine, self.cache, self.pd = engine, cache, pd
         self._preemptions = 0
+        self._initial = [cache.socket] if cache else []
 
     @classmethod
     def create(cls, engine: LLMEngine, server: ServerConfig | None) -> _Links:
@@ -110,9 +111,11 @@ class _Links:
         links = cls(engine, cache, pd)
         return links
 
-    def sockets(self) -> list[zmq.Socket]:
-        sockets = [self.cache.socket] if self.cache else []
-        return sockets + (self.pd.sockets() if self.pd else [])
+    def new_sockets(self) -> list[zmq.Socket]:
+        """Sockets to add to the loop's poller: the cache link's at first, then the pd-comm
+        ones as peers are first used."""
+        sockets, self._initial = self._initial, []
+        return sockets + (self.pd.take_new_sockets() if self.pd else [])
 
     @property
     def attached(self) -> bool:
@@ -168,12 +171,10 @@ def _detached(engine: LLMEngine, links: _Links) -> None:
 def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
-    registered: set[zmq.Socket] = set()
     parent = os.getppid()
     while True:
-        for socket in set(links.sockets()) - registered:  # peers are connected on first use
+        for socket in links.new_sockets():
             poller.register(socket, zmq.POLLIN)
-            registered.add(socket)
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
         if os.getppid() != parent:

@@ -247,12 +247,10 @@ class Scheduler:
         if block_ids:
             self.kv_cache.pool.free(reversed(block_ids))
 
-    def check_integrity(self, *extra_owners: list[int]) -> None:
-        """Raises if any KV block is leaked or owned twice (tests and idle-time checks).
-
-        ``extra_owners``: block lists held outside the scheduler (decode reservations)."""
+    def check_integrity(self) -> None:
+        """Raises if any KV block is leaked or owned twice (tests and idle-time checks)."""
         owners = [r.block_ids for r in self.requests.values()]
-        self.kv_cache.pool.check_integrity([*owners, *self.held.values(), *extra_owners])
+        self.kv_cache.pool.check_integrity([*owners, *self.held.values()])
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")
 

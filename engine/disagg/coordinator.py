@@ -51,6 +51,8 @@ class PDCoordinator:
             raise ValueError(f"--pd-comm-port {config.pd_comm_port} is not free: {exc}") from exc
         self._peers: dict[str, zmq.Socket] = {}
         self._peer_of: dict[zmq.Socket, str] = {}
+        # Sockets the engine loop has not polled yet: the ROUTER, then each peer's DEALER.
+        self.new_sockets: list[zmq.Socket] = [self.router]
         self.prefill = PrefillSide(engine, self._reply, cache) if self.role == "prefill" else None
         self.decode: DecodeSide | None = None
         if self.role == "decode":
@@ -68,12 +70,13 @@ class PDCoordinator:
     def sockets(self) -> list[zmq.Socket]:
         return [self.router, *self._peers.values()]
 
+    def take_new_sockets(self) -> list[zmq.Socket]:
+        new, self.new_sockets = self.new_sockets, []
+        return new
+
     @property
     def num_waiting(self) -> int:
         return self.decode.num_waiting if self.decode else 0
-
-    def held_blocks(self) -> list[list[int]]:
-        return self.decode.held_blocks() if self.decode else []
 
     def add_remote(self, request: Request, prefill: str, decode_host: str) -> None:
         if self.decode is None:
@@ -151,6 +154,7 @@ class PDCoordinator:
             socket.connect(f"tcp://{peer}")
             self._peers[peer] = socket
             self._peer_of[socket] = peer
+            self.new_sockets.append(socket)
         try:
             socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:

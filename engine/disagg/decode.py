@@ -79,12 +79,6 @@ class DecodeSide:
     def num_waiting(self) -> int:
         return len(self._remote)
 
-    def held_blocks(self) -> list[list[int]]:
-        """Blocks owned here (reservations and quarantine), for integrity checks."""
-        return [r.request.block_ids for r in self._remote.values()] + [
-            b for _, b in self._quarantine
-        ]
-
     def add(self, request: Request, prefill: str, decode_host: str) -> None:
         """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
         self._remote[request.request_id] = _Remote(
