@@ -10,6 +10,7 @@ import types
 from collections.abc import Sequence
 
 from ketch.engine.cli_args import add_engine_args, engine_config_from_args
+from ketch.engine.lifecycle import watch_supervisor
 
 _GENERATE_EXAMPLES = """examples:
   ketch generate "Alice was beginning to get"
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(levelname)s %(name)s: %(message)s", force=True
     )
     try:
+        watch_supervisor()  # KETCH_WATCH_PID: stop when that process is gone
         if args.command == "fetch-model":
             from ketch.engine.models.fetch import fetch_model
 

@@ -98,6 +98,7 @@ class EngineClient:
         self._process = spawn.Process(
             target=run_engine_process,
             args=(self.config, self.input_addr, self.output_addr, self.worker_port, self.server),
+            kwargs={"parent_pid": os.getpid()},  # SIGTERM reaches it when this process dies
             name="ketch-engine",
             daemon=False,  # it has a worker child; it exits by itself when this process goes
         )

@@ -28,6 +28,7 @@ from ketch.engine.core.messages import (
     encode,
 )
 from ketch.engine.disagg.coordinator import PDCoordinator
+from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.outputs import RequestOutput
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot
@@ -46,30 +47,57 @@ def run_engine_process(
     output_addr: str,
     worker_port: int | None = None,
     server: ServerConfig | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """Process entry point: load the model, then serve until stopped (SIGTERM) or orphaned.
 
     With ``server`` (``ketch serve``) the engine also links to its cache manager on
     ``cache_queue_port`` (when the model runs in a worker, whose KV cache it can map) and, in a
-    prefill or decode role, talks to its peers on ``pd_comm_port``."""
+    prefill or decode role, talks to its peers on ``pd_comm_port``. ``parent_pid``: the
+    server's pid; its death sends this process SIGTERM (clean exit, worker and shared memory
+    included)."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)  # a dead server must not hold this process at exit
     requests = context.socket(zmq.PULL)
     requests.connect(input_addr)
     outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)  # a start-up error still reaches the server: bounded
     outputs.connect(output_addr)
     try:
-        from ketch.engine.llm_engine import LLMEngine
+        _run(config, requests, outputs, worker_port, server)
+    finally:
+        requests.close()
+        outputs.close()
+        context.term()
 
+
+def _run(
+    config: EngineConfig,
+    requests: zmq.Socket,
+    outputs: zmq.Socket,
+    worker_port: int | None,
+    server: ServerConfig | None,
+) -> None:
+    # paddle's import installs a SIGTERM handler that reports a fatal error and dies at once:
+    # import it first, then exit cleanly instead, through the finally blocks, which stop the
+    # worker and remove the shared memory even while the model is still loading.
+    from ketch.engine.llm_engine import LLMEngine
+
+    signal.signal(signal.SIGTERM, _exit_once)
+    try:
         engine = LLMEngine(config, worker_port)
-        links = _Links.create(engine, server)
     except Exception as exc:  # any start-up failure is reported, then the process exits
         outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
-        outputs.close(linger=2000)
         sys.exit(1)
-    # After paddle's import, which installs a handler that reports SIGTERM as a fatal error:
-    # exit cleanly instead, through the finally below, which stops the worker.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        links = _Links.create(engine, server)
+    except Exception as exc:
+        outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
+        engine.close()
+        sys.exit(1)
     try:
         outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
         # Gauges (KV blocks, batch limits) are right from the start, before any request.
@@ -78,6 +106,13 @@ def run_engine_process(
     finally:
         links.close()
         engine.close()
+
+
+def _exit_once(*_: object) -> None:
+    """SIGTERM: leave through the finally blocks; a second SIGTERM (the server's, after the
+    process group's) must not cut that clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
 
 
 class _Links:

@@ -249,11 +249,13 @@ def render_documents(children: list[dict[str, Any]]) -> str:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
+    from ketch.engine.lifecycle import watch_supervisor
     from ketch.operator.handlers import make_registry
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    watch_supervisor()  # KETCH_WATCH_PID: stop when that process is gone
     registry = make_registry(
         metrics_port=args.metrics_port or None, resync_seconds=args.resync_seconds
     )

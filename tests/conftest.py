@@ -1,9 +1,18 @@
-"""Shared fixtures: small random Hugging Face checkpoints made on demand, once per session."""
+"""Shared fixtures: small random Hugging Face checkpoints made on demand, once per session.
+
+Every process the test run starts (servers, sidecars, routers, operators, and whatever they
+start) inherits ``KETCH_WATCH_PID`` = this process, so each stops by itself if the run dies,
+and the run fails at the end if any of them, or a new ``/dev/shm/ketch-*`` segment, is left.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +22,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_models import make_checkpoint
+from ketch.engine.lifecycle import ENV_WATCH_PID
+from procs import describe, ketch_segments, processes_with_env
+
+os.environ[ENV_WATCH_PID] = str(os.getpid())
+_LEAK_WAIT_S = 10.0
 
 # name -> (architecture, overrides). Every variant uses GQA (4 query heads, 2 KV heads).
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -71,3 +85,47 @@ def _restore_root_logging() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SEGMENTS_BEFORE] = ketch_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if a process it started, or a segment it made, outlived its tests."""
+    before = session.config.stash.get(_SEGMENTS_BEFORE, set())
+    me = str(os.getpid())
+    deadline = time.monotonic() + _LEAK_WAIT_S
+    while True:
+        pids = [p for p in processes_with_env(ENV_WATCH_PID, me) if not _own_tracker(p)]
+        segments = ketch_segments() - before
+        if not (pids or segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if not (pids or segments):
+        return
+    report = f"left behind by the tests after {_LEAK_WAIT_S:.0f} s:\n{describe(pids)}"
+    if segments:
+        report += "\n  /dev/shm: " + " ".join(sorted(segments))
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for name in segments:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(report, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SEGMENTS_BEFORE = pytest.StashKey[set]()
+
+
+def _own_tracker(pid: int) -> bool:
+    """This process's multiprocessing resource tracker: it ends when this process does."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return int(stat[1]) == os.getpid() and b"multiprocessing.resource_tracker" in cmdline

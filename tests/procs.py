@@ -4,11 +4,13 @@ polling until something is true."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -47,3 +49,33 @@ def wait_for(
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Pids (not this one) whose environment has ``name=value``: with ``KETCH_WATCH_PID`` set
+    by a test run, every process it started and everything they started."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] not in ("Z", "X"):  # exited, not yet reaped
+                    found.append(int(entry.name))
+    return found
+
+
+def ketch_segments() -> set[str]:
+    """Names of the ``/dev/shm/ketch-*`` shared-memory segments that exist now."""
+    return {p.name for p in Path("/dev/shm").glob("ketch-*")}
+
+
+def describe(pids: list[int]) -> str:
+    lines = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            lines.append(f"  {pid}: {cmd[:160]}")
+    return "\n".join(lines)

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import paddle
 import paddle.nn.functional as F
-from paddle.incubate.nn.functional import fused_rms_norm
 from paddle.nn.functional import swiglu
 
 from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.rope import cos_sin_tables
+from ketch.kernels import CpuKernels
 
 
 @dataclass
@@ -41,22 +41,26 @@ class ModelWeights:
     lm_head: paddle.Tensor  # [hidden, vocab]
 
 
-def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    # One fused kernel instead of five ops; agrees with the plain formula to ~1e-6.
-    return fused_rms_norm(x, weight, None, eps, 1)[0]
-
-
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
     y = paddle.matmul(x, w)
     return y if b is None else y + b
 
 
 class LlamaModel:
-    """Computes logits for the last token of each sampling request in a flattened batch."""
+    """Computes logits for the last token of each sampling request in a flattened batch.
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, max_len: int) -> None:
+    ``kernels``: the implementations to run with (default: the fastest this CPU can run)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        max_len: int,
+        kernels: CpuKernels | None = None,
+    ) -> None:
         self.config = config
         self.weights = weights
+        self.kernels = kernels or CpuKernels.select()
         cos, sin = cos_sin_tables(config.rope, config.head_dim, max_len)
         self._cos = paddle.to_tensor(cos)
         self._sin = paddle.to_tensor(sin)
@@ -73,6 +77,7 @@ class LlamaModel:
     ) -> paddle.Tensor:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
         c = self.config
+        rms_norm = self.kernels.rms_norm
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
         h = F.embedding(input_ids, self.weights.embed)

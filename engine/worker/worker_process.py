@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -24,10 +23,11 @@ import numpy as np
 import zmq
 
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
 from ketch.engine.worker.model_runner import RunnerConfig
-from ketch.engine.worker.shm import fresh_segment, shm_names
+from ketch.engine.worker.shm import fresh_segment, reclaim_stale_segments, shm_names
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,12 @@ class WorkerDiedError(RuntimeError):
     """The worker process exited; the engine cannot step any more."""
 
 
-def run_worker(config: RunnerConfig, port: int) -> None:
-    """Worker entry point: map the shared KV cache, load the model, execute steps."""
+def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
+    """Worker entry point: map the shared KV cache, load the model, execute steps.
+
+    The engine owns the shared memory and cleans up, so this process may end at any moment:
+    SIGTERM (or the engine's death, through ``exit_with_parent``) ends it at once."""
+    exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s worker: %(message)s")
     kv_name, status_name = shm_names(port)
     kv_shm, status_shm = SharedMemory(name=kv_name), SharedMemory(name=status_name)
@@ -49,9 +53,12 @@ def run_worker(config: RunnerConfig, port: int) -> None:
     status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
     from ketch.engine.worker.model_runner import ModelRunner
 
+    # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
+    # interpreter shutdown could wait forever on a reply queued for a dead engine.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     runner = ModelRunner(config, kv_buffer=kv_shm.buf)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # replaces paddle's fatal-error report
     socket = zmq.Context().socket(zmq.PAIR)
+    socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, _POLL_MS * 4)  # never block forever on a dead engine
     socket.connect(f"tcp://127.0.0.1:{port}")
     parent = os.getppid()
@@ -61,16 +68,16 @@ def run_worker(config: RunnerConfig, port: int) -> None:
         status[2] = time.monotonic()
         if not socket.poll(_POLL_MS):
             if os.getppid() != parent:
-                sys.exit(0)  # the engine is gone
+                os._exit(0)  # the engine is gone
             continue
         output = runner.execute(decode_step(socket.recv()))
         try:
             socket.send(encode_result(output))
         except zmq.Again:
-            sys.exit(0)  # the engine stopped listening
+            os._exit(0)  # the engine stopped listening
         status[1] += 1
         if os.getppid() != parent:
-            sys.exit(0)
+            os._exit(0)
 
 
 class RemoteRunner:
@@ -91,22 +98,32 @@ class RemoteRunner:
             mc.num_key_value_heads,
             mc.head_dim,
         )
+        reclaim_stale_segments()
         kv_name, status_name = shm_names(port)
-        self._segments = [fresh_segment(kv_name, size), fresh_segment(status_name, 8 * 3)]
-        self.status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=self._segments[1].buf)
+        self._segments: list[SharedMemory] = []
         self._socket = zmq.Context().socket(zmq.PAIR)
         self._socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)
+        self._socket.setsockopt(zmq.LINGER, 0)
         try:
             self._socket.bind(f"tcp://127.0.0.1:{port}")
         except zmq.ZMQError as exc:
             self.close()
             raise ValueError(f"--engine-worker-queue-port {port} is not free: {exc}") from exc
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=run_worker, args=(config, port), name="ketch-worker", daemon=True
-        )
-        self.process.start()
-        self._receive(start_timeout, what="start")
+        try:
+            self._segments += [fresh_segment(kv_name, size), fresh_segment(status_name, 8 * 3)]
+            self.status = np.ndarray((_STATUS_SLOTS,), np.float64, buffer=self._segments[1].buf)
+            spawn = multiprocessing.get_context("spawn")
+            self.process = spawn.Process(
+                target=run_worker,
+                args=(config, port, os.getpid()),
+                name="ketch-worker",
+                daemon=True,
+            )
+            self.process.start()
+            self._receive(start_timeout, what="start")
+        except BaseException:  # SIGTERM while loading included: leave nothing behind
+            self.close()
+            raise
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         data = encode_step(sched)
@@ -139,7 +156,10 @@ class RemoteRunner:
         if process is not None and process.is_alive():
             process.terminate()
             process.join(5)
+            if process.is_alive():
+                process.kill()
         self._socket.close(linger=0)
         for segment in self._segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
+        self._segments = []

@@ -22,7 +22,10 @@ time: a new pod must be ready before an old one is terminated (maxSurge 1, maxUn
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -30,14 +33,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ketch.engine.lifecycle import ENV_WATCH_PID
 from ketch.operator.cli import render_object
 from localpods.pod import Container, LocalPod, _Probe
 from localpods.proxy import ServiceProxies
 from localpods.translate import local_path, localize_args, localize_file
-from procs import free_ports
+from procs import free_ports, processes_with_env, wait_for
 
 Obj = dict[str, Any]
 _KETCH_BIN = Path(sys.executable).parent
+# Set on every container: the processes of one cluster (and all they start) can be found, and
+# killed, however they were left.
+CLUSTER_ENV = "KETCH_LOCALPODS_DIR"
 
 
 class LocalCluster:
@@ -60,6 +67,7 @@ class LocalCluster:
         self.dir = workdir or Path(tempfile.mkdtemp(prefix="localpods-"))
         self.children = render_object(isvc, namespace=namespace)
         self.pods: dict[str, list[LocalPod]] = {}  # Deployment name -> pods
+        self._every_pod: list[LocalPod] = []  # retired ones too, for stop()
         self.proxy_ports: dict[tuple[str, int | str], int] = {}  # (Service, port) -> local port
         self._ports: dict[str, dict[int, int]] = {}  # pod name -> containerPort -> local port
         self._names: dict[str, dict[str, int]] = {}  # pod name -> port name -> containerPort
@@ -93,15 +101,25 @@ class LocalCluster:
         raise AssertionError(f"pods not ready after {timeout:.0f} s:\n{self.describe()}")
 
     def stop(self) -> None:
-        """Terminates every pod (SIGTERM, grace period), then removes the working directory."""
-        pods = [p for pods in self.pods.values() for p in pods]
+        """Terminates every pod (SIGTERM, grace period), kills any process of the cluster still
+        there (whatever started it), then removes the working directory."""
+        pods = list(self._every_pod)
         for pod in pods:
             pod.terminate(wait=False)
         for pod in pods:
             if not pod.terminated.wait(pod.grace_s + 10):
                 pod.kill()
+        for pod in pods:
+            pod.join(10)  # its supervisor starts nothing more
         self._proxies.close()
+        self._kill_leftovers()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        for pid in processes_with_env(CLUSTER_ENV, str(self.dir)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not processes_with_env(CLUSTER_ENV, str(self.dir)), 10, "pods gone")
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -209,7 +227,7 @@ class LocalCluster:
         def build(c: Obj) -> Container:
             return self._container(c, name, pod_dir, volumes, ports)
 
-        return LocalPod(
+        pod = LocalPod(
             name,
             template["metadata"].get("labels", {}),
             [build(c) for c in spec.get("initContainers", [])],
@@ -218,6 +236,9 @@ class LocalCluster:
             grace_s=spec.get("terminationGracePeriodSeconds", 30),
             time_scale=self.time_scale,
         )
+        with self._lock:
+            self._every_pod.append(pod)
+        return pod
 
     def _volume_dir(self, volume: Obj, pod_dir: Path) -> Path:
         if volume.get("emptyDir", {}).get("medium") == "Memory":
@@ -265,6 +286,8 @@ class LocalCluster:
         if argv and argv[0] == "ketch":  # the image's ketch is this checkout's (after the
             argv[0] = str(_KETCH_BIN / "ketch")  # rewriting: it may live under a mount path)
         env = {"PATH": f"{_KETCH_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        # This harness plays the kubelet: if it dies, its pods stop by themselves.
+        env |= {ENV_WATCH_PID: str(os.getpid()), CLUSTER_ENV: str(self.dir)}
         for item in c.get("env", []):
             env[item["name"]] = local(self._env_value(item, pod))
         # time_scale speeds up what only delays a test (startup/readiness polling); liveness

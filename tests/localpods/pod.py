@@ -168,6 +168,11 @@ class LocalPod:
         if wait:
             self.terminated.wait(self.grace_s + 30)
 
+    def join(self, timeout: float) -> None:
+        """Waits for the supervisor thread (which starts nothing once terminating)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
     def kill(self) -> None:
         """Immediate SIGKILL of everything (test teardown)."""
         self._stop.set()
@@ -215,6 +220,8 @@ class LocalPod:
                     self.name, c.name, code, c.restarts, c.next_start - now,
                 )  # fmt: skip
                 c.proc = None
+            if self.terminating or self._stop.is_set():
+                return  # a pod being deleted restarts nothing
             if now >= c.next_start and not c.start():
                 c.restarts += 1
                 c.next_start = now + self._backoff(c)

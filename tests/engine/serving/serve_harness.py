@@ -33,9 +33,13 @@ START_TIMEOUT_S = 120.0
 class Server:
     """One ``ketch serve`` subprocess; its output goes to a log file shown on failures."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, new_session: bool = False
+    ) -> None:
+        """``new_session``: the server leads a process group of its own (as under setsid)."""
         # Every port the instance may bind is a free one, so servers never clash.
         self.port, worker_port, cache_port, pd_port = free_ports(4)
+        self.worker_port = worker_port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix=f"ketch-serve-{self.port}-", suffix=".log")[1])
         full_env = {k: v for k, v in os.environ.items() if k != "KETCH_API_KEY"}
@@ -46,7 +50,7 @@ class Server:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
-                env=full_env,
+                env=full_env, start_new_session=new_session,
             )  # fmt: skip
         self._children: set[tuple[int, str]] = set()  # (pid, start time)
 
