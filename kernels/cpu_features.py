@@ -31,6 +31,10 @@ ISA_SPECIFIC_OPS: Mapping[str, frozenset[str]] = {
     "paddle.incubate.nn.functional.fused_rms_norm": AVX512,
 }
 
+# Fused ops the engine calls that run on every x86-64 CPU paddle supports: seen on an AVX2-only
+# Zen 3 and under the emulated one (tests/kernels/test_emulated_avx2_cpu.py).
+PORTABLE_FUSED_OPS = frozenset({"paddle.nn.functional.swiglu"})
+
 # numpy's CPUID feature names that differ from the kernel's /proc/cpuinfo flag names.
 _NUMPY_NAMES = {"FMA3": "fma", "SSE41": "sse4_1", "SSE42": "sse4_2", "BMI": "bmi1"}
 

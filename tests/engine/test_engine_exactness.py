@@ -60,3 +60,16 @@ def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str)
     assert not mismatches, (
         f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
     )
+
+
+def test_greedy_matches_transformers_on_an_avx2_only_cpu(checkpoint, monkeypatch) -> None:
+    """The same, with the CPU features narrowed to an AVX2 machine's (Zen 3): the path such a
+    machine runs is checked on every machine, AVX-512 ones included."""
+    from ketch.kernels.cpu_features import ENV_FLAGS
+
+    monkeypatch.setenv(ENV_FLAGS, "sse4_2 avx avx2 fma")
+    path = checkpoint("qwen2")
+    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=20, seed=3)
+    ours, llm = run_constrained(path, prompts)
+    assert llm.engine.runner.model.kernels.rms_norm_name == "portable"
+    assert ours == hf_greedy(path, prompts, MAX_TOKENS)

@@ -20,18 +20,21 @@ from ketch.engine.models.llama import LlamaModel
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
+from ketch.kernels import CpuKernels
 
 BLOCK = 16
 TOLERANCE = 1e-4
 
 
-def engine_logits(path: Path, sequences: list[list[int]], splits: list[int]) -> list[np.ndarray]:
+def engine_logits(
+    path: Path, sequences: list[list[int]], splits: list[int], kernels: CpuKernels
+) -> list[np.ndarray]:
     """Logits at every position of every sequence, computed in two batched chunked steps."""
     import paddle
 
     configure_paddle(None)
     config = ModelConfig.from_dir(path)
-    model = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024)
+    model = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024, kernels=kernels)
     blocks_each = [-(-len(s) // BLOCK) for s in sequences]
     cache = KVCache(
         config.num_hidden_layers,
@@ -77,35 +80,42 @@ def reference_logits(path: Path, sequences: list[list[int]]) -> list[np.ndarray]
         return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
 
 
-def assert_close(path: Path, vocab: int, seed: int = 0) -> None:
+def assert_close(path: Path, vocab: int, kernels: CpuKernels, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     lengths = [1, 2, 17, 40, 100, 250]
     sequences = [rng.integers(1, vocab, n).tolist() for n in lengths]
     splits = [0 if n == 1 else int(rng.integers(1, n)) for n in lengths]
     splits[-2] = lengths[-2] - 1  # a decode step after a 99-token prefix
-    ours = engine_logits(path, sequences, splits)
+    ours = engine_logits(path, sequences, splits, kernels)
     theirs = reference_logits(path, sequences)
     for a, b, n in zip(ours, theirs, lengths, strict=True):
         rel = np.abs(a - b).max() / np.abs(b).max()
         assert rel <= TOLERANCE, f"length {n}: relative error {rel:.2e}"
 
 
+@pytest.fixture(params=["portable", "selected"])
+def kernels(request) -> CpuKernels:
+    """The portable kernels (what an AVX2-only CPU runs), forced on every machine, and the ones
+    this machine's CPU selects (the fused AVX-512 ones where it has AVX-512)."""
+    return CpuKernels.portable() if request.param == "portable" else CpuKernels.select()
+
+
 @pytest.mark.parametrize(
     "name", ["llama", "llama-tied-llama3rope", "llama-linear-bias", "qwen2", "qwen2-untied"]
 )
-def test_random_checkpoints_match_transformers(checkpoint, name: str) -> None:
+def test_random_checkpoints_match_transformers(checkpoint, name: str, kernels) -> None:
     path = checkpoint(name)
-    assert_close(path, ModelConfig.from_dir(path).vocab_size)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels)
 
 
-def test_sharded_checkpoint_matches_transformers(checkpoint) -> None:
+def test_sharded_checkpoint_matches_transformers(checkpoint, kernels) -> None:
     path = checkpoint("qwen2", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
-    assert_close(path, ModelConfig.from_dir(path).vocab_size, seed=1)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels, seed=1)
 
 
-def test_tiny_model_matches_transformers() -> None:
+def test_tiny_model_matches_transformers(kernels) -> None:
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     assert config.num_key_value_heads < config.num_attention_heads  # GQA
-    assert_close(TINY_MODEL_DIR, config.vocab_size, seed=2)
+    assert_close(TINY_MODEL_DIR, config.vocab_size, kernels, seed=2)
