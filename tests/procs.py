@@ -4,7 +4,9 @@ polling until something is true."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,14 +17,43 @@ from typing import Any
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open while choosing, so none repeats)."""
+    """Distinct free ports, never the same twice in one test process, and below the kernel's
+    ephemeral range: a port handed to one server is not handed to another (two pods of one
+    local cluster once got the same port from successive bind(0) calls), nor taken meanwhile
+    by some connection's source port or another bind(0)."""
+    low, high = _PORT_RANGE
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for attempt in itertools.count():
+            if len(ports) == count:
+                break
+            if attempt > 50 * count + 1000:
+                raise RuntimeError(f"no {count} free ports in {low}-{high}")
+            port = _RANDOM.randrange(low, high)
+            if port in _HANDED_OUT or port in ports:
+                continue
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+            try:
+                sock.bind(("0.0.0.0", port))  # free on every address, TIME_WAIT included
+            except OSError:
+                continue
+            ports.append(port)
+        _HANDED_OUT.update(ports)
         return ports
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports 20000 up to the start of the ephemeral range (Linux: 32768)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    return (20000, ephemeral_low) if ephemeral_low > 21000 else (10000, 20000)
+
+
+_PORT_RANGE = _port_range()
+_HANDED_OUT: set[int] = set()  # this test process's; ports are plenty (about 12k)
+_RANDOM = random.Random()
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> int:
