@@ -27,16 +27,19 @@ SHAPES = [(1, 512), (32, 512), (256, 512), (2048, 512), (32, 4096)]
 BLOCK = 16
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls, after a warm-up."""
-    for _ in range(max(3, repeats // 20)):
-        fn()
-    samples = []
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function over ``repeats`` rounds, after a warm-up. The functions
+    take turns within every round, so drift on a noisy machine hits them alike."""
+    for fn in fns.values():
+        for _ in range(max(3, repeats // 20)):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def bench_op(kernels: dict, repeats: int) -> list[tuple[str, dict[str, float]]]:
@@ -47,10 +50,8 @@ def bench_op(kernels: dict, repeats: int) -> list[tuple[str, dict[str, float]]]:
     for tokens, hidden in SHAPES:
         x = paddle.to_tensor(rng.standard_normal((tokens, hidden)).astype(np.float32))
         w = paddle.to_tensor(rng.standard_normal(hidden).astype(np.float32))
-        times = {
-            name: timed(lambda k=k, x=x, w=w: k.rms_norm(x, w, 1e-6), repeats)
-            for name, k in kernels.items()
-        }
+        fns = {name: lambda k=k, x=x, w=w: k.rms_norm(x, w, 1e-6) for name, k in kernels.items()}
+        times = timed(fns, repeats)
         rows.append((f"rms_norm [{tokens}, {hidden}]", times))
     return rows
 
@@ -99,7 +100,7 @@ def bench_model(path: Path, kernels: dict, repeats: int) -> list[tuple[str, dict
              "prefill, 256 tokens": inputs([256], 256)}  # fmt: skip
     rows = []
     for label, (ids, pos, meta, logit_rows) in cases.items():
-        times = {}
+        fns = {}
         for name, k in kernels.items():
             model = LlamaModel(config, weights, max_len=2048, kernels=k)
 
@@ -107,7 +108,8 @@ def bench_model(path: Path, kernels: dict, repeats: int) -> list[tuple[str, dict
                 with paddle.no_grad():
                     model.forward(ids, pos, cache.layers, meta, logit_rows)
 
-            times[name] = timed(step, max(10, repeats // 10))
+            fns[name] = step
+        times = timed(fns, max(10, repeats // 5))
         rows.append((label, times))
     return rows
 
