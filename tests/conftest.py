@@ -2,7 +2,8 @@
 
 Every process the test run starts (servers, sidecars, routers, operators, and whatever they
 start) inherits ``KETCH_WATCH_PID`` = this process, so each stops by itself if the run dies,
-and the run fails at the end if any of them, or a new ``/dev/shm/ketch-*`` segment, is left.
+and the run fails at the end if any of them, or a ``/dev/shm/ketch-*`` segment named after a
+port it handed out, is left.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_models import make_checkpoint
 from ketch.engine.lifecycle import ENV_WATCH_PID
-from procs import describe, ketch_segments, processes_with_env
+from procs import describe, own_segments, processes_with_env
 
 os.environ[ENV_WATCH_PID] = str(os.getpid())
 _LEAK_WAIT_S = 10.0
@@ -87,18 +88,13 @@ def _restore_root_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_SEGMENTS_BEFORE] = ketch_segments()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fails the run if a process it started, or a segment it made, outlived its tests."""
-    before = session.config.stash.get(_SEGMENTS_BEFORE, set())
     me = str(os.getpid())
     deadline = time.monotonic() + _LEAK_WAIT_S
     while True:
         pids = [p for p in processes_with_env(ENV_WATCH_PID, me) if not _own_tracker(p)]
-        segments = ketch_segments() - before
+        segments = own_segments()
         if not (pids or segments) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -116,9 +112,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if reporter is not None:
         reporter.write_line(report, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-_SEGMENTS_BEFORE = pytest.StashKey[set]()
 
 
 def _own_tracker(pid: int) -> bool:

@@ -103,6 +103,12 @@ def ketch_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("ketch-*")}
 
 
+def own_segments() -> set[str]:
+    """The ``ketch-*`` segments named after a port this test process handed out (an instance's
+    segments carry its worker port): those of another test run on the machine are not ours."""
+    return {s for s in ketch_segments() if s.rsplit("-", 1)[-1] in {str(p) for p in _HANDED_OUT}}
+
+
 def describe(pids: list[int]) -> str:
     lines = []
     for pid in pids:
