@@ -198,7 +198,7 @@ class EngineClient:
         self.dead_reason = reason
         logger.error("%s; failing %d open requests", reason, len(self._queues))
         for request_id, queue in self._queues.items():
-            queue.put_nowait(RequestDelta(request_id=request_id, error=reason))
+            queue.put_nowait(RequestDelta(request_id=request_id, error=reason, error_code=503))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine process and removes the socket files."""

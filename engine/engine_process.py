@@ -32,6 +32,7 @@ from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.outputs import RequestOutput
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot
+from ketch.engine.wire import BadMessages, MessageError
 
 if TYPE_CHECKING:  # paddle is imported only inside the engine process
     from ketch.engine.llm_engine import LLMEngine
@@ -99,7 +100,10 @@ def _run(
         engine.close()
         sys.exit(1)
     try:
-        outputs.send(encode(EngineReady(engine.max_model_len, engine.kv_cache.pool.num_blocks)))
+        ready = EngineReady(
+            engine.max_model_len, engine.kv_cache.pool.num_blocks, engine.model_config.vocab_size
+        )
+        outputs.send(encode(ready))
         # Gauges (KV blocks, batch limits) are right from the start, before any request.
         outputs.send(encode(StepOutputs(deltas=[], snapshot=links.snapshot())))
         _serve(engine, links, requests, outputs)
@@ -206,6 +210,7 @@ def _detached(engine: LLMEngine, links: _Links) -> None:
 def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
+    bad_messages = BadMessages("engine")
     parent = os.getppid()
     while True:
         for socket in links.new_sockets():
@@ -219,7 +224,13 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
             engine.check_health()  # a dead worker ends this process (non-zero exit)
         deltas: list[RequestDelta] = []
         while events.get(requests) and requests.poll(0):
-            _apply(engine, links, decode(requests.recv()), deltas)
+            data = requests.recv()
+            try:
+                message = decode(data)
+            except MessageError as exc:  # the API server's bug, not a reason to stop serving
+                bad_messages.note("api-server", exc)
+                continue
+            _apply(engine, links, message, deltas)
         before = (links.attached, engine.kv_cache.pool.num_free_blocks)
         deltas += links.tick()
         after = (links.attached, engine.kv_cache.pool.num_free_blocks)

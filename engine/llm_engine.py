@@ -148,6 +148,10 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
         text, token_ids = self.tokenize_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if seed is not None:

@@ -36,12 +36,14 @@ parts stop coming is forgotten after the transfer timeout, never acknowledged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ketch.engine import wire
 
 PROTOCOL_VERSION = 1
 """Bumped whenever a message or the KV layout changes; peers with another version are refused."""
+MAX_CONTROL_BYTES = 16 << 20
+"""A control message or transfer header (block lists of a long prompt fit; KV data travels in
+frames of its own)."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -208,14 +210,6 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    """Parses one message; raises ValueError on anything malformed (never trusts the peer)."""
-    return wire.decode(data, _TYPES, _convert, "cache-manager")
-
-
-def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
-    if "layout" in body:
-        body["layout"] = KVLayout(**body["layout"])
-    for key in ("out", "into"):
-        if key in body:
-            body[key] = [(int(a), int(b)) for a, b in body[key]]
-    return body
+    """Parses one message; raises wire.MessageError on anything malformed (never trusts the
+    peer)."""
+    return wire.decode(data, _TYPES, "cache-manager", max_bytes=MAX_CONTROL_BYTES)

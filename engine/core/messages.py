@@ -7,7 +7,6 @@ so either side can be replaced (or inspected with a plain ZMQ client) without sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ketch.engine import wire
 from ketch.engine.sampling_params import SamplingParams
@@ -48,7 +47,7 @@ class RequestDelta:
     # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
-    error_code: int | None = None  # the HTTP status for ``error`` when it is not a 400
+    error_code: int = 400  # the HTTP status ``error`` maps to (503: the engine failed)
     metrics: RequestMetrics | None = None  # on the finishing delta
 
     @property
@@ -70,6 +69,7 @@ class EngineReady:
 
     max_model_len: int
     num_kv_blocks: int
+    vocab_size: int = 0  # the model's: the API server checks token ids against it
 
 
 @dataclass
@@ -88,28 +88,5 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    return wire.decode(data, _TYPES, _convert, "engine")
-
-
-def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
-    if kind is AddRequest:
-        body["params"] = SamplingParams(**body["params"])
-    elif kind is StepOutputs:
-        snapshot = body.get("snapshot")
-        body["deltas"] = [_delta(d) for d in body["deltas"]]
-        body["snapshot"] = None if snapshot is None else EngineSnapshot(**snapshot)
-    return body
-
-
-def _delta(body: dict[str, Any]) -> RequestDelta:
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        logprobs = [(t, lp, [tuple(x) for x in top]) for t, lp, top in logprobs]
-    metrics = body.get("metrics")
-    return RequestDelta(
-        **{
-            **body,
-            "logprobs": logprobs,
-            "metrics": None if metrics is None else RequestMetrics(**metrics),
-        }
-    )
+    """Parses one message; raises wire.MessageError on anything malformed."""
+    return wire.decode(data, _TYPES, "engine")

@@ -18,6 +18,7 @@ from ketch.engine.core.messages import RequestDelta
 from ketch.engine.core.request import Request
 from ketch.engine.disagg.decode import DecodeSide
 from ketch.engine.disagg.messages import (
+    MAX_PD_MESSAGE_BYTES,
     AbortPrefill,
     PdMessage,
     PdPing,
@@ -30,6 +31,7 @@ from ketch.engine.disagg.prefill import PrefillSide
 from ketch.engine.outputs import RequestOutput
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
+from ketch.engine.wire import BadMessages
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class PDCoordinator:
         self._context = zmq.Context.instance()
         self.router = self._context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a bigger frame (and the connection that sent it) before it is buffered.
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
+        self.bad_messages = BadMessages(f"{self.role} pd-comm")
         try:
             self.router.bind(f"tcp://{config.host}:{config.pd_comm_port}")
         except zmq.ZMQError as exc:
@@ -98,10 +103,18 @@ class PDCoordinator:
         """Handles what arrived, timeouts and reservations; returns outputs and errors for the
         API server."""
         while self.router.poll(0):
-            self._on_router(*self.router.recv_multipart())
+            frames = self.router.recv_multipart()
+            if len(frames) != 2:  # [peer identity, message]
+                self.bad_messages.note("a pd-comm peer", f"{len(frames) - 1} frames instead of 1")
+                continue
+            self._on_router(*frames)
         for socket, peer in list(self._peer_of.items()):
             while socket.poll(0):
-                self._on_peer(peer, socket.recv())
+                frames = socket.recv_multipart()
+                if len(frames) != 1:
+                    self.bad_messages.note(peer, f"{len(frames)} frames instead of 1")
+                    continue
+                self._on_peer(peer, frames[0])
         if self.prefill is not None and self.cache is not None:
             self.prefill.on_push_results(self.cache.take_push_results())
         if self.decode is None:
@@ -119,7 +132,7 @@ class PDCoordinator:
         try:
             message = decode(data)
         except ValueError as exc:
-            logger.warning("ignoring a malformed pd-comm message: %s", exc)
+            self.bad_messages.note("a pd-comm peer", exc)
             return
         if isinstance(message, PdPing):
             known = self.prefill.knows if self.prefill else lambda _: False
@@ -136,7 +149,7 @@ class PDCoordinator:
         try:
             message = decode(data)
         except ValueError as exc:
-            logger.warning("ignoring a malformed message from %s: %s", peer, exc)
+            self.bad_messages.note(peer, exc)
             return
         if self.decode is not None:
             self.decode.on_message(peer, message)
@@ -151,6 +164,7 @@ class PDCoordinator:
         if socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
             socket.connect(f"tcp://{peer}")
             self._peers[peer] = socket
             self._peer_of[socket] = peer

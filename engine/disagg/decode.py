@@ -117,7 +117,16 @@ class DecodeSide:
         for remote in self._remote.values():
             if remote.peer == peer:
                 remote.heard = now
+        if isinstance(message, PrefillDone | PrefillFailed):
+            remote = self._remote.get(message.request_id)
+            if remote is None or remote.peer != peer:  # only the paired peer speaks for it
+                logger.warning("%s answered for %s, not its request", peer, message.request_id)
+                return
         if isinstance(message, PrefillDone):
+            if not 0 <= message.token_id < self.engine.model_config.vocab_size:
+                error = f"the prefill instance {peer} sent token id {message.token_id}"
+                self._fail(message.request_id, error + ", outside the vocabulary", 502, True)
+                return
             self._handed_over(message)
         elif isinstance(message, PrefillFailed):
             remote = self._remote.get(message.request_id)

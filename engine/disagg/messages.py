@@ -15,13 +15,14 @@ connects a DEALER to each prefill engine it uses and sends:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ketch.engine import wire
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.sampling_params import SamplingParams
 
 PD_PROTOCOL_VERSION = 1
+# A PrefillRequest carries one prompt: a million tokens is ~8 MB of JSON.
+MAX_PD_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass
@@ -56,6 +57,10 @@ class PrefillFailed:
     error: str
     status_code: int = 503
 
+    def __post_init__(self) -> None:
+        if not 400 <= self.status_code <= 599:  # relayed to the client as its HTTP status
+            raise ValueError(f"status_code must be an HTTP error status, got {self.status_code}")
+
 
 @dataclass
 class AbortPrefill:
@@ -81,15 +86,5 @@ def encode(message: PdMessage) -> bytes:
 
 
 def decode(data: bytes) -> PdMessage:
-    """Parses one message; raises ValueError on anything malformed."""
-    return wire.decode(data, _TYPES, _convert, "prefill/decode")
-
-
-def _convert(kind: type, body: dict[str, Any]) -> dict[str, Any]:
-    if kind is PrefillRequest:
-        body["params"] = SamplingParams(**body["params"])
-        body["layout"] = KVLayout(**body["layout"])
-    if kind is PrefillDone and body.get("logprob") is not None:
-        chosen, top = body["logprob"]
-        body["logprob"] = (chosen, [(int(t), float(lp)) for t, lp in top])
-    return body
+    """Parses one message; raises wire.MessageError on anything malformed."""
+    return wire.decode(data, _TYPES, "prefill/decode", max_bytes=MAX_PD_MESSAGE_BYTES)

@@ -8,7 +8,6 @@ OpenAI-shaped JSON error; nothing here leaks a stack trace to a client.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
 from ketch.engine.serving import responses as R
+from ketch.engine.serving.admission import (
+    Slot,
+    check_limits,
+    check_token_ids,
+    credential_ok,
+    is_loopback,
+)
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.generation import (
     Choice,
@@ -41,6 +47,7 @@ from ketch.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
+_CONTROL_PATHS = ("/pause", "/resume")
 
 
 @dataclass
@@ -53,12 +60,20 @@ class ServingState:
     model_name: str
     metrics: EngineMetrics
     max_model_len: int
+    vocab_size: int = 0  # the model's, as the engine announced it
     api_key: str | None = None
+    admin_key: str | None = None  # for /pause and /resume; None: loopback clients only
     in_flight: int = 0
     draining: bool = False
     paused: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_peers: PrefillPeers = field(default_factory=lambda: PrefillPeers(None))
+
+    def set_idle(self, idle: bool) -> None:
+        if idle:
+            self.idle.set()
+        else:
+            self.idle.clear()
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -103,11 +118,19 @@ def _error(exc: ProtocolError) -> JSONResponse:
 
 def _check_access(state: ServingState, request: Request) -> None:
     path = request.url.path
+    header = request.headers.get("authorization", "")
+    if path in _CONTROL_PATHS:
+        if state.admin_key is not None:
+            if not credential_ok(header, state.admin_key):
+                raise ProtocolError(401, "missing or wrong admin key: send 'Bearer <admin key>'")
+        elif not is_loopback(request.client.host if request.client else None):
+            raise ProtocolError(
+                403, f"{path} answers loopback clients only unless --admin-key-file is set"
+            )
+        return
     if path in _OPEN_PATHS or state.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
+    if not credential_ok(header, state.api_key):
         raise ProtocolError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 
@@ -117,58 +140,50 @@ async def _read_body(state: ServingState, request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProtocolError(413, f"request body is larger than {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    try:
+        async with asyncio.timeout(state.config.request_read_timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    except TimeoutError:
+        seconds = state.config.request_read_timeout
+        raise ProtocolError(408, f"the request body did not arrive within {seconds:g} s") from None
     return bytes(body)
 
 
-def _admit(state: ServingState) -> None:
+def _admit(state: ServingState) -> Slot:
+    """The request's slot, if the server takes requests now (503 or 429 otherwise)."""
     if state.draining:
         raise ProtocolError(503, "the server is shutting down; retry on another instance")
     if state.paused:
         raise ProtocolError(503, "the server is paused; retry shortly or on another instance")
     if not state.engine.is_alive:
         raise ProtocolError(503, "the engine is not running")
-    if state.in_flight >= state.config.max_concurrency:
-        raise ProtocolError(
-            429, f"too many requests in flight (limit {state.config.max_concurrency}); retry"
-        )
-
-
-class _InFlight:
-    """Counts a request as in flight for its whole life, streaming included."""
-
-    def __init__(self, state: ServingState) -> None:
-        self.state = state
-
-    def __enter__(self) -> _InFlight:
-        self.state.in_flight += 1
-        self.state.idle.clear()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.state.in_flight -= 1
-        if self.state.in_flight == 0:
-            self.state.idle.set()
+    return Slot(state)
 
 
 async def _completions(request: Request) -> Response:
     state = _state(request)
-    _admit(state)
-    body = parse_request(CompletionRequest, await _read_body(state, request))
-    check_model(body.model, [state.model_name])
-    params = body.to_sampling_params(None)
-    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
-    _check_vocab(state, prompts)
-    paired = await pairing(state.config, state.prefill_peers, request)
-    choices = make_choices(prompts, params, state.max_model_len, paired)
-    meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
-    if body.stream:
-        return _sse(state, _completion_events(state, meta, choices, len(prompts)))
-    with _InFlight(state):
+    slot = _admit(state)
+    try:
+        body = parse_request(CompletionRequest, await _read_body(state, request))
+        check_model(body.model, [state.model_name])
+        params = body.to_sampling_params(None)
+        check_limits(state.config, params, len(body.prompt))
+        prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
+        check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
+        paired = await pairing(state.config, state.prefill_peers, request)
+        choices = make_choices(prompts, params, state.max_model_len, paired)
+        slot.resize(len(choices))
+        meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
+        if body.stream:
+            return _sse(slot, _completion_events(state, meta, choices, len(prompts)))
         done = await run_to_end(state.engine, choices)
+    except BaseException:
+        slot.release()
+        raise
+    slot.release()
     return JSONResponse(
         R.completion_response(meta, request_outputs(done, len(prompts)), state.tokenizer)
     )
@@ -176,49 +191,51 @@ async def _completions(request: Request) -> Response:
 
 async def _chat_completions(request: Request) -> Response:
     state = _state(request)
-    _admit(state)
-    body = parse_request(ChatCompletionRequest, await _read_body(state, request))
-    check_model(body.model, [state.model_name])
-    params = body.to_sampling_params(None)
+    slot = _admit(state)
     try:
-        text = state.tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
-    except ValueError as exc:
-        raise ProtocolError(400, str(exc), param="messages") from exc
-    prompt = state.tokenizer.encode(text, add_special_tokens=False)
-    paired = await pairing(state.config, state.prefill_peers, request)
-    choices = make_choices([prompt], params, state.max_model_len, paired)
-    meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
-    if body.stream:
-        return _sse(state, _chat_events(state, meta, choices))
-    with _InFlight(state):
+        body = parse_request(ChatCompletionRequest, await _read_body(state, request))
+        check_model(body.model, [state.model_name])
+        params = body.to_sampling_params(None)
+        check_limits(state.config, params, 1)
+        try:
+            conversation = body.conversation()
+            text = state.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
+        except ValueError as exc:
+            raise ProtocolError(400, str(exc), param="messages") from exc
+        prompt = state.tokenizer.encode(text, add_special_tokens=False)
+        check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
+        paired = await pairing(state.config, state.prefill_peers, request)
+        choices = make_choices([prompt], params, state.max_model_len, paired)
+        slot.resize(len(choices))
+        meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
+        if body.stream:
+            return _sse(slot, _chat_events(state, meta, choices))
         done = await run_to_end(state.engine, choices)
+    except BaseException:
+        slot.release()
+        raise
+    slot.release()
     output = request_outputs(done, 1)[0]
     return JSONResponse(R.chat_completion_response(meta, output, state.tokenizer))
 
 
-def _check_vocab(state: ServingState, prompts: list[list[int]]) -> None:
-    vocab = state.tokenizer.vocab_size
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ProtocolError(400, f"prompt {i} is empty", param="prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ProtocolError(
-                400, f"prompt {i} has token ids {bad[:5]} outside [0, {vocab})", param="prompt"
-            )
+def _sse(slot: Slot, events: AsyncIterator[str]) -> StreamingResponse:
+    """The stream owns ``slot`` from here: released when it ends, or when it is dropped unsent."""
 
-
-def _sse(state: ServingState, events: AsyncIterator[str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
-        with _InFlight(state):
+        try:
             try:
                 async for event in events:
                     yield event
             except ProtocolError as exc:  # headers are sent: report in-stream, then stop
                 yield R.sse(error_body(exc))
             yield R.sse("[DONE]")
+        finally:
+            slot.release()
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    stream = body()
+    slot.release_with(stream)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
 async def _completion_events(

@@ -82,12 +82,30 @@ class ServerConfig:
     max_request_bytes: int = _opt(
         1 << 20, "Largest accepted request body in bytes (413 above).", minimum=1
     )
+    request_read_timeout: float = _opt(
+        30.0, "Seconds a client may take to send its request body (408 after).", minimum=0
+    )
+    max_choices: int = _opt(
+        128,
+        "Most sequences one request may ask for (prompts x n); each counts against "
+        "--max-concurrency.",
+        minimum=1,
+    )
+    max_stop_strings: int = _opt(16, "Most stop strings one request may give.", minimum=1)
+    max_stop_length: int = _opt(256, "Longest stop string, in characters.", minimum=1)
+    max_stop_token_ids: int = _opt(256, "Most stop token ids one request may give.", minimum=1)
     drain_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
     api_key_file: str | None = _opt(
         None,
         "File holding the API key; or set KETCH_API_KEY. Then /v1/* needs 'Bearer <key>'.",
+        crd=False,
+    )
+    admin_key_file: str | None = _opt(
+        None,
+        "File holding the admin key for /pause and /resume; or set KETCH_ADMIN_KEY. Without "
+        "one, those endpoints answer loopback clients only (e.g. kubectl exec ... curl).",
         crd=False,
     )
 
@@ -110,11 +128,23 @@ class ServerConfig:
             raise ValueError(f"ports must be distinct; {clashes} used more than once")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
-        for name in ("max_concurrency", "max_request_bytes"):
+        for name in (
+            "max_concurrency",
+            "max_request_bytes",
+            "max_choices",
+            "max_stop_strings",
+            "max_stop_length",
+            "max_stop_token_ids",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, least in (("drain_timeout", 0), ("pd_block_timeout", 0), ("pd_peer_timeout", 1)):
+        for name, least in (
+            ("drain_timeout", 0),
+            ("pd_block_timeout", 0),
+            ("pd_peer_timeout", 1),
+            ("request_read_timeout", 0.001),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{name} must be >= {least} seconds, got {value!r}")

@@ -59,9 +59,10 @@ def make_choices(
 def _apply(choice: Choice, delta: RequestDelta) -> None:
     out = choice.output
     if delta.error is not None:
-        if delta.error_code is not None:
-            raise ProtocolError(delta.error_code, delta.error)
-        raise _engine_error(delta.error, started=bool(out.token_ids))
+        message = delta.error
+        if delta.error_code >= 500:
+            message = f"the engine failed while serving this request: {message}"
+        raise ProtocolError(delta.error_code, message)
     out.token_ids = [*out.token_ids, *delta.new_token_ids]
     out.text += delta.new_text
     out.delta_text = delta.new_text
@@ -74,12 +75,6 @@ def _apply(choice: Choice, delta: RequestDelta) -> None:
         out.logprobs = [*(out.logprobs or []), *entries]
     elif choice.params.logprobs is not None and out.logprobs is None:
         out.logprobs = []
-
-
-def _engine_error(message: str, started: bool) -> ProtocolError:
-    if "exited" in message or started:
-        return ProtocolError(503, f"the engine failed while serving this request: {message}")
-    return ProtocolError(400, message)
 
 
 async def stream_choice(

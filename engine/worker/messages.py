@@ -1,49 +1,28 @@
-"""Engine <-> worker messages: the scheduler's per-step changes and the sampled tokens, as JSON."""
+"""Engine <-> worker messages: the scheduler's per-step changes and the sampled tokens.
+
+Both travel in the tagged JSON of ``ketch.engine.wire``, decoded and checked by its one codec.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from typing import Any
+from ketch.engine import wire
+from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
-from ketch.engine.core.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-from ketch.engine.sampling_params import SamplingParams
+_STEP = wire.registry(SchedulerOutput)
+_RESULT = wire.registry(ModelRunnerOutput)
 
 
 def encode_step(sched: SchedulerOutput) -> bytes:
-    body = dataclasses.asdict(sched)
-    body["finished_request_ids"] = sorted(sched.finished_request_ids)
-    return json.dumps(body).encode()
+    return wire.encode(sched)
 
 
 def decode_step(data: bytes) -> SchedulerOutput:
-    body: dict[str, Any] = json.loads(data)
-    new = [
-        NewRequestData(**{**n, "sampling_params": SamplingParams(**n["sampling_params"])})
-        for n in body["new_requests"]
-    ]
-    return SchedulerOutput(
-        new_requests=new,
-        cached_requests=CachedRequestData(**body["cached_requests"]),
-        num_scheduled_tokens=body["num_scheduled_tokens"],
-        total_num_scheduled_tokens=body["total_num_scheduled_tokens"],
-        finished_request_ids=set(body["finished_request_ids"]),
-        preempted_request_ids=body["preempted_request_ids"],
-    )
+    return wire.decode(data, _STEP, "engine-worker step")
 
 
 def encode_result(output: ModelRunnerOutput) -> bytes:
-    return json.dumps(dataclasses.asdict(output)).encode()
+    return wire.encode(output)
 
 
 def decode_result(data: bytes) -> ModelRunnerOutput:
-    body = json.loads(data)
-    logprobs = body["logprobs"]
-    if logprobs is not None:
-        logprobs = [None if lp is None else (lp[0], [tuple(x) for x in lp[1]]) for lp in logprobs]
-    return ModelRunnerOutput(body["request_ids"], body["sampled_token_ids"], logprobs)
+    return wire.decode(data, _RESULT, "engine-worker result")

@@ -166,7 +166,8 @@ LONG = {
 def guarded(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "api-key"
     key_file.write_text(KEY + "\n")
-    with running_server("--api-key-file", str(key_file), "--max-concurrency", "2") as srv:
+    # Each of the test's two long streams asks for 8 sequences: together they fill the limit.
+    with running_server("--api-key-file", str(key_file), "--max-concurrency", "16") as srv:
         yield srv
 
 
@@ -204,7 +205,7 @@ def test_over_max_concurrency_is_429_with_retry_after(guarded):
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(httpx.Client(base_url=guarded.url, headers=AUTH, timeout=60))
         streams = []  # kept referenced: a collected line iterator closes its response
-        for _ in range(2):  # two long streams in flight: the limit
+        for _ in range(2):  # two long streams of n=8 in flight: the limit of 16 sequences
             response = stack.enter_context(client.stream("POST", "/v1/completions", json=LONG))
             assert response.status_code == 200
             streams.append(sse_events(response.iter_lines()))

@@ -1,0 +1,122 @@
+"""Admission: what a request must pass before it costs the engine anything.
+
+- A request holds a ``Slot`` of ``--max-concurrency`` from the moment its body starts arriving
+  (so slow senders count) until its last byte is sent; once parsed, the slot grows to one unit
+  per sequence it asks for (prompts x n). The check and the count happen with no ``await``
+  between them, so a burst cannot slip past the limit.
+- Credentials are compared as bytes in constant time: a header with non-ASCII characters is a
+  wrong credential (401), not a server error.
+- Limits on what one request may carry (sequences, stop strings, stop token ids), and token ids
+  within the model's vocabulary, as the engine announced it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import weakref
+from typing import Protocol
+
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.serving.config import ServerConfig
+from ketch.engine.serving.protocol import ProtocolError
+
+
+class _Counted(Protocol):
+    config: ServerConfig
+    in_flight: int
+
+    def set_idle(self, idle: bool) -> None: ...
+
+
+class Slot:
+    """One request's share of ``--max-concurrency``; released exactly once."""
+
+    def __init__(self, state: _Counted) -> None:
+        self.state = state
+        self.weight = 0
+        self.resize(1)
+
+    def resize(self, weight: int) -> None:
+        """Takes ``weight`` units in all; 429 (holding what it had) if that is over the limit."""
+        grow = weight - self.weight
+        limit = self.state.config.max_concurrency
+        if weight > limit:  # could never run: not a reason to retry
+            raise ProtocolError(
+                400,
+                f"the request asks for {weight} sequences; this server runs at most {limit} at "
+                "once (--max-concurrency)",
+                param="n",
+            )
+        if grow > 0 and self.state.in_flight + grow > limit:
+            raise ProtocolError(429, f"too many requests in flight (limit {limit}); retry")
+        self.state.in_flight += grow
+        self.weight = weight
+        self.state.set_idle(self.state.in_flight == 0)
+
+    def release(self) -> None:
+        if self.weight:
+            self.resize(0)
+
+    def release_with(self, owner: object) -> None:
+        """Also release when ``owner`` (a response body not yet iterated) is collected."""
+        weakref.finalize(owner, self.release)
+
+
+def credential_ok(header: str, key: str) -> bool:
+    """``Authorization: Bearer <key>``, compared in constant time (any text is safe)."""
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
+
+
+def is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_limits(config: ServerConfig, params: SamplingParams, num_prompts: int) -> None:
+    """400 naming the field when a request asks for more than this server allows."""
+    sequences = num_prompts * params.n
+    if sequences > config.max_choices:
+        raise ProtocolError(
+            400,
+            f"{num_prompts} prompt(s) x n={params.n} is {sequences} sequences; this server "
+            f"allows at most {config.max_choices} per request",
+            param="n" if num_prompts == 1 else "prompt",
+        )
+    if len(params.stop) > config.max_stop_strings:
+        raise ProtocolError(
+            400, f"at most {config.max_stop_strings} stop strings are allowed", param="stop"
+        )
+    if any(len(s) > config.max_stop_length for s in params.stop):
+        raise ProtocolError(
+            400,
+            f"stop strings may be at most {config.max_stop_length} characters long",
+            param="stop",
+        )
+    if len(params.stop_token_ids) > config.max_stop_token_ids:
+        raise ProtocolError(
+            400,
+            f"at most {config.max_stop_token_ids} stop token ids are allowed",
+            param="stop_token_ids",
+        )
+
+
+def check_token_ids(vocab: int, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Every token id a request carries lies in ``[0, vocab)``, the model's vocabulary."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ProtocolError(400, f"prompt {i} is empty", param="prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ProtocolError(
+                400, f"prompt {i} has token ids {bad[:5]} outside [0, {vocab})", param="prompt"
+            )
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ProtocolError(
+            400, f"stop_token_ids {bad[:5]} are outside [0, {vocab})", param="stop_token_ids"
+        )
