@@ -3,6 +3,7 @@ polling until something is true."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -10,6 +11,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +32,7 @@ def free_ports(count: int) -> list[int]:
             if attempt > 50 * count + 1000:
                 raise RuntimeError(f"no {count} free ports in {low}-{high}")
             port = _RANDOM.randrange(low, high)
-            if port in _HANDED_OUT or port in ports:
+            if port in _HANDED_OUT or port in ports or not _claim(port):
                 continue
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
@@ -51,9 +53,52 @@ def _port_range() -> tuple[int, int]:
     return (20000, ephemeral_low) if ephemeral_low > 21000 else (10000, 20000)
 
 
+def _claim(port: int) -> bool:
+    """Claims ``port`` for this process among every test process on the machine (a lock file
+    naming the owner; a dead owner's claim is taken over), so two test runs at once do not
+    start servers on the same port between choosing it and binding it."""
+    _CLAIMS.mkdir(mode=0o777, exist_ok=True)
+    path = _CLAIMS / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or 0)
+            except (OSError, ValueError):
+                return False
+            if owner == os.getpid() or _alive(owner):
+                return False
+            path.unlink(missing_ok=True)  # its owner is gone: take it over
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _release_claims() -> None:
+    for port in _HANDED_OUT:
+        with contextlib.suppress(OSError):
+            if (_CLAIMS / str(port)).read_text() == str(os.getpid()):
+                (_CLAIMS / str(port)).unlink()
+
+
+_CLAIMS = Path(tempfile.gettempdir()) / "ketch-test-ports"
 _PORT_RANGE = _port_range()
 _HANDED_OUT: set[int] = set()  # this test process's; ports are plenty (about 12k)
 _RANDOM = random.Random()
+atexit.register(_release_claims)
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> int:

@@ -70,6 +70,19 @@ def credential_ok(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
 
 
+def check_control_access(
+    path: str, header: str, admin_key: str | None, client_host: str | None
+) -> None:
+    """/pause and /resume: the admin key when one is set, else loopback clients only."""
+    if admin_key is not None:
+        if not credential_ok(header, admin_key):
+            raise ProtocolError(401, "missing or wrong admin key: send 'Bearer <admin key>'")
+    elif not is_loopback(client_host):
+        raise ProtocolError(
+            403, f"{path} answers loopback clients only unless --admin-key-file is set"
+        )
+
+
 def is_loopback(host: str | None) -> bool:
     try:
         return host is not None and ipaddress.ip_address(host).is_loopback

@@ -20,10 +20,10 @@ from ketch.engine.metrics import EngineMetrics
 from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     Slot,
+    check_control_access,
     check_limits,
     check_token_ids,
     credential_ok,
-    is_loopback,
 )
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.generation import (
@@ -120,13 +120,8 @@ def _check_access(state: ServingState, request: Request) -> None:
     path = request.url.path
     header = request.headers.get("authorization", "")
     if path in _CONTROL_PATHS:
-        if state.admin_key is not None:
-            if not credential_ok(header, state.admin_key):
-                raise ProtocolError(401, "missing or wrong admin key: send 'Bearer <admin key>'")
-        elif not is_loopback(request.client.host if request.client else None):
-            raise ProtocolError(
-                403, f"{path} answers loopback clients only unless --admin-key-file is set"
-            )
+        client = request.client.host if request.client else None
+        check_control_access(path, header, state.admin_key, client)
         return
     if path in _OPEN_PATHS or state.api_key is None:
         return

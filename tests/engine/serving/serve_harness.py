@@ -39,7 +39,7 @@ class Server:
         """``new_session``: the server leads a process group of its own (as under setsid)."""
         # Every port the instance may bind is a free one, so servers never clash.
         self.port, worker_port, cache_port, pd_port = free_ports(4)
-        self.worker_port = worker_port
+        self.worker_port, self.pd_port = worker_port, pd_port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix=f"ketch-serve-{self.port}-", suffix=".log")[1])
         full_env = {k: v for k, v in os.environ.items() if k != "KETCH_API_KEY"}
