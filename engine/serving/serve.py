@@ -55,21 +55,29 @@ def listeners(config: ServerConfig) -> dict[int, Listener]:
 
 
 def read_api_key(config: ServerConfig) -> str | None:
-    if config.api_key_file:
-        path = Path(config.api_key_file)
+    return _read_key(config.api_key_file, "--api-key-file", "KETCH_API_KEY")
+
+
+def read_admin_key(config: ServerConfig) -> str | None:
+    return _read_key(config.admin_key_file, "--admin-key-file", "KETCH_ADMIN_KEY")
+
+
+def _read_key(file: str | None, flag: str, env: str) -> str | None:
+    if file:
+        path = Path(file)
         if not path.is_file():
-            raise ValueError(f"--api-key-file {path} does not exist")
+            raise ValueError(f"{flag} {path} does not exist")
         key = path.read_text().strip()
         if not key:
-            raise ValueError(f"--api-key-file {path} is empty")
+            raise ValueError(f"{flag} {path} is empty")
         return key
-    return os.environ.get("KETCH_API_KEY") or None
+    return os.environ.get(env) or None
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
     check_ports(config)
-    api_key = read_api_key(config)
+    api_key, admin_key = read_api_key(config), read_admin_key(config)
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
     name = config.served_model_name or engine_config.model
@@ -85,7 +93,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         model_name=name,
         metrics=EngineMetrics(name),
         max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size,
         api_key=api_key,
+        admin_key=admin_key,
         prefill_peers=PrefillPeers(config.pd_prefill_peers),
     )
     engine.on_snapshot = state.metrics.update
@@ -157,6 +167,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
     parser = commands.add_parser(
         "serve",
+        allow_abbrev=False,
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Runs the engine process and the OpenAI-compatible API server. Every "
         "setting can also come from --config FILE (JSON or YAML); flags override the file.",
