@@ -144,7 +144,10 @@ def _scalar(hint: Any, value: Any, path: str) -> Any:
     if hint is float:
         if type(value) not in (int, float):
             raise MessageError(f"{path}: expected a number, got {_kind(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer with hundreds of digits
+            raise MessageError(f"{path}: number out of range") from None
     if hint in (str, bool):
         if type(value) is not hint:
             raise MessageError(f"{path}: expected {hint.__name__}, got {_kind(value)}")
