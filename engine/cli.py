@@ -23,11 +23,13 @@ _GENERATE_EXAMPLES = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ketch",
+        allow_abbrev=False,
         description="Ketch: LLM serving on Kubernetes. The engine's command-line entry point.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate",
+        allow_abbrev=False,
         help="generate text offline for one or more prompts",
         description="Runs prompts through the engine in-process and prints the completions.",
         epilog=_GENERATE_EXAMPLES,
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     fetch = commands.add_parser(
         "fetch-model",
+        allow_abbrev=False,
         help="download a model (hf:// or s3://) into a directory",
         description="Fetches a model's config, tokenizer and safetensors weights into DEST, as the "
         "operator's init container does. tiny, file:// and pvc:// models need no fetching. hf:// "

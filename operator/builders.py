@@ -30,10 +30,12 @@ from ketch.operator.containers import (
     cache_manager_container,
     container_security,
     engine_container,
+    home_env,
     http_probe,
     model_fetch_container,
     model_volume,
     needs_model_volume,
+    tmp_mount,
 )
 from ketch.operator.objects import (
     ANNOTATION_CONFIG_HASH,
@@ -206,7 +208,11 @@ def router_deployment(svc: ServiceSpec) -> Obj:
         "command": ["ketch", "router"],
         "args": ["--config", f"{CONFIG_DIR}/router.yaml"],
         "ports": [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}],
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "env": [home_env()],
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            tmp_mount(),
+        ],
         "readinessProbe": http_probe("/ready", 5, 2),
         "livenessProbe": http_probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
@@ -222,7 +228,10 @@ def router_deployment(svc: ServiceSpec) -> Obj:
             "enableServiceLinks": False,
             "securityContext": pod_security(),
             "containers": [container],
-            "volumes": [{"name": "config", "configMap": {"name": f"{svc.name}-config"}}],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{svc.name}-config"}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
         },
     }
     return deployment(svc, "router", template, svc.spec["router"]["replicas"])

@@ -31,6 +31,7 @@ _EXAMPLES = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ketch-operator",
+        allow_abbrev=False,
         description="The Ketch Kubernetes operator: reconciles InferenceService objects "
         f"({crd.CRD_NAME}) into engine Deployments, Services and policies.",
         epilog=_EXAMPLES,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
+        allow_abbrev=False,
         help="run the operator (in a pod, or against $KUBECONFIG)",
         description="Watches InferenceServices and their children and reconciles them. "
         "Credentials: the pod's service account, else $KUBECONFIG or ~/.kube/config.",
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     render = commands.add_parser(
         "render",
+        allow_abbrev=False,
         help="print the children the operator would apply for InferenceService file(s)",
         description="Validates each InferenceService in FILE(s) as the API server and the "
         "operator would (CRD schema, its CEL rules, the engine's own checks) and prints, as YAML "
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check-wiring",
+        allow_abbrev=False,
         help="render InferenceService file(s) and check the children's wiring",
         description="Renders each InferenceService in FILE(s) like 'render', then reads every "
         "'ketch' container as the process would (its args through the real 'ketch' parser, its "
@@ -122,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser(
         "crd",
+        allow_abbrev=False,
         help="print the InferenceService CustomResourceDefinition",
         description="Prints the CRD generated from Ketch's configuration definitions.",
     )
     commands.add_parser(
         "adapter-rules",
+        allow_abbrev=False,
         help="print the prometheus-adapter rules (Helm values) for the engine's metrics",
         description="Prints the prometheus-adapter Helm values that expose the engine's "
         "Prometheus metrics as the custom metrics the operator's HPAs use "

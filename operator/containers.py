@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.operator.crd import FETCH_CREDENTIAL_KEYS
 from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
 
 CONFIG_DIR = "/etc/ketch"
@@ -23,10 +24,25 @@ PORT_CM_HTTP = "cm-http"
 Obj = dict[str, Any]
 
 
+def tmp_mount() -> Obj:
+    """The pod's /tmp emptyDir: tempfile's directory (the engine's IPC sockets) and HOME."""
+    return {"name": "tmp", "mountPath": "/tmp"}
+
+
+def home_env() -> Obj:
+    """HOME on /tmp: what libraries cache under ~ (~/.cache of paddle, Hugging Face) lands
+    on the emptyDir, the root filesystem being read-only."""
+    return {"name": "HOME", "value": "/tmp"}
+
+
 def container_security() -> Obj:
+    """Every container's: restricted Pod Security, and a read-only root filesystem. What the
+    processes write goes to emptyDir volumes: /tmp, /dev/shm (KV cache segments,
+    multiprocessing) and the model-fetch container's destination."""
     return {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
@@ -91,7 +107,7 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
     mounts = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
+        tmp_mount(),
     ]
     if needs_model_volume(svc):
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -99,7 +115,7 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
         mounts.append(
             {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
         )
-    env = [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])]
+    env = [home_env(), *engine.get("env", [])]
     return {
         "name": "engine",
         "image": engine["image"],
@@ -149,7 +165,7 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
             _port(PORT_KV_TRANSFER, ports["kvTransfer"]),
             _port(PORT_CM_HTTP, ports["cacheManager"]),
         ],
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": [home_env()],
         "resources": {
             "limits": {"cpu": cm["cpu"], "memory": memory},
             "requests": {"cpu": cm["cpu"], "memory": memory},
@@ -157,7 +173,7 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
+            tmp_mount(),
         ],
         # Reserving the swap space takes a moment: up to 2 minutes before liveness applies.
         "startupProbe": http_probe("/health", 5, 24, PORT_CM_HTTP),
@@ -177,7 +193,11 @@ def model_volume(svc: ServiceSpec) -> Obj:
 
 
 def model_fetch_container(svc: ServiceSpec) -> Obj:
-    """hf:// and s3:// weights are fetched into the pod's model volume before the engine starts."""
+    """hf:// and s3:// weights are fetched into the pod's model volume before the engine starts.
+
+    Its environment is HOME and the fetch credentials of ``model.credentialsSecretRef``, never
+    ``engine.env``: an endpoint variable there (HF_ENDPOINT, AWS_ENDPOINT_URL) would send the
+    credentials wherever the spec says."""
     engine = svc.spec["engine"]
     return {
         "name": "model-fetch",
@@ -185,10 +205,22 @@ def model_fetch_container(svc: ServiceSpec) -> Obj:
         "imagePullPolicy": engine["imagePullPolicy"],
         "command": ["ketch", "fetch-model"],
         "args": [svc.spec["model"]["uri"], MODEL_MOUNT],
-        "env": [{"name": "HOME", "value": "/tmp"}, *engine.get("env", [])],
-        "volumeMounts": [
-            {"name": "models", "mountPath": MODEL_MOUNT},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "env": [home_env(), *fetch_credentials_env(svc)],
+        "volumeMounts": [{"name": "models", "mountPath": MODEL_MOUNT}, tmp_mount()],
         "securityContext": container_security(),
     }
+
+
+def fetch_credentials_env(svc: ServiceSpec) -> list[Obj]:
+    """The credential keys the model's URI scheme uses, each from the Secret if it has it."""
+    ref = svc.spec["model"].get("credentialsSecretRef")
+    if not ref:
+        return []
+    scheme = svc.spec["model"]["uri"].split("://", 1)[0]
+    return [
+        {
+            "name": key,
+            "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": key, "optional": True}},
+        }
+        for key in FETCH_CREDENTIAL_KEYS.get(scheme, ())
+    ]

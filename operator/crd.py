@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ketch.engine.cli_args import flag_name
-from ketch.operator.engine_fields import config_field_schemas, config_fields
+from ketch.operator.engine_fields import config_field_schemas, owned_flags
 
 GROUP = "serving.ketch.dev"
 VERSION = "v1alpha1"
@@ -32,6 +31,21 @@ ROUTER_POLICIES = ("least-requests", "round-robin", "prefix-hash")
 # labels of at most 63 characters).
 LONGEST_CHILD_SUFFIX = len("-prefill-peers")
 MAX_NAME_LENGTH = 63 - LONGEST_CHILD_SUFFIX
+
+# What the model-fetch init container reads, per URI scheme: the keys of
+# model.credentialsSecretRef it gets as environment variables. An endpoint comes from the same
+# Secret as the credentials it receives, so no spec field can send them elsewhere.
+FETCH_CREDENTIAL_KEYS = {
+    "hf": ("HF_TOKEN", "HF_ENDPOINT"),
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL",
+    ),
+}
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 # Units both Kubernetes (the sidecar's memory limit) and 'ketch cache-manager --swap-space' read
@@ -330,15 +344,6 @@ def _role(name: str) -> dict[str, Any]:
 
 def _engine() -> dict[str, Any]:
     props = config_field_schemas("engine")
-    owned_flags = [
-        *sorted(flag_name(f.name) for f in config_fields()),
-        "--model",
-        "--role",
-        "--host",
-        "--config",
-        "--api-key-file",
-    ]
-    flags_regex = "|".join(sorted(set(owned_flags)))
     props.update(
         {
             "image": string("Engine container image.", default=DEFAULT_IMAGE, minLength=1),
@@ -353,23 +358,13 @@ def _engine() -> dict[str, Any]:
                 default="2Gi",
                 pattern=QUANTITY_PATTERN,
             ),
-            "extraArgs": {
-                "type": "array",
-                "description": "More 'ketch serve' flags, for settings this spec does not name. "
-                "Flags the spec owns (e.g. --port, --model) are refused here.",
-                "items": {"type": "string", "description": "A flag or a flag's value."},
-                "maxItems": 64,
-                "x-kubernetes-validations": [
-                    _rule(
-                        f"self.all(a, !a.matches('^({flags_regex})(=.*)?$'))",
-                        "extraArgs may not set a flag that the spec sets; use the spec field "
-                        "(e.g. spec.ports.http for --port, spec.model.uri for --model)",
-                    )
-                ],
-            },
+            "extraArgs": _extra_args(),
             "env": {
                 "type": "array",
-                "description": "Extra environment variables of the engine container.",
+                "description": "Extra environment variables of the engine container (not of "
+                "the model-fetch init container, which gets model.credentialsSecretRef only). "
+                "A valueFrom.secretKeyRef may name any Secret of the namespace: whoever may "
+                "create an InferenceService may read every Secret there, as with a Pod.",
                 "items": obj(
                     "A core/v1 EnvVar.",
                     {
@@ -389,6 +384,34 @@ def _engine() -> dict[str, Any]:
         props,
         default={},
     )
+
+
+def _extra_args() -> dict[str, Any]:
+    """``engine.extraArgs``, with a CEL rule that refuses the flags the operator owns, as
+    written, as ``--flag=value`` or abbreviated (without ``=``). The operator's own check
+    (``spec.extra_args_problems``) refuses abbreviations with ``=`` too. Bounded items and
+    prefix tests keep the rule's estimated cost far below the API server's budget, which a
+    regex over unbounded strings exceeds."""
+    owned = "[" + ", ".join(f"'{flag}'" for flag in owned_flags()) + "]"
+    rule = (
+        "self.all(a, !a.startsWith('--') || a.size() < 3 || "
+        f"!{owned}.exists(f, f.startsWith(a) || a.startsWith(f + '=')))"
+    )
+    return {
+        "type": "array",
+        "description": "More 'ketch serve' flags, for settings this spec does not name. Flags "
+        "the operator sets (every engine setting, e.g. --port, --model, --pd-prefill-peers, "
+        "--config), also abbreviated or as --flag=value, are refused here.",
+        "items": {"type": "string", "description": "A flag or a flag's value.", "maxLength": 1024},
+        "maxItems": 64,
+        "x-kubernetes-validations": [
+            _rule(
+                rule,
+                "extraArgs may not set (or abbreviate) a flag that the operator sets; use the "
+                "spec field (e.g. spec.ports.http for --port, spec.model.uri for --model)",
+            )
+        ],
+    }
 
 
 def _ports() -> dict[str, Any]:
@@ -418,6 +441,15 @@ def _model() -> dict[str, Any]:
         ),
     }
     props.update(config_field_schemas("model"))
+    keys = "; ".join(f"{s}://: {', '.join(k)}" for s, k in FETCH_CREDENTIAL_KEYS.items())
+    props["credentialsSecretRef"] = obj(
+        "A Secret with the model-fetch init container's credentials (hf:// and s3:// models), "
+        f"under these keys, each optional: {keys}. Only that container gets them, and it gets "
+        "nothing else (not engine.env): an endpoint comes from the same Secret as the "
+        "credentials sent to it.",
+        {"name": string("Secret name (same namespace).", minLength=1, maxLength=253)},
+        required=("name",),
+    )
     return obj("The model to serve.", props, required=("uri",))
 
 

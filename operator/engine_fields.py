@@ -80,3 +80,42 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
             # config file must not depend on which path a value took.
             out[f.name] = float(node) if f.kind is float else node
     return out
+
+
+@functools.cache
+def owned_flags() -> tuple[str, ...]:
+    """Every ``ketch serve`` flag the operator owns, sorted: one per EngineConfig/ServerConfig
+    field (and ``--no-X`` for a boolean ``--X``) plus ``--config``.
+
+    The operator writes all of these settings, in the role's config file (``--config``), or
+    relies on their defaults (``--host`` 0.0.0.0, which the probes and Services need); a flag in
+    ``engine.extraArgs`` would override the file, so none of them may appear there.
+    """
+    flags = {"--config"}
+    for cls in (EngineConfig, ServerConfig):
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
+            flags.add(flag_name(f.name))
+            if base_type(hints[f.name]) is bool:  # argparse.BooleanOptionalAction
+                flags.add("--no-" + flag_name(f.name)[2:])
+    return tuple(sorted(flags))
+
+
+# Flags of settings that no engine field of the spec sets: what sets them instead.
+_SET_ELSEWHERE = {
+    "--model": "spec.model.uri",
+    "--role": "spec.roles",
+    "--api-key-file": "spec.auth.apiKeySecretRef",
+}
+
+
+def flag_source(flag: str) -> str | None:
+    """The spec field that sets an owned flag (``--port`` -> 'spec.ports.http'), or None for
+    the flags the operator sets by itself (``--config``, ``--host``, ``--pd-prefill-peers``)."""
+    name = "--" + flag[len("--no-") :] if flag.startswith("--no-") else flag
+    for f in config_fields():
+        if flag_name(f.name) == name:
+            return "spec." + ".".join(f.path)
+    return _SET_ELSEWHERE.get(name)

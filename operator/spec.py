@@ -184,6 +184,31 @@ def default_served_name(uri: str, service_name: str) -> str:
     return tail or service_name
 
 
+def extra_args_problems(args: list[str]) -> list[str]:
+    """``engine.extraArgs`` entries that would set a flag the operator owns: as written, as
+    ``--flag=value``, or abbreviated (``--pd-prefill-pe`` for ``--pd-prefill-peers``: argparse
+    takes any unambiguous prefix unless the parser says ``allow_abbrev=False``, which an older
+    engine image may not). The CRD's CEL rule is a cheaper subset of this check."""
+    problems = []
+    owned = engine_fields.owned_flags()
+    for i, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or name == "--":
+            continue
+        hits = [flag for flag in owned if flag.startswith(name)]
+        if not hits:
+            continue
+        how = "sets" if name in hits else "abbreviates"
+        hits = [name] if name in hits else hits
+        sources = sorted({s for s in map(engine_fields.flag_source, hits) if s})
+        owner = f"the operator sets from {' / '.join(sources)}: set that instead"
+        problems.append(
+            f"spec.engine.extraArgs[{i}]: {arg!r} {how} {' or '.join(hits)}, which "
+            + (owner if sources else "only the operator may set")
+        )
+    return problems
+
+
 def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
     """Validates and defaults an InferenceService object; raises ``InvalidSpec``.
 
@@ -212,6 +237,7 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
         for rule in schema.get("x-kubernetes-validations", []):
             if not _evaluate_rule(rule["rule"], {"metadata": {"name": name}}):
                 problems.append(f"metadata.name: {rule['message']}")
+    problems += extra_args_problems(spec["engine"].get("extraArgs", []))
     if problems:
         raise InvalidSpec(problems)
     service = ServiceSpec(

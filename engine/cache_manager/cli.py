@@ -37,6 +37,7 @@ def add_cache_manager_parser(commands: argparse._SubParsersAction) -> None:
 
     parser = commands.add_parser(
         "cache-manager",
+        allow_abbrev=False,
         help="run the KV cache sidecar (host swap, KV transfer between instances)",
         description=_DESCRIPTION,
         epilog=_EPILOG,

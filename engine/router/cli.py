@@ -43,6 +43,7 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
 
     parser = commands.add_parser(
         "router",
+        allow_abbrev=False,
         help="spread OpenAI requests over engine instances",
         description=_DESCRIPTION,
         epilog=_EXAMPLES,

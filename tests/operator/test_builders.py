@@ -178,6 +178,76 @@ def test_pods_meet_restricted_pod_security_standard(name):
         assert not any("hostPath" in v for v in pod["volumes"])
 
 
+def _every_container(body: dict):
+    for child in children(body).values():
+        if child["kind"] == "Deployment":
+            pod = child["spec"]["template"]["spec"]
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                yield container, {v["name"]: v for v in pod["volumes"]}
+
+
+@pytest.mark.parametrize("name", ["mixed", "disaggregated", "autoscaled", "coordinated"])
+def test_every_container_has_a_read_only_root_and_writable_emptydirs(name):
+    """Engine, sidecar, router and model fetch: the root filesystem is read-only; /tmp (IPC
+    sockets, tempfile) and HOME (library caches under ~) are an emptyDir, and so are the other
+    paths a process writes (/dev/shm, the fetch destination)."""
+    seen = set()
+    for container, volumes in _every_container(example(name)):
+        seen.add(container["name"])
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+        assert {"name": "HOME", "value": "/tmp"} in container["env"]
+        writable = {path for path, m in mounts.items() if not m.get("readOnly")}
+        for path in writable:
+            assert "emptyDir" in volumes[mounts[path]["name"]], (container["name"], path)
+        expected = {"engine": {"/tmp", "/dev/shm"}, "cache-manager": {"/tmp", "/dev/shm"}}
+        expected |= {"router": {"/tmp"}, "model-fetch": {"/tmp", "/models"}}
+        assert writable == expected[container["name"]]
+    assert seen >= {"engine", "cache-manager"}
+    assert {"disaggregated": "router", "autoscaled": "model-fetch"}.get(name, "engine") in seen
+
+
+def _fetch_container(uri: str, **model: object) -> dict:
+    body = example("mixed")
+    body["spec"]["model"] = {"uri": uri, **model}
+    body["spec"]["engine"]["env"] = [
+        {"name": "HF_ENDPOINT", "value": "https://elsewhere.example"},
+        {"name": "AWS_ENDPOINT_URL", "value": "https://elsewhere.example"},
+        {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}},
+    ]
+    kids = children(body)
+    pod = kids[("Deployment", "tiny-mixed")]["spec"]["template"]["spec"]
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    assert {e["name"] for e in engine["env"]} == {"HOME", "HF_ENDPOINT", "AWS_ENDPOINT_URL", "DB"}
+    [fetch] = pod["initContainers"]
+    return fetch
+
+
+def test_fetch_container_gets_no_engine_env():
+    """engine.env is the engine's: an endpoint there must not redirect the fetch credentials,
+    nor a Secret named there reach the fetcher."""
+    fetch = _fetch_container("hf://org/model")
+    assert fetch["env"] == [{"name": "HOME", "value": "/tmp"}]
+
+
+@pytest.mark.parametrize(
+    ("uri", "keys"),
+    [
+        ("hf://org/model", ["HF_TOKEN", "HF_ENDPOINT"]),
+        ("s3://bucket/prefix", list(crd.FETCH_CREDENTIAL_KEYS["s3"])),
+    ],
+)
+def test_fetch_container_gets_its_credentials_from_the_named_secret_only(uri, keys):
+    fetch = _fetch_container(uri, credentialsSecretRef={"name": "model-creds"})
+    assert fetch["env"][0] == {"name": "HOME", "value": "/tmp"}
+    assert [e["name"] for e in fetch["env"][1:]] == keys
+    for var in fetch["env"][1:]:
+        assert var["valueFrom"] == {
+            "secretKeyRef": {"name": "model-creds", "key": var["name"], "optional": True}
+        }
+
+
 def test_network_policy_keeps_internal_ports_internal():
     kids = children(example("autoscaled"))
     policy = kids[("NetworkPolicy", "llama-chat")]["spec"]
@@ -387,6 +457,16 @@ INVALID: list[tuple[str, dict, str]] = [
     ("dtype", {"engine": {"dtype": "int3"}}, "spec.engine.dtype"),
     ("kv memory", {"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
     ("extra args own flag", {"engine": {"extraArgs": ["--port=1"]}}, "spec.engine.extraArgs"),
+    (
+        "extra args abbreviation",
+        {"engine": {"extraArgs": ["--pd-prefill-pe", "x"]}},
+        "spec.engine.extraArgs",
+    ),
+    (
+        "extra args negation",
+        {"engine": {"extraArgs": ["--no-enable-prefix-caching"]}},
+        "spec.engine.extraArgs",
+    ),
     ("port range", {"ports": {"http": 70000}}, "spec.ports.http"),
     ("router policy", {"router": {"policy": "random"}}, "spec.router.policy"),
     (
