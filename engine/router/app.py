@@ -1,11 +1,16 @@
 """The router's HTTP front: OpenAI endpoints forwarded to instances, plus its own control API.
 
-Mixed and prefill/decode requests share one forwarding path: pick the target (and, for
-prefill/decode, a prefill peer named in ``x-ketch-prefill``), send the client's body unchanged,
-and pass the answer back. SSE streams are passed through chunk by chunk; a stream that breaks
-mid-way ends with an in-stream error event, so clients fail promptly instead of hanging. A
-connection that fails before any response marks the instance down and is retried once on
-another instance.
+Mixed and prefill/decode requests share one forwarding path: read the body (bounded in size
+and in time), pick the target (and, for prefill/decode, a prefill peer named in
+``x-ketch-prefill``), send the body unchanged, and pass the answer back. The router parses a
+body only for prefix-hash, and only to hash its prompt; the instances validate requests. SSE
+streams are passed through chunk by chunk; a stream that breaks mid-way ends with an in-stream
+error event, so clients fail promptly instead of hanging.
+
+A request goes to a second instance only when the connection to the first failed, so nothing
+of it reached that instance (which leaves rotation). Once an instance has the request, its
+answer — a 503 included — or its failure is the client's answer: a request that broke one
+instance is not carried to the next.
 """
 
 from __future__ import annotations
@@ -21,19 +26,27 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ketch.engine.router.admission import Refused, error_response, read_body, refused_response
 from ketch.engine.router.config import RouterConfig
 from ketch.engine.router.instances import Instance, Registry
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
+from ketch.engine.router.registration import registration_routes
 from ketch.engine.serving.pairing import DECODE_HOST_HEADER, PREFILL_HEADER
 
 logger = logging.getLogger("ketch.router")
 
 _PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+# The connection failed before any byte of the request went out: the instance never saw it,
+# so it may go to another. Every other failure comes after the instance may have started.
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_FAILED = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 @dataclass
 class RouterState:
+    """What the handlers of one router process share: settings, instances, policies, counts."""
+
     config: RouterConfig
     registry: Registry
     policy: Policy
@@ -42,20 +55,23 @@ class RouterState:
     in_flight: int = 0
     draining: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    registration_token: str | None = None  # None: registration is refused, whatever the config
 
     @classmethod
-    def from_config(cls, config: RouterConfig) -> RouterState:
+    def from_config(
+        cls, config: RouterConfig, registration_token: str | None = None
+    ) -> RouterState:
         policy = make_policy(config.policy, config.prefix_cache_entries, config.prefix_slack)
         decode = make_policy("round-robin" if config.policy == "round-robin" else "least-requests")
-        state = cls(config, Registry(config), policy, decode_policy=decode)
+        state = cls(
+            config,
+            Registry(config),
+            policy,
+            decode_policy=decode,
+            registration_token=registration_token,
+        )
         state.idle.set()
         return state
-
-
-def error_response(status: int, message: str, kind: str = "server_error") -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _sse_error(message: str) -> bytes:
@@ -87,9 +103,12 @@ def create_app(state: RouterState) -> FastAPI:
                 body = await resp.read()
                 kind = resp.headers.get("content-type", "application/json")
                 return Response(body, status_code=resp.status, media_type=kind)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            state.registry.mark_down(serving[0], f"/v1/models failed: {exc}")
-            return error_response(502, f"instance {serving[0].url} failed: {exc}")
+        except _NOT_SENT as exc:
+            state.registry.mark_down(serving[0], f"/v1/models: connect failed: {_describe(exc)}")
+            return error_response(502, f"instance {serving[0].url} failed: {_describe(exc)}")
+        except _FAILED as exc:
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            return error_response(status, f"instance {serving[0].url} failed: {_describe(exc)}")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -117,36 +136,7 @@ def create_app(state: RouterState) -> FastAPI:
             {"policy": state.policy.name, "instances": [i.to_json() for i in listed]}
         )
 
-    def registration_off() -> JSONResponse | None:
-        if state.config.registration or state.config.registration_only:
-            return None
-        message = "registration is off on this router; start it with --registration to allow it"
-        return error_response(403, message, "permission_error")
-
-    @app.post("/v1/ketch/register")
-    async def register(request: Request) -> JSONResponse:
-        if refused := registration_off():
-            return refused
-        try:
-            data = await request.json()
-            inst = state.registry.register(str(data["url"]), str(data.get("role", "mixed")))
-        except (ValueError, KeyError, TypeError) as exc:
-            why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
-            message = f'register needs JSON {{"url": "http://host:port", "role": ...}}: {why}'
-            return error_response(400, message, "invalid_request_error")
-        return JSONResponse({"registered": inst.to_json(), "ttl": state.config.registration_ttl})
-
-    @app.delete("/v1/ketch/register")
-    async def unregister(request: Request) -> JSONResponse:
-        if refused := registration_off():
-            return refused
-        try:
-            data = await request.json()
-            removed = state.registry.unregister(str(data["url"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            return error_response(400, f'unregister needs JSON {{"url": ...}}: {exc}')
-        return JSONResponse({"removed": removed})
-
+    app.include_router(registration_routes(state.config, state.registry, state.registration_token))
     return app
 
 
@@ -157,6 +147,10 @@ def _timeout(state: RouterState) -> aiohttp.ClientTimeout:
 
 def _passed_headers(request: Request) -> dict[str, str]:
     return {k: v for k in _PASS_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
 def _no_instance_message(state: RouterState) -> str:
@@ -201,55 +195,91 @@ def _choose(
 
 
 async def forward(state: RouterState, request: Request, path: str) -> Response:
-    """Forwards one OpenAI request; retries once elsewhere if the first instance cannot be
-    reached or answers 503 (it refused the request before doing anything: draining, paused,
-    its engine just died — the health loop has not seen it yet)."""
+    """Forwards one OpenAI request. Only a failed connection (nothing of the request reached
+    the instance) sends it to another, once; see the module docstring for why no more."""
     started = time.monotonic()
     if state.draining:
         return error_response(503, "the router is shutting down; retry shortly")
-    body = await request.body()
+    try:
+        body = await read_body(request, state.config.max_request_bytes, state.config.body_timeout)
+    except Refused as exc:
+        return refused_response(exc)
     chunks = None
     if isinstance(state.policy, PrefixHash):
         chunks = prompt_chunks(path, body, state.config.prefix_chunk_chars)
     headers = _passed_headers(request)
     tried: set[str] = set()
-    last_error = ""
-    refused: Response | None = None
-    for attempt in range(2):
+    unreachable = ""
+    for _ in range(2):
         picked = _pick(state, chunks, tried)
         if picked is None:
             break
-        target, prefill = picked
-        send = dict(headers)
-        if prefill is not None:
-            send[PREFILL_HEADER] = f"{prefill.host}:{prefill.pd_comm_port}"
-            send[DECODE_HOST_HEADER] = target.host
-        assert state.registry.session is not None
+        target = picked[0]
         _enter(state, target)
         try:
-            resp = await state.registry.session.post(
-                f"{target.url}{path}", data=body, headers=send, timeout=_timeout(state)
-            )
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            resp = await _send(state, picked, path, body, headers)
+        except _NOT_SENT as exc:
             _leave(state, target)
-            last_error = f"{target.url}: {type(exc).__name__}: {exc}"
-            state.registry.mark_down(target, f"request failed: {type(exc).__name__}: {exc}")
+            unreachable = f"{target.url}: {_describe(exc)}"
+            state.registry.mark_down(target, f"connect failed: {_describe(exc)}")
             state.metrics.upstream_errors.labels(target.url).inc()
             tried.add(target.url)
             continue
-        if resp.status == 503 and attempt == 0:
-            refused = await _relay(state, target, resp, started)
-            logger.info("%s answered 503; trying another instance", target.url)
-            tried.add(target.url)
-            continue
+        except _FAILED as exc:
+            _leave(state, target)
+            return _failed_after_send(state, target, exc, started)
+        except BaseException:  # cancelled: the count must not leak, or draining waits on it
+            _leave(state, target)
+            raise
         return await _relay(state, target, resp, started)
-    if refused is not None:
-        return refused
-    if last_error:
+    if unreachable:
         state.metrics.requests.labels("none", "502").inc()
-        return error_response(502, f"instances failed before answering: {last_error}")
+        return error_response(502, f"no instance could be reached: {unreachable}")
     state.metrics.requests.labels("none", "503").inc()
     return error_response(503, _no_instance_message(state))
+
+
+async def _send(
+    state: RouterState,
+    picked: tuple[Instance, Instance | None],
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+) -> aiohttp.ClientResponse:
+    """POSTs ``body`` to the target; a prefill peer, when there is one, goes in headers."""
+    target, prefill = picked
+    send = dict(headers)
+    if prefill is not None:
+        send[PREFILL_HEADER] = f"{prefill.host}:{prefill.pd_comm_port}"
+        send[DECODE_HOST_HEADER] = target.host
+    assert state.registry.session is not None  # opened by Registry.start before serving
+    return await state.registry.session.post(
+        f"{target.url}{path}", data=body, headers=send, timeout=_timeout(state)
+    )
+
+
+def _failed_after_send(
+    state: RouterState, target: Instance, exc: BaseException, started: float
+) -> JSONResponse:
+    """502 (or 504 on timeout) for an instance that had the request; it stays in rotation
+    (the health checks decide), and the request goes nowhere else."""
+    state.metrics.upstream_errors.labels(target.url).inc()
+    state.metrics.seconds.observe(time.monotonic() - started)
+    if isinstance(exc, TimeoutError):
+        status = 504
+        message = (
+            f"instance {target.url} did not answer within {state.config.request_timeout:g} s "
+            "(--request-timeout); not retried elsewhere"
+        )
+    else:
+        status = 502
+        message = (
+            f"instance {target.url} failed after the request was sent ({_describe(exc)}); "
+            "not retried: it may have started on it"
+        )
+    logger.warning("%s", message)
+    state.metrics.requests.labels(target.url, str(status)).inc()
+    return error_response(status, message)
 
 
 async def _relay(
@@ -263,9 +293,11 @@ async def _relay(
     if not kind.startswith("text/event-stream"):
         try:
             payload = await resp.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except _FAILED as exc:
             metrics.upstream_errors.labels(target.url).inc()
-            return error_response(502, f"instance {target.url} broke off its answer: {exc}")
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            why = "--request-timeout" if status == 504 else _describe(exc)
+            return error_response(status, f"instance {target.url} broke off its answer: {why}")
         finally:
             resp.release()
             _leave(state, target)
@@ -276,7 +308,7 @@ async def _relay(
         try:
             async for piece in resp.content.iter_any():
                 yield piece
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except _FAILED as exc:
             metrics.upstream_errors.labels(target.url).inc()
             logger.warning("stream from %s broke: %s: %s", target.url, type(exc).__name__, exc)
             yield b"\n\n" + _sse_error(

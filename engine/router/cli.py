@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from ketch.engine.ports import Listener, check_free
 from ketch.engine.router.app import RouterState, create_app
 from ketch.engine.router.config import RouterConfig
+from ketch.engine.router.registration import read_registration_token
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 
 logger = logging.getLogger("ketch.router")
@@ -26,10 +28,17 @@ over `ketch serve` instances. Instances come from --mixed, or --prefill and --de
 prefill/decode disaggregation: each request goes to a decode instance with the chosen prefill
 instance in the x-ketch-prefill header), as host:port, http://host:port or a DNS name without
 port (a headless Service: every address it resolves to is an instance on --engine-port). Instances
-may also register themselves: POST /v1/ketch/register {"url": "http://host:port", "role":
-"mixed"} (repeat as a heartbeat within --registration-ttl; DELETE to leave). GET
-/v1/ketch/instances lists what the router knows. Every setting can come from --config FILE
-(JSON or YAML); flags override the file."""
+may also register themselves when --registration is on: POST /v1/ketch/register {"url":
+"http://host:port", "role": "mixed"} with 'Authorization: Bearer <token>' (the token from
+--registration-token-file or KETCH_ROUTER_REGISTRATION_TOKEN; required), repeated as a
+heartbeat within --registration-ttl; DELETE to leave. GET /v1/ketch/instances lists what the
+router knows.
+
+A request is tried on a second instance only when the connection to the first failed (nothing
+was sent); an instance's own answer, 503 included, is passed back, and a failure after sending
+is a 502 (504 past --request-timeout). Bodies over --max-request-bytes get 413, bodies not sent
+within --body-timeout 408. Every setting can come from --config FILE (JSON or YAML); flags
+override the file."""
 
 _EXAMPLES = """examples:
   ketch router --mixed 10.0.0.5:8000,10.0.0.6:8000 --policy prefix-hash
@@ -81,8 +90,9 @@ def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -
 
 def run_router(args: argparse.Namespace) -> int:
     config = config_from(args)
+    token = read_registration_token(config, os.environ)  # a ValueError when one is missing
     check_port(config)
-    return asyncio.run(serve_router(config))
+    return asyncio.run(serve_router(config, token))
 
 
 def check_port(config: RouterConfig) -> None:
@@ -94,9 +104,9 @@ def _listeners(config: RouterConfig) -> dict[int, Listener]:
     return {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
 
 
-async def serve_router(config: RouterConfig) -> int:
+async def serve_router(config: RouterConfig, registration_token: str | None = None) -> int:
     """Runs until SIGTERM/SIGINT; returns 0 after draining."""
-    state = RouterState.from_config(config)
+    state = RouterState.from_config(config, registration_token)
     await state.registry.start()
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
     stop = stop_event()

@@ -10,12 +10,15 @@ resolved every ``dns_interval`` seconds to all its addresses, each an instance o
 
 from __future__ import annotations
 
+import ipaddress
+import string
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 POLICIES = ("least-requests", "round-robin", "prefix-hash")
 ROLES = ("mixed", "prefill", "decode")
+_HOST_CHARS = frozenset(string.ascii_letters + string.digits + ".-_")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -62,13 +65,19 @@ class RouterConfig:
     )
     registration: bool = _opt(
         False,
-        "Accept instances that register themselves (POST/DELETE /v1/ketch/register). Off by "
-        "default: whoever reaches the router's port could add a backend and receive traffic.",
+        "Accept instances that register themselves (POST/DELETE /v1/ketch/register with the "
+        "token of --registration-token-file). Off by default: a registered backend receives "
+        "clients' requests, their Authorization headers included.",
     )
     registration_only: bool = _opt(
         False,
         "Start with no instance list: instances come only from POST /v1/ketch/register (the "
         "router is not ready until one registers). Implies --registration.",
+    )
+    registration_token_file: str | None = _opt(
+        None,
+        "File holding the token registration requires ('Authorization: Bearer <token>'); or "
+        "set KETCH_ROUTER_REGISTRATION_TOKEN. Required with --registration(-only).",
     )
     health_interval: float = _opt(
         1.0, "Seconds between /ready and /metrics polls of each instance.", minimum=0.05
@@ -82,7 +91,18 @@ class RouterConfig:
         15.0, "Seconds a registered instance stays without a heartbeat (re-POST).", minimum=0.1
     )
     request_timeout: float = _opt(
-        600.0, "Seconds a forwarded request may take in all before it is cut.", minimum=1
+        600.0,
+        "Seconds a forwarded request may take in all before it is cut (504; the instance "
+        "stays in rotation: only health checks and refused connections take it out).",
+        minimum=1,
+    )
+    max_request_bytes: int = _opt(
+        1 << 20,
+        "Largest accepted request body in bytes (413 above), as ketch serve's own limit.",
+        minimum=1,
+    )
+    body_timeout: float = _opt(
+        30.0, "Seconds a client may take to send its request body (408 after).", minimum=0.1
     )
     connect_timeout: float = _opt(
         5.0, "Seconds to connect to an instance before trying another.", minimum=0.1
@@ -118,7 +138,8 @@ class RouterConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{f.name} must be a number >= {least}, got {value!r}")
-        for name in ("prefix_chunk_chars", "prefix_cache_entries", "prefix_slack"):
+        for name in ("prefix_chunk_chars", "prefix_cache_entries", "prefix_slack",
+                     "max_request_bytes"):  # fmt: skip
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if bool(self.prefill) != bool(self.decode):
@@ -152,25 +173,45 @@ class RouterConfig:
 def parse_entry(raw: str, role: str, where: str) -> Entry:
     """``host:port`` / ``http://host:port`` -> a static URL; a bare name -> a DNS entry."""
     if "://" not in raw and ":" not in raw.strip("[]"):
-        if not raw.replace("-", "").replace(".", "").replace("_", "").isalnum():
+        if not (raw.isascii() and raw.replace("-", "").replace(".", "").replace("_", "").isalnum()):
             raise ValueError(f"{where}: {raw!r} is neither host:port, http://host:port nor a name")
         return Entry(role=role, dns_name=raw)
     return Entry(role=role, url=normalise_url(raw, where))
 
 
 def normalise_url(raw: str, where: str = "url") -> str:
-    """``host:port`` or ``http://host:port[/]`` -> ``http://host:port``; else ValueError."""
+    """``host:port`` or ``http(s)://host:port[/]`` -> ``scheme://host:port``; anything more
+    (userinfo, a path, a query or fragment, odd characters) is a ValueError, so neither a list
+    entry nor a registration can steer requests to some other URL."""
+    if not isinstance(raw, str) or not (raw.isascii() and raw.isprintable()) or " " in raw:
+        raise ValueError(f"{where}: {raw!r} must be printable ASCII without spaces")
     text = raw if "://" in raw else f"http://{raw}"
     try:
         parts = urlsplit(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {raw!r} has a bad host ({exc})") from exc
+    try:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"{where}: {raw!r} has a bad port ({exc})") from exc
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"{where}: {raw!r} must use http:// or https://")
-    if not parts.hostname or port is None:
+    if "@" in parts.netloc:
+        raise ValueError(f"{where}: {raw!r} must not carry a user or password")
+    if parts.path not in ("", "/") or "?" in text or "#" in text:
+        raise ValueError(f"{where}: {raw!r} must not carry a path, query or fragment")
+    if not parts.hostname or not port:
         raise ValueError(f"{where}: {raw!r} needs a host and a port, e.g. 10.0.0.5:8000")
-    if parts.path not in ("", "/"):
-        raise ValueError(f"{where}: {raw!r} must not carry a path")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}:{port}"
+    return f"{parts.scheme}://{_checked_host(parts.hostname, raw, where)}:{port}"
+
+
+def _checked_host(host: str, raw: str, where: str) -> str:
+    """A DNS name or IPv4 address as is, an IPv6 address in brackets; else ValueError."""
+    if ":" in host and "%" not in host:  # no zone ids: no percent signs in our URLs
+        try:
+            return f"[{ipaddress.IPv6Address(host)}]"
+        except ValueError as exc:
+            raise ValueError(f"{where}: {raw!r} has a bad IPv6 address ({exc})") from exc
+    if not set(host) <= _HOST_CHARS:
+        raise ValueError(f"{where}: {raw!r} has a bad host name {host!r}")
+    return host

@@ -5,7 +5,9 @@ Service, re-resolved every ``dns_interval``; a failed lookup keeps the last good
 registration (``POST /v1/ketch/register``; an instance not heard from for ``registration_ttl``
 is dropped). A health loop polls every instance's ``/ready`` (and ``/metrics`` for its load)
 every ``health_interval``: a non-200, a connection error or a role that disagrees with the
-instance's list takes it out of rotation at once; the next success puts it back.
+instance's list takes it out of rotation at once; the next success puts it back. Besides the
+polls only a refused connection takes an instance out (``mark_down``); a slow or failed answer
+to one request does not, since the instance may be healthy and busy with a long request.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class Registry:
         if inst is None:
             inst = self._add(url, role, "registered")
             if self.session is not None:
+                self._tasks = [t for t in self._tasks if not t.done()]
                 self._tasks.append(asyncio.create_task(self.check(inst)))
         inst.last_seen = time.monotonic()
         return inst
@@ -163,7 +166,7 @@ class Registry:
                 status = resp.status
                 try:
                     body = await resp.json(content_type=None)
-                except (ValueError, aiohttp.ContentTypeError):
+                except (ValueError, RecursionError, aiohttp.ContentTypeError):
                     body = {}
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             inst.checked = True
@@ -187,8 +190,9 @@ class Registry:
             inst.healthy = False
             inst.last_error = f"role mismatch: listed as {inst.role}, /ready says {said}"
             return
-        if isinstance(body.get("pd_comm_port"), int):
-            inst.pd_comm_port = body["pd_comm_port"]
+        port = body.get("pd_comm_port")
+        if isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535:
+            inst.pd_comm_port = port
         await self._scrape(inst, timeout)
         if not inst.healthy:
             logger.info("instance %s (%s) in rotation", inst.url, inst.role)
@@ -201,15 +205,20 @@ class Registry:
             async with self.session.get(f"{inst.url}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
+                text = await resp.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError, OSError):
             return  # load stays as last known; /ready decides health
-        load = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in _LOAD_METRICS:
-                    load += sample.value
-        inst.engine_load = int(load)
+        try:
+            load = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name in _LOAD_METRICS
+            )
+            inst.engine_load = max(0, int(load))
+        except (ValueError, TypeError, OverflowError) as exc:  # not Prometheus text; NaN, inf
+            logger.warning("instance %s: unreadable /metrics (%s); load kept", inst.url, exc)
+            return
         inst.sent_since_scrape = 0
 
     async def check_all(self) -> None:
@@ -219,7 +228,10 @@ class Registry:
 
     async def start(self) -> None:
         """Opens the HTTP session, resolves names and checks every instance once."""
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # Idle connections go before uvicorn's own 5 s keep-alive closes them: a POST sent on a
+        # connection the instance is closing fails, and is never retried (it might have run).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+        self.session = aiohttp.ClientSession(connector=connector)
         await self.resolve_dns()
         await self.check_all()
         self._tasks += [

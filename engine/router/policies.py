@@ -16,6 +16,17 @@ from collections.abc import Sequence
 
 from ketch.engine.router.instances import Instance
 
+# Chunks hashed per request at most: with the default 128 characters, the first 32 KiB of a
+# prompt decide its instance. Requests sharing that much share the instance anyway, and a
+# 1 MiB prompt costs no more than a 32 KiB one.
+MAX_CHUNKS = 256
+# Bodies with more JSON separators than this are not parsed (least-requests picks for them).
+# Parsing holds the event loop, at worst about a microsecond per separator (floats, object
+# keys, nested lists), so no body stalls the router for more than a few tens of milliseconds;
+# a long text prompt has few separators, a token-id prompt one per token.
+MAX_PARSE_SEPARATORS = 32_768
+_SEPARATORS = (b",", b":", b"[", b"{")
+
 
 def least_loaded(candidates: Sequence[Instance]) -> Instance:
     """Fewest requests (engine's running+waiting + router's sends since the scrape); URL ties."""
@@ -101,33 +112,21 @@ def prompt_chunks(path: str, body: bytes, chunk_chars: int) -> list[bytes] | Non
     Completions: ``prompt`` as a string, a list of strings (the first), a token-id list, or a
     list of token-id lists (the first). Chat: ``messages`` serialised. Token ids are chunked
     ``chunk_chars // 4`` at a time. Only whole chunks count, unless the prompt is shorter than
-    one chunk (then it is one chunk).
+    one chunk (then it is one chunk); at most ``MAX_CHUNKS`` count, and bodies past
+    ``MAX_PARSE_SEPARATORS`` are not parsed, so the work per request is bounded whatever the
+    body. A body this cannot read (not JSON, nested past the parser's depth, odd types) is
+    None: the policy falls back to least-requests and the instance, which gets the body
+    unchanged, judges it.
     """
+    if sum(body.count(sep) for sep in _SEPARATORS) > MAX_PARSE_SEPARATORS:
+        return None
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        units, size = _prompt_units(path, json.loads(body), chunk_chars)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
-    if not isinstance(data, dict):
-        return None
-    if path.endswith("/chat/completions"):
-        messages = data.get("messages")
-        if messages is None:
-            return None
-        units: Sequence = json.dumps(messages, sort_keys=True, ensure_ascii=False)
-        size = chunk_chars
-    else:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            units, size = prompt, chunk_chars
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            units, size = prompt, max(1, chunk_chars // 4)
-        else:
-            return None
     if not units:
         return None
-    whole = len(units) // size * size or len(units)
+    whole = min(len(units) // size * size or len(units), MAX_CHUNKS * size)
     digest = hashlib.blake2b(digest_size=16)
     out = []
     for start in range(0, whole, size):
@@ -135,3 +134,22 @@ def prompt_chunks(path: str, body: bytes, chunk_chars: int) -> list[bytes] | Non
         digest.update(piece.encode() if isinstance(piece, str) else repr(piece).encode())
         out.append(digest.copy().digest())
     return out
+
+
+def _prompt_units(path: str, data: object, chunk_chars: int) -> tuple[Sequence, int]:
+    """(what to chunk, chunk size); empty when the request has no prompt this can hash."""
+    if not isinstance(data, dict):
+        return "", chunk_chars
+    if path.endswith("/chat/completions"):
+        messages = data.get("messages")
+        if messages is None:
+            return "", chunk_chars
+        return json.dumps(messages, sort_keys=True, ensure_ascii=False), chunk_chars
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, chunk_chars
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt, max(1, chunk_chars // 4)
+    return "", chunk_chars

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from router_harness import Router, running_router
+from router_harness import TOKEN_ENV, Router, running_router
 from serve_harness import Server, free_ports, wait_for
 
 
@@ -108,30 +108,34 @@ def test_dns_name_entries_resolve_to_instances(instances: list[Server]) -> None:
 @pytest.mark.timeout(60)
 def test_registration_heartbeat_and_expiry(instances: list[Server]) -> None:
     with running_router("--registration-only", "--registration-ttl", "1.0",
-                        "--health-interval", "0.2") as r:  # fmt: skip
+                        "--health-interval", "0.2", env={TOKEN_ENV: "t0ken"}) as r:  # fmt: skip
         assert httpx.get(f"{r.url}/ready", timeout=5).status_code == 503
         reply = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert reply.status_code == 503 and reply.headers["retry-after"]
         assert "no healthy instance" in reply.json()["error"]["message"]
 
         register = f"{r.url}/v1/ketch/register"
+        auth = {"Authorization": "Bearer t0ken"}
         url = instances[1].url
-        assert httpx.post(register, json={"url": url, "role": "mixed"}).status_code == 200
+        reply = httpx.post(register, json={"url": url, "role": "mixed"}, headers=auth)
+        assert reply.status_code == 200
         wait_for(lambda: r.instances().get(url, {}).get("healthy"), 10, "registered, healthy")
         out = client(r.url).completions.create(model="tiny", prompt="registered", max_tokens=2)
         assert out.choices[0].text
         for _ in range(4):  # heartbeats keep it for longer than the TTL
-            httpx.post(register, json={"url": url, "role": "mixed"})
+            httpx.post(register, json={"url": url, "role": "mixed"}, headers=auth)
             assert url in r.instances()
             time.sleep(0.4)
         wait_for(lambda: url not in r.instances(), 10, "expiry after the heartbeats stop")
 
-        bad = httpx.post(register, json={"role": "mixed"})
+        bad = httpx.post(register, json={"role": "mixed"}, headers=auth)
         assert bad.status_code == 400 and "url" in bad.json()["error"]["message"]
-        assert httpx.post(register, json={"url": url, "role": "chef"}).status_code == 400
-        httpx.post(register, json={"url": url, "role": "mixed"})
+        chef = httpx.post(register, json={"url": url, "role": "chef"}, headers=auth)
+        assert chef.status_code == 400
+        httpx.post(register, json={"url": url, "role": "mixed"}, headers=auth)
         assert url in r.instances()
-        assert httpx.request("DELETE", register, json={"url": url}).json() == {"removed": True}
+        removed = httpx.request("DELETE", register, json={"url": url}, headers=auth)
+        assert removed.json() == {"removed": True}
         assert url not in r.instances()
 
 
