@@ -25,6 +25,8 @@ from ketch.engine.cache_manager.protocol import (
     Pong,
     Push,
     PushDone,
+    Reserve,
+    Revoke,
     Swap,
     SwapDone,
     decode,
@@ -111,11 +113,21 @@ class CacheManagerClient:
         dest: str,
         dest_blocks: list[int],
         dest_engine_id: str = "",
+        dest_nonce: str = "",
     ) -> bool:
         """Asks the cache manager to send blocks to a peer; the result comes through
         ``take_push_results``. False if it could not even be asked."""
-        message = Push(request_id, blocks, dest, dest_blocks, dest_engine_id)
+        message = Push(request_id, blocks, dest, dest_blocks, dest_engine_id, dest_nonce)
         return self.attached and self._send(message)
+
+    def reserve(self, request_id: str, blocks: list[int], nonce: str, ttl: float) -> bool:
+        """Lets a peer that shows ``nonce`` write ``blocks`` for ``request_id`` (decode role)."""
+        return self.attached and self._send(Reserve(request_id, blocks, nonce, ttl))
+
+    def revoke(self, request_ids: list[str]) -> None:
+        """Ends reservations; sent before their blocks are freed (then quarantined a while)."""
+        if request_ids and self.attached:
+            self._send(Revoke(request_ids))
 
     def take_push_results(self) -> list[PushDone]:
         results, self._push_results = self._push_results, []

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ketch.engine import wire
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped whenever a message or the KV layout changes; peers with another version are refused."""
 MAX_CONTROL_BYTES = 16 << 20
 """A control message or transfer header (block lists of a long prompt fit; KV data travels in
@@ -130,6 +130,32 @@ class Push:
     # The peer engine those blocks belong to (its Hello engine_id); the peer cache manager
     # refuses the transfer if it is attached to another engine (it restarted meanwhile).
     dest_engine_id: str = ""
+    # The nonce of the peer's reservation of dest_blocks for this request (see Reserve).
+    dest_nonce: str = ""
+
+
+@dataclass
+class Reserve:
+    """Decode side: a peer may write ``blocks`` for ``request_id`` if it shows ``nonce``, for
+    ``ttl`` seconds (``reservations.py``). No answer."""
+
+    request_id: str
+    blocks: list[int]
+    nonce: str
+    ttl: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ttl <= 86_400:
+            raise ValueError(f"ttl must be in (0, 86400] seconds, got {self.ttl}")
+        if len(self.nonce) < 16:
+            raise ValueError("the nonce must have at least 16 characters")
+
+
+@dataclass
+class Revoke:
+    """Decode side: the reservations of these requests end now (before their blocks are freed)."""
+
+    request_ids: list[str]
 
 
 # ---- cache manager -> engine ----
@@ -174,6 +200,7 @@ class TransferHeader:
     layout: KVLayout  # the sender's (its num_blocks/segment are irrelevant to the receiver)
     dest_blocks: list[int]
     engine_id: str = ""  # Push.dest_engine_id: refused unless it is the attached engine's id
+    nonce: str = ""  # Push.dest_nonce: refused unless the blocks are reserved under it
     # Multi-part pushes: the layers [lo, hi) this message's data holds (None: all of them), and
     # which part of how many it is. Parts come in order and cover the layers in order.
     layers: list[int] | None = None
@@ -193,6 +220,8 @@ Message = (
     | Ping
     | Swap
     | Push
+    | Reserve
+    | Revoke
     | HelloAck
     | Pong
     | SwapDone
@@ -201,8 +230,9 @@ Message = (
     | TransferAck
 )
 _TYPES = wire.registry(
-    Hello, Ping, Swap, Push, HelloAck, Pong, SwapDone, PushDone, TransferHeader, TransferAck
-)
+    Hello, Ping, Swap, Push, Reserve, Revoke, HelloAck, Pong, SwapDone, PushDone, TransferHeader,
+    TransferAck,
+)  # fmt: skip
 
 
 def encode(message: Message) -> bytes:

@@ -80,6 +80,9 @@ def check_part(
     error = bad_blocks(blocks, att.layout.num_blocks, "destination block")
     if error:
         return None, error
+    error = att.reservations.check(header.request_id, header.nonce, blocks)
+    if error:
+        return None, error
     if not _is_int(header.parts) or not _is_int(header.part):
         return None, f"part {header.part!r} of {header.parts!r}: both must be integers"
     if not 0 <= header.part < header.parts <= att.layout.num_layers:

@@ -8,13 +8,14 @@ engine's block pool (the padding target), so valid device blocks are ``[1, num_b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ketch.engine.cache_manager import protocol as p
+from ketch.engine.cache_manager.reservations import Reservations
 from ketch.engine.cache_manager.swap import SwapStore
 
 SHM_DIR = Path("/dev/shm")
@@ -30,6 +31,8 @@ class Attachment:
     layout: p.KVLayout
     kv: np.ndarray
     swap: SwapStore
+    # What peers may write into, per request (decode role); a new engine starts with none.
+    reservations: Reservations = field(default_factory=Reservations)
 
 
 def map_segment(layout: p.KVLayout) -> np.ndarray:

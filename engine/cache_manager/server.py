@@ -201,6 +201,8 @@ class CacheManager:
             reply = self._swap(message)
         elif isinstance(message, p.Push):
             reply = self._push(identity, message)
+        elif isinstance(message, p.Reserve | p.Revoke):
+            self._reservation(message)
         else:
             logger.warning("engine queue: unexpected %s ignored", type(message).__name__)
         if reply is not None:
@@ -254,6 +256,19 @@ class CacheManager:
         self.metrics.engine_attached.set(0)
         self.metrics.swap_total_blocks.set(0)
         self.metrics.swap_used_blocks.set(0)
+
+    def _reservation(self, message: p.Reserve | p.Revoke) -> None:
+        att = self.attachment
+        if att is None:
+            logger.warning("engine queue: %s without an attached engine", type(message).__name__)
+        elif isinstance(message, p.Revoke):
+            att.reservations.revoke(message.request_ids)
+        else:
+            error = bad_blocks(message.blocks, att.layout.num_blocks, "reserved block")
+            if error is not None:
+                logger.warning("reservation for %s refused: %s", message.request_id, error)
+                return
+            att.reservations.reserve(message.request_id, message.blocks, message.nonce, message.ttl)
 
     def _swap(self, swap: p.Swap) -> p.SwapDone:
         att = self.attachment
@@ -337,7 +352,8 @@ class CacheManager:
                 push.request_id,
                 att.layout,
                 list(push.dest_blocks),
-                engine_id=str(push.dest_engine_id or ""),
+                engine_id=push.dest_engine_id,
+                nonce=push.dest_nonce,
                 layers=[lo, hi],
                 part=part,
                 parts=len(ranges),

@@ -67,7 +67,7 @@ class PDCoordinator:
                 config.pd_block_timeout,
                 config.pd_peer_timeout,
                 config.kv_transfer_port,
-                lambda: cache.engine_id if cache is not None and cache.attached else None,
+                cache,
             )
         self.cache = cache
         logger.info("%s role: pd-comm on %s:%d", self.role, config.host, config.pd_comm_port)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ketch.engine.cache_manager.client import CacheManagerClient
 from ketch.engine.core.messages import RequestDelta
 from ketch.engine.core.request import Request
 from ketch.engine.disagg.messages import (
@@ -37,6 +39,8 @@ from ketch.engine.stats import RequestMetrics
 logger = logging.getLogger(__name__)
 
 QUARANTINE_S = 10.0
+# A reservation ends when its request does (revoked); this only bounds a forgotten one.
+RESERVATION_TTL_S = 600.0
 PING_INTERVAL_S = 1.0
 
 
@@ -61,14 +65,15 @@ class DecodeSide:
         block_timeout: float,
         peer_timeout: float,
         kv_transfer_port: int,
-        cache_engine_id: Callable[[], str | None],
+        cache: CacheManagerClient | None,
     ) -> None:
         self.engine = engine
         self._send = send
         self.block_timeout = block_timeout
         self.peer_timeout = peer_timeout
         self.kv_transfer_port = kv_transfer_port
-        self._cache_engine_id = cache_engine_id  # None while no cache manager is attached
+        self.cache = cache  # None: no cache manager link (requests then fail clearly)
+        self.reservation_ttl = RESERVATION_TTL_S
         self._remote: dict[str, _Remote] = {}
         self._quarantine: list[tuple[float, list[int]]] = []
         self._last_ping = 0.0
@@ -150,8 +155,8 @@ class DecodeSide:
         for request_id, remote in list(self._remote.items()):
             if remote.sent:
                 continue
-            engine_id = self._cache_engine_id()
-            if engine_id is None:
+            cache = self.cache
+            if cache is None or not cache.attached:
                 self._fail(
                     request_id,
                     "this decode instance has no cache manager attached, so it cannot receive "
@@ -179,6 +184,11 @@ class DecodeSide:
             kv.flush()  # evicted blocks go to the host before the peer overwrites them
             remote.sent, remote.heard = True, now
             request.num_cached_tokens = len(hits) * bs
+            dest_blocks = request.block_ids[len(hits) :]
+            # Only the peer this request is paired with learns the nonce; the reservation
+            # outlives every wait the request may do, and is revoked before its blocks go.
+            nonce = secrets.token_hex(16)
+            cache.reserve(request_id, dest_blocks, nonce, self.reservation_ttl)
             self._send(
                 remote.peer,
                 PrefillRequest(
@@ -190,9 +200,10 @@ class DecodeSide:
                     model=self.engine.model_fingerprint,
                     layout=self.engine.kv_layout,
                     kv_dest=remote.kv_dest,
-                    dest_blocks=request.block_ids[len(hits) :],
+                    dest_blocks=dest_blocks,
                     start_block=len(hits),
-                    dest_engine_id=engine_id,
+                    dest_engine_id=cache.engine_id,
+                    kv_nonce=nonce,
                 ),
             )
 
@@ -224,6 +235,8 @@ class DecodeSide:
             self._release(done.request_id, quarantine=False)
             return
         del self._remote[done.request_id]
+        if self.cache is not None:  # the blocks hold live KV now: nobody may write them
+            self.cache.revoke([done.request_id])
         request = remote.request
         engine = self.engine
         request.num_computed_tokens = request.num_prompt_tokens
@@ -250,6 +263,8 @@ class DecodeSide:
     def _release(self, request_id: str, quarantine: bool) -> None:
         remote = self._remote.pop(request_id)
         block_ids, remote.request.block_ids = remote.request.block_ids, []
+        if remote.sent and self.cache is not None:
+            self.cache.revoke([request_id])  # before its blocks can go to anyone else
         if not block_ids:
             return
         if quarantine:

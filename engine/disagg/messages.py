@@ -20,7 +20,7 @@ from ketch.engine import wire
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.sampling_params import SamplingParams
 
-PD_PROTOCOL_VERSION = 1
+PD_PROTOCOL_VERSION = 2
 # A PrefillRequest carries one prompt: a million tokens is ~8 MB of JSON.
 MAX_PD_MESSAGE_BYTES = 16 << 20
 
@@ -38,6 +38,7 @@ class PrefillRequest:
     dest_blocks: list[int]  # decode blocks for prompt blocks start_block, start_block + 1, ...
     start_block: int
     dest_engine_id: str = ""  # the decode engine's id at its cache manager (see Push)
+    kv_nonce: str = ""  # the reservation of dest_blocks the pushes must show (see Reserve)
 
 
 @dataclass

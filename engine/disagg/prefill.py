@@ -153,6 +153,7 @@ class PrefillSide:
                     message.kv_dest,
                     message.dest_blocks,
                     message.dest_engine_id,
+                    message.kv_nonce,
                 )
             if pushed:
                 prefill.pushing = True

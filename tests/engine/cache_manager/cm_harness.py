@@ -129,6 +129,29 @@ class FakeEngine:
         assert isinstance(ack, p.HelloAck), ack
         return ack
 
+    def reserve(self, request_id: str, blocks: list[int], ttl: float = 60.0) -> str:
+        """Reserves ``blocks`` for ``request_id`` (as a decode engine does); returns the nonce
+        a push must carry. A ping behind it makes sure it was applied."""
+        nonce = uuid.uuid4().hex
+        self.send(p.Reserve(request_id, blocks, nonce, ttl))
+        assert isinstance(self.ask(p.Ping(self.engine_id)), p.Pong)
+        return nonce
+
+    def reserved_push(
+        self,
+        decode: FakeEngine,
+        request_id: str,
+        blocks: list[int],
+        dest: str,
+        dest_blocks: list[int],
+    ) -> p.PushDone:
+        """A push of ``blocks`` into ``dest_blocks`` that ``decode`` reserved first."""
+        nonce = decode.reserve(request_id, dest_blocks)
+        push = p.Push(request_id, blocks, dest, dest_blocks, decode.engine_id, nonce)
+        done = self.ask(push)
+        assert isinstance(done, p.PushDone), done
+        return done
+
     def close(self) -> None:
         self.sock.close(linger=0)
 

@@ -87,7 +87,7 @@ def test_push_moves_blocks_exactly_and_counts_bytes(pair, segments) -> None:
     decode.hello(dest)
     before_s, before_r = sender.metrics(), receiver.metrics()
     blocks, dest_blocks = [1, 5, 2], [7, 3, 4]
-    done = prefill.ask(p.Push("req-1", blocks, receiver.kv_address, dest_blocks))
+    done = prefill.reserved_push(decode, "req-1", blocks, receiver.kv_address, dest_blocks)
     assert isinstance(done, p.PushDone) and done.ok, done
     assert done.num_bytes == 3 * source.layout.block_bytes and done.seconds > 0
     for b, d in zip(blocks, dest_blocks, strict=True):
@@ -127,7 +127,9 @@ def test_push_refusals_name_the_problem(pair, segments) -> None:
         done = prefill.ask(push)
         assert not done.ok and "for engine restarted" in done.error, done
         push = p.Push("req-7", [1], receiver.kv_address, [3], dest_engine_id=decode.engine_id)
-        assert prefill.ask(push).ok
+        done = prefill.ask(push)
+        assert not done.ok and "no KV blocks are reserved for request 'req-7'" in done.error
+        assert prefill.reserved_push(decode, "req-7", [1], receiver.kv_address, [3]).ok
         done = prefill.ask(p.Push("req-5", [1], "nowhere", [3]))
         assert not done.ok and "'nowhere'" in done.error, done
         fails = receiver.metrics()[
@@ -149,12 +151,14 @@ def test_peer_protocol_errors_are_answered_not_fatal(pair, segments) -> None:
     peer.setsockopt(zmq.LINGER, 0)
     peer.connect(f"tcp://{receiver.kv_address}")
     header = p.TransferHeader(99, "old", segments[0].layout, [1])
+    nonce = decode.reserve("short", [1])
+    short = p.TransferHeader(p.PROTOCOL_VERSION, "short", segments[0].layout, [1], nonce=nonce)
     data = np.zeros(segments[0].layout.block_bytes, dtype=np.uint8)
     for frames, words in (
         ([p.encode(header), data.tobytes()], "version mismatch: peer speaks 99, this cache"),
         ([b"garbage"], "expected 2 frames"),
         ([b"{]", b""], "malformed"),
-        ([p.encode(p.TransferHeader(1, "short", segments[0].layout, [1])), b"1234"], "4 bytes"),
+        ([p.encode(short), b"1234"], "4 bytes"),
     ):
         peer.send_multipart(frames)
         assert peer.poll(10_000), "no TransferAck"
@@ -179,7 +183,7 @@ def test_dead_peer_fails_within_timeout_and_swaps_keep_flowing(pair, segments) -
     done = prefill.receive(timeout=15)
     assert isinstance(done, p.PushDone) and not done.ok
     assert done.request_id == "req-dead" and dead in done.error and "acknowledge" in done.error
-    done = prefill.ask(p.Push("req-live", [1, 2], receiver.kv_address, [5, 6]))
+    done = prefill.reserved_push(decode, "req-live", [1, 2], receiver.kv_address, [5, 6])
     assert done.ok, done
     assert np.array_equal(segments[1].block(6), segments[0].block(2))
     prefill.close()

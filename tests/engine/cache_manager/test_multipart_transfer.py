@@ -61,7 +61,7 @@ def test_multipart_push_moves_blocks_exactly() -> None:
         blocks = [*range(5, 25), 40, 2, 3, *range(30, 43)]  # runs and single blocks: 36
         dest_blocks = [*range(1, 37)][::-1]
         assert len(layer_ranges(source.layout, len(blocks))) == 6
-        done = prefill.ask(p.Push("req-mp", blocks, receiver.kv_address, dest_blocks))
+        done = prefill.reserved_push(decode, "req-mp", blocks, receiver.kv_address, dest_blocks)
         assert isinstance(done, p.PushDone) and done.ok, done
         assert done.num_bytes == len(blocks) * source.layout.block_bytes
         assert np.array_equal(dest.kv[:, :, :, dest_blocks], source.kv[:, :, :, blocks])
@@ -77,10 +77,22 @@ def test_multipart_push_moves_blocks_exactly() -> None:
         dest.remove()
 
 
+NONCE = "n" * 32  # what the tests' reservations use
+
+
 def _part(
     layout: p.KVLayout, request: str, dest: list[int], layers: list[int], part: int, parts: int
 ) -> list[bytes]:
-    header = p.TransferHeader(1, request, layout, dest, layers=layers, part=part, parts=parts)
+    header = p.TransferHeader(
+        p.PROTOCOL_VERSION,
+        request,
+        layout,
+        dest,
+        layers=layers,
+        part=part,
+        parts=parts,
+        nonce=NONCE,
+    )
     shape = layout.transfer_shape(len(dest), layers[1] - layers[0])
     data = np.full(shape, float(part + 1), dtype=np.float32)
     return [p.encode(header), data.tobytes()]
@@ -91,6 +103,9 @@ def test_bad_or_missing_parts_are_refused_and_never_acknowledged(pair, segments)
     _, receiver = pair
     decode = FakeEngine(receiver)
     decode.hello(segments[1])
+    for request in ("ok", "gap", "drop", "moved", "early", "range", "many", "size", "swap", "cut"):
+        decode.send(p.Reserve(request, [2, 3, 4, 5, 6, 7], NONCE, 60.0))
+    assert isinstance(decode.ask(p.Ping(decode.engine_id)), p.Pong)  # the reservations are in
     layout = segments[0].layout  # 2 layers
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
