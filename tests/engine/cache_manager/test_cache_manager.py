@@ -221,3 +221,32 @@ def test_hello_refusals(pair, segments) -> None:
     ack = engine.ask(p.Hello(engine.engine_id, p.PROTOCOL_VERSION, wrong))
     assert ack.error and "bytes" in ack.error
     engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_late_push_cannot_write_blocks_reassigned_to_another_request(pair, segments) -> None:
+    """A prefill pod that comes back after decode gave up on a request (revoked, blocks freed
+    and given to a new request) pushes too late: refused, and the new request's KV is intact."""
+    sender, receiver = pair
+    prefill, decode = FakeEngine(sender), FakeEngine(receiver)
+    prefill.hello(segments[0])
+    decode.hello(segments[1])
+    old_nonce = decode.reserve("old", [3, 4])
+    decode.send(p.Revoke(["old"]))  # decode timed out: revoke, then free the blocks
+    new = prefill.reserved_push(decode, "new", [1, 2], receiver.kv_address, [3, 4])
+    assert new.ok, new
+    kept = np.array(segments[1].kv)
+    for push, words in [
+        (p.Push("old", [5, 6], receiver.kv_address, [3, 4], decode.engine_id, old_nonce),
+         "no KV blocks are reserved for request 'old'"),
+        (p.Push("new", [5, 6], receiver.kv_address, [3, 4], decode.engine_id, old_nonce),
+         "does not carry its reservation's nonce"),
+        (p.Push("new", [5], receiver.kv_address, [7], decode.engine_id, "x" * 32),
+         "nonce"),
+    ]:  # fmt: skip
+        done = prefill.ask(push)
+        assert not done.ok and words in done.error, done
+    assert np.array_equal(np.array(segments[1].kv), kept)
+    assert np.array_equal(segments[1].block(3), segments[0].block(1))
+    prefill.close()
+    decode.close()
