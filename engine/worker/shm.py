@@ -9,10 +9,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
+
+
+# The status block: ready flag, steps done, worker heartbeat, engine heartbeat (CLOCK_MONOTONIC
+# seconds, the same in every PID namespace of the machine), the engine's PID namespace.
+STATUS_SLOTS = 5
+STATUS_BYTES = 8 * STATUS_SLOTS
+ENGINE_HEARTBEAT = 3
+PID_NAMESPACE = 4
+# A segment pair made in another PID namespace (whose processes this one cannot see) is a dead
+# instance's only once its engine has not beaten for this long.
+STALE_AFTER_S = 30.0
+
+
+def pid_namespace() -> float:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where unknown)."""
+    try:
+        return float(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return 0.0
 
 
 def shm_names(port: int) -> tuple[str, str]:
@@ -54,6 +76,7 @@ def reclaim_stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) 
     if not candidates or not proc.is_dir():
         return []
     stale = set(candidates) - segments_in_use(shm_dir, proc)
+    stale = {name for name in stale if not _beating(shm_dir, name)}
     for name in sorted(stale):
         with contextlib.suppress(FileNotFoundError):
             candidates[name].unlink()
@@ -64,6 +87,24 @@ def reclaim_stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) 
             " ".join(sorted(stale)),
         )
     return sorted(stale)
+
+
+def _beating(shm_dir: Path, name: str) -> bool:
+    """Whether the instance ``name`` belongs to (ketch-kv-P or ketch-status-P) may be alive
+    where this process cannot see it: made in another PID namespace, and still beating."""
+    status = shm_dir / f"ketch-status-{name.rsplit('-', 1)[-1]}"
+    try:
+        with status.open("rb") as f:
+            raw = f.read(STATUS_BYTES)
+    except OSError:
+        return False
+    if len(raw) != STATUS_BYTES:
+        return False
+    slots = np.frombuffer(raw, dtype=np.float64)
+    ours = pid_namespace()
+    if ours and slots[PID_NAMESPACE] == ours:
+        return False  # its processes would be visible here: none holds it, so it is dead
+    return 0 <= time.monotonic() - float(slots[ENGINE_HEARTBEAT]) < STALE_AFTER_S
 
 
 def segments_in_use(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> set[str]:

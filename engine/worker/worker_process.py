@@ -27,12 +27,20 @@ from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
 from ketch.engine.worker.model_runner import RunnerConfig
-from ketch.engine.worker.shm import fresh_segment, reclaim_stale_segments, shm_names
+from ketch.engine.worker.shm import (
+    ENGINE_HEARTBEAT,
+    PID_NAMESPACE,
+    STATUS_BYTES,
+    STATUS_SLOTS,
+    fresh_segment,
+    pid_namespace,
+    reclaim_stale_segments,
+    shm_names,
+)
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 500
-_STATUS_SLOTS = 3  # ready flag, steps done, last heartbeat (monotonic seconds)
 
 
 class WorkerDiedError(RuntimeError):
@@ -50,7 +58,7 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
     kv_shm, status_shm = SharedMemory(name=kv_name), SharedMemory(name=status_name)
     for shm in (kv_shm, status_shm):  # the engine owns the segments; don't unlink on exit
         resource_tracker.unregister(shm._name, "shared_memory")
-    status = np.ndarray((_STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
+    status = np.ndarray((STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
     from ketch.engine.worker.model_runner import ModelRunner
 
     # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
@@ -110,8 +118,13 @@ class RemoteRunner:
             self.close()
             raise ValueError(f"--engine-worker-queue-port {port} is not free: {exc}") from exc
         try:
-            self._segments += [fresh_segment(kv_name, size), fresh_segment(status_name, 8 * 3)]
-            self.status = np.ndarray((_STATUS_SLOTS,), np.float64, buffer=self._segments[1].buf)
+            self._segments += [
+                fresh_segment(kv_name, size),
+                fresh_segment(status_name, STATUS_BYTES),
+            ]
+            self.status = np.ndarray((STATUS_SLOTS,), np.float64, buffer=self._segments[1].buf)
+            self.status[ENGINE_HEARTBEAT] = time.monotonic()
+            self.status[PID_NAMESPACE] = pid_namespace()
             spawn = multiprocessing.get_context("spawn")
             self.process = spawn.Process(
                 target=run_worker,
@@ -137,12 +150,14 @@ class RemoteRunner:
         return decode_result(self._receive(None, what="step"))
 
     def check_alive(self) -> None:
+        self.status[ENGINE_HEARTBEAT] = time.monotonic()  # shm.reclaim_stale_segments reads it
         if not self.process.is_alive():
             raise WorkerDiedError(f"the worker process exited (exit code {self.process.exitcode})")
 
     def _receive(self, timeout: float | None, what: str) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._socket.poll(_POLL_MS):
+            self.status[ENGINE_HEARTBEAT] = time.monotonic()
             if not self.process.is_alive():
                 raise WorkerDiedError(
                     f"the worker process exited (exit code {self.process.exitcode}) during {what}"

@@ -196,3 +196,39 @@ def _answers(port: int) -> bool:
     except httpx.TransportError:
         return False
     return True
+
+
+def test_reclaim_keeps_a_pair_whose_engine_still_beats() -> None:
+    """An owner made in another PID namespace sharing /dev/shm (whose processes this one
+    cannot see) keeps its segments as long as its engine's heartbeat is fresh."""
+    import time
+
+    import numpy as np
+
+    from ketch.engine.worker.shm import (
+        ENGINE_HEARTBEAT,
+        PID_NAMESPACE,
+        STALE_AFTER_S,
+        STATUS_SLOTS,
+        pid_namespace,
+    )
+
+    port = f"{os.getpid()}0"
+    kv, status = f"ketch-kv-{port}", f"ketch-status-{port}"
+    _orphan_segment(kv)
+    _orphan_segment(status)
+
+    def write_status(heartbeat: float) -> None:  # written, not mapped: nobody holds it
+        slots = np.zeros(STATUS_SLOTS, dtype=np.float64)
+        slots[PID_NAMESPACE] = pid_namespace() + 1  # made in a namespace that is not ours
+        slots[ENGINE_HEARTBEAT] = heartbeat
+        Path("/dev/shm", status).write_bytes(slots.tobytes())
+
+    try:
+        write_status(time.monotonic())
+        assert not {kv, status} & set(reclaim_stale_segments())
+        write_status(time.monotonic() - STALE_AFTER_S - 1)
+        assert {kv, status} <= set(reclaim_stale_segments())
+    finally:
+        for name in (kv, status):
+            Path("/dev/shm", name).unlink(missing_ok=True)
