@@ -150,6 +150,10 @@ class _Links:
         links = cls(engine, cache, pd)
         return links
 
+    def retired_sockets(self) -> list[zmq.Socket]:
+        """Sockets to drop from the poller (and close): pd-comm peers no longer used."""
+        return self.pd.take_retired_sockets() if self.pd else []
+
     def new_sockets(self) -> list[zmq.Socket]:
         """Sockets to add to the loop's poller: the cache link's at first, then the pd-comm
         ones as peers are first used."""
@@ -215,6 +219,9 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
     while True:
         for socket in links.new_sockets():
             poller.register(socket, zmq.POLLIN)
+        for socket in links.retired_sockets():
+            poller.unregister(socket)
+            socket.close(linger=0)
         busy = engine.has_unfinished_requests()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
         if os.getppid() != parent:
@@ -265,8 +272,9 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
                     message.params,
                     message.final_only,
                 )
-        except ValueError as exc:
-            rejected.append(RequestDelta(request_id=message.request_id, error=str(exc)))
+        except ValueError as exc:  # PeerLimitError says 503
+            code = getattr(exc, "status_code", 400)
+            rejected.append(RequestDelta(message.request_id, error=str(exc), error_code=code))
     elif isinstance(message, AbortRequests):
         metrics = engine.abort_request(message.request_ids)
         if links.pd is not None:

@@ -4,12 +4,17 @@ Every prefill or decode engine binds a ROUTER on ``host:pd_comm_port``: a prefil
 ``PrefillRequest``/``AbortPrefill``/``PdPing`` there from decode engines; a decode engine only
 answers pings on it (so either role can be probed). A decode engine reaches each prefill peer
 through its own DEALER, created on first use, and gets the answers back on it.
+
+With a peer key (``--peer-key-file`` or ``$KETCH_PEER_KEY``) every message, both ways, travels
+as ``[message, seal]`` (see ``wire.PeerAuth``); one without a valid, fresh seal is counted and
+dropped unanswered. Without a key a message is one frame and any peer is trusted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import zmq
 
@@ -31,9 +36,21 @@ from ketch.engine.disagg.prefill import PrefillSide
 from ketch.engine.outputs import RequestOutput
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
-from ketch.engine.wire import BadMessages
+from ketch.engine.wire import BadMessages, PeerAuth, read_peer_key
 
 logger = logging.getLogger(__name__)
+
+TO_ROUTER = b"ketch pd-comm to-router v1"  # channel labels of wire.PeerAuth seals
+FROM_ROUTER = b"ketch pd-comm from-router v1"
+
+MAX_PEERS = 64  # prefill peers a decode engine keeps a socket to at once
+PEER_IDLE_S = 60.0  # a peer no request has used for this long loses its socket
+
+
+class PeerLimitError(ValueError):
+    """Too many prefill peers at once: the request is refused (503), nothing is opened."""
+
+    status_code = 503
 
 
 class PDCoordinator:
@@ -49,6 +66,14 @@ class PDCoordinator:
         # libzmq drops a bigger frame (and the connection that sent it) before it is buffered.
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
         self.bad_messages = BadMessages(f"{self.role} pd-comm")
+        key = read_peer_key(config.peer_key_file)
+        self.auth = PeerAuth(key) if key else None
+        if key is None:
+            logger.warning(
+                "%s role without a peer key (--peer-key-file / KETCH_PEER_KEY): pd-comm accepts "
+                "messages from anyone who reaches port %d; trusted networks only",
+                self.role, config.pd_comm_port,
+            )  # fmt: skip
         try:
             self.router.bind(f"tcp://{config.host}:{config.pd_comm_port}")
         except zmq.ZMQError as exc:
@@ -56,6 +81,9 @@ class PDCoordinator:
             raise ValueError(f"--pd-comm-port {config.pd_comm_port} is not free: {exc}") from exc
         self._peers: dict[str, zmq.Socket] = {}
         self._peer_of: dict[zmq.Socket, str] = {}
+        self._peer_used: dict[str, float] = {}  # peer -> when a request last used it
+        # Sockets the engine loop must stop polling; it closes them (see take_retired_sockets).
+        self.retired_sockets: list[zmq.Socket] = []
         # Sockets the engine loop has not polled yet: the ROUTER, then each peer's DEALER.
         self.new_sockets: list[zmq.Socket] = [self.router]
         self.prefill = PrefillSide(engine, self._reply, cache) if self.role == "prefill" else None
@@ -79,6 +107,10 @@ class PDCoordinator:
         new, self.new_sockets = self.new_sockets, []
         return new
 
+    def take_retired_sockets(self) -> list[zmq.Socket]:
+        retired, self.retired_sockets = self.retired_sockets, []
+        return retired
+
     @property
     def num_waiting(self) -> int:
         return self.decode.num_waiting if self.decode else 0
@@ -86,6 +118,14 @@ class PDCoordinator:
     def add_remote(self, request: Request, prefill: str, decode_host: str) -> None:
         if self.decode is None:
             raise ValueError("only a decode instance takes requests with a prefill peer")
+        if prefill not in self._peers and len(self._peers) >= MAX_PEERS:
+            self._retire_idle(0.0)
+            if len(self._peers) >= MAX_PEERS:
+                raise PeerLimitError(
+                    f"this decode instance already talks to {MAX_PEERS} prefill instances; "
+                    "retry shortly"
+                )
+        self._peer_used[prefill] = time.monotonic()
         self.decode.add(request, prefill, decode_host)
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
@@ -103,23 +143,22 @@ class PDCoordinator:
         """Handles what arrived, timeouts and reservations; returns outputs and errors for the
         API server."""
         while self.router.poll(0):
-            frames = self.router.recv_multipart()
-            if len(frames) != 2:  # [peer identity, message]
-                self.bad_messages.note("a pd-comm peer", f"{len(frames) - 1} frames instead of 1")
-                continue
-            self._on_router(*frames)
+            identity, *frames = self.router.recv_multipart()
+            data = self._opened(frames, TO_ROUTER, "a pd-comm peer")
+            if data is not None:
+                self._on_router(identity, data)
         for socket, peer in list(self._peer_of.items()):
             while socket.poll(0):
-                frames = socket.recv_multipart()
-                if len(frames) != 1:
-                    self.bad_messages.note(peer, f"{len(frames)} frames instead of 1")
-                    continue
-                self._on_peer(peer, frames[0])
+                data = self._opened(socket.recv_multipart(), FROM_ROUTER, peer)
+                if data is not None:
+                    self._on_peer(peer, data)
         if self.prefill is not None and self.cache is not None:
             self.prefill.on_push_results(self.cache.take_push_results())
         if self.decode is None:
             return [], []
         self.decode.tick()
+        failed, self.decode.failed_peers = self.decode.failed_peers, set()
+        self._retire_idle(PEER_IDLE_S, failed)
         outputs, self.decode.outputs = self.decode.outputs, []
         errors, self.decode.errors = self.decode.errors, []
         return outputs, errors
@@ -127,6 +166,25 @@ class PDCoordinator:
     def close(self) -> None:
         for socket in self.sockets():
             socket.close(linger=0)
+
+    def _opened(self, frames: list[bytes], channel: bytes, peer: str) -> bytes | None:
+        """The message of ``frames`` (checked against its seal when there is a key), or None
+        (counted) when it is refused."""
+        expected = 1 if self.auth is None else 2
+        if len(frames) != expected:
+            what = "a message and its seal" if self.auth else "1"
+            self.bad_messages.note(peer, f"{len(frames)} frames instead of {what}")
+            return None
+        if self.auth is not None:
+            error = self.auth.check(channel, frames[:1], frames[1])
+            if error is not None:
+                self.bad_messages.note(peer, error)
+                return None
+        return frames[0]
+
+    def _sealed(self, channel: bytes, message: PdMessage) -> list[bytes]:
+        data = encode(message)
+        return [data] if self.auth is None else [data, self.auth.seal(channel, data)]
 
     def _on_router(self, identity: bytes, data: bytes) -> None:
         try:
@@ -157,12 +215,34 @@ class PDCoordinator:
     def _reply(self, identity: bytes, message: PdMessage) -> None:
         # A gone peer's messages are dropped by the ROUTER; one not keeping up loses this one.
         with contextlib.suppress(zmq.ZMQError):
-            self.router.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+            self.router.send_multipart([identity, *self._sealed(FROM_ROUTER, message)], zmq.NOBLOCK)
+
+    def _retire_idle(self, idle_s: float, failed: set[str] | None = None) -> None:
+        """Closes the sockets of peers no waiting request uses, idle for ``idle_s`` (failed
+        ones at once): a peer that failed or went away keeps no socket, nor messages queued
+        for when it comes back."""
+        if self.decode is None:
+            return
+        in_use, now, failed = self.decode.peers_in_use(), time.monotonic(), failed or set()
+        for peer in [p for p in self._peers if p not in in_use]:
+            if peer in failed or now - self._peer_used.get(peer, 0.0) >= idle_s:
+                socket = self._peers.pop(peer)
+                del self._peer_of[socket]
+                self._peer_used.pop(peer, None)
+                if socket in self.new_sockets:
+                    self.new_sockets.remove(socket)
+                    socket.close(linger=0)
+                else:
+                    self.retired_sockets.append(socket)
 
     def _send(self, peer: str, message: PdMessage) -> None:
         socket = self._peers.get(peer)
         if socket is None:
             socket = self._context.socket(zmq.DEALER)
+            # No ZMQ_IMMEDIATE: a new socket's first message must wait for its connection.
+            # Messages queued for a peer that failed go with its socket (closed, linger 0, as
+            # soon as no request uses it); one delivered late is refused (expires_at) or
+            # writes nothing (the reservation was revoked).
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
             socket.connect(f"tcp://{peer}")
@@ -170,6 +250,6 @@ class PDCoordinator:
             self._peer_of[socket] = peer
             self.new_sockets.append(socket)
         try:
-            socket.send(encode(message), zmq.NOBLOCK)
+            socket.send_multipart(self._sealed(TO_ROUTER, message), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("the prefill peer %s is not keeping up; message dropped", peer)

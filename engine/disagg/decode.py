@@ -79,10 +79,15 @@ class DecodeSide:
         self._last_ping = 0.0
         self.outputs: list[RequestOutput] = []
         self.errors: list[RequestDelta] = []
+        self.failed_peers: set[str] = set()  # silent or restarted since the last tick
 
     @property
     def num_waiting(self) -> int:
         return len(self._remote)
+
+    def peers_in_use(self) -> set[str]:
+        """The prefill peers some request here still waits on."""
+        return {remote.peer for remote in self._remote.values()}
 
     def add(self, request: Request, prefill: str, decode_host: str) -> None:
         """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
@@ -142,6 +147,7 @@ class DecodeSide:
         elif isinstance(message, PdPong):
             for request_id in message.unknown_request_ids:
                 if request_id in self._remote and self._remote[request_id].sent:
+                    self.failed_peers.add(peer)
                     self._fail(
                         request_id,
                         f"the prefill instance {peer} lost the request (it restarted?); retry",
@@ -204,6 +210,7 @@ class DecodeSide:
                     start_block=len(hits),
                     dest_engine_id=cache.engine_id,
                     kv_nonce=nonce,
+                    expires_at=time.time() + self.reservation_ttl,
                 ),
             )
 
@@ -213,6 +220,7 @@ class DecodeSide:
             if not remote.sent:
                 continue
             if now - remote.heard > self.peer_timeout:
+                self.failed_peers.add(remote.peer)
                 self._fail(
                     request_id,
                     f"the prefill instance {remote.peer} did not answer for "

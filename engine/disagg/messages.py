@@ -39,6 +39,7 @@ class PrefillRequest:
     start_block: int
     dest_engine_id: str = ""  # the decode engine's id at its cache manager (see Push)
     kv_nonce: str = ""  # the reservation of dest_blocks the pushes must show (see Reserve)
+    expires_at: float = 0.0  # wall clock: a prefill engine refuses the request after it
 
 
 @dataclass

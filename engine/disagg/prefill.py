@@ -64,6 +64,8 @@ class PrefillSide:
         if problem is None and request_id in self._prefills:
             problem = f"request id {request_id!r} is already being prefilled here"
         status = 400
+        if problem is None and message.expires_at and time.time() > message.expires_at:
+            status, problem = 503, "the request expired before it reached this prefill instance"
         if problem is None and (self.cache is None or not self.cache.attached):
             status, problem = (
                 503,
