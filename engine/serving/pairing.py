@@ -28,33 +28,43 @@ _RESOLVE_EVERY_S = 5.0
 
 
 class PrefillPeers:
-    """The prefill hosts a decode instance accepts: entries of ``--pd-prefill-peers`` (DNS names
-    or addresses, ``:port`` ignored), resolved at most every few seconds."""
+    """The prefill peers a decode instance accepts: entries of ``--pd-prefill-peers`` (DNS names
+    or addresses, each with its pd-comm ``:port``, or this instance's own ``--pd-comm-port``
+    when it has none: every pod of one service shares the port), names resolved at most every
+    few seconds. A peer must match an entry's host and port."""
 
-    def __init__(self, spec: str | None) -> None:
-        self.entries = [e.strip().rpartition(":")[0] or e.strip() for e in (spec or "").split(",")]
-        self.entries = [e.strip("[]") for e in self.entries if e]
-        self._addresses: set[str] = set()
+    def __init__(self, spec: str | None, default_port: int = 0) -> None:
+        self.entries: list[tuple[str, int]] = []
+        for raw in (e.strip() for e in (spec or "").split(",")):
+            host, colon, port = raw.rpartition(":")
+            if not colon or "]" in port or not port.isdigit():  # no port (or a bare IPv6)
+                host, port = raw, str(default_port)
+            if host:
+                self.entries.append((host.strip("[]"), int(port)))
+        self._addresses: set[tuple[str, int]] = set()
         self._resolved_at = -_RESOLVE_EVERY_S
 
     @property
     def restricted(self) -> bool:
         return bool(self.entries)
 
-    async def allows(self, host: str) -> bool:
-        host = host.strip("[]")
-        if not self.restricted or host in self.entries:
+    def describe(self) -> str:
+        return ", ".join(f"{host}:{port}" for host, port in self.entries)
+
+    async def allows(self, host: str, port: int) -> bool:
+        peer = (host.strip("[]"), port)
+        if not self.restricted or peer in self.entries:
             return True
-        if time.monotonic() - self._resolved_at >= _RESOLVE_EVERY_S or host not in self._addresses:
+        if time.monotonic() - self._resolved_at >= _RESOLVE_EVERY_S or peer not in self._addresses:
             self._addresses = await asyncio.to_thread(self._resolve)
             self._resolved_at = time.monotonic()
-        return host in self._addresses
+        return peer in self._addresses
 
-    def _resolve(self) -> set[str]:
-        found: set[str] = set()
-        for entry in self.entries:
+    def _resolve(self) -> set[tuple[str, int]]:
+        found: set[tuple[str, int]] = set()
+        for host, port in self.entries:
             try:
-                found |= {info[4][0] for info in socket.getaddrinfo(entry, None)}
+                found |= {(info[4][0], port) for info in socket.getaddrinfo(host, None)}
             except OSError:
                 continue  # not resolvable now (no prefill pod yet): allows nothing from it
         return found
@@ -76,11 +86,11 @@ async def pairing(
     host, _, port = prefill.strip().rpartition(":")
     if not _HOST.match(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ProtocolError(400, f"{PREFILL_HEADER} must be host:port, got {prefill!r}")
-    if not await peers.allows(host):
+    if not await peers.allows(host, int(port)):
         raise ProtocolError(
             403,
-            f"{PREFILL_HEADER} names {host}, which is not one of this decode instance's prefill "
-            f"peers ({', '.join(peers.entries)}; --pd-prefill-peers)",
+            f"{PREFILL_HEADER} names {host}:{port}, which is not one of this decode instance's "
+            f"prefill peers ({peers.describe()}; --pd-prefill-peers)",
         )
     decode_host = request.headers.get(DECODE_HOST_HEADER) or request.url.hostname or ""
     if not _HOST.match(decode_host):

@@ -96,7 +96,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         vocab_size=ready.vocab_size,
         api_key=api_key,
         admin_key=admin_key,
-        prefill_peers=PrefillPeers(config.pd_prefill_peers),
+        prefill_peers=PrefillPeers(config.pd_prefill_peers, config.pd_comm_port),
     )
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished

@@ -126,8 +126,16 @@ def test_a_decode_instance_takes_only_its_prefill_peers() -> None:
         refused = httpx.post(url, json=body, headers=stranger, timeout=30)
         assert refused.status_code == 403
         assert "10.11.12.13" in refused.text and "--pd-prefill-peers" in refused.text
+        # The right host on another port: the entry without a port pins this instance's own
+        # pd-comm port (every pod of a service shares it).
+        elsewhere = {"x-ketch-prefill": "127.0.0.1:8004"}
+        refused = httpx.post(url, json=body, headers=elsewhere, timeout=30)
+        assert refused.status_code == 403 and f"localhost:{server.pd_port}" in refused.text
         # A peer that localhost resolves to passes the check; this instance then fails the
         # request for a reason of its own (no cache manager was started for it).
-        peer = {"x-ketch-prefill": "127.0.0.1:8004", "x-ketch-decode-host": "127.0.0.1"}
+        peer = {
+            "x-ketch-prefill": f"127.0.0.1:{server.pd_port}",
+            "x-ketch-decode-host": "127.0.0.1",
+        }
         taken = httpx.post(url, json=body, headers=peer, timeout=30)
         assert taken.status_code == 503 and "cache manager" in taken.text
