@@ -70,6 +70,12 @@ class CacheManagerConfig:
     kv_transport: str = _opt(
         "tcp", "How KV blocks travel between cache managers.", choices=KV_TRANSPORTS
     )
+    peer_key_file: str | None = _opt(
+        None,
+        "File holding the key shared by an InferenceService's prefill and decode pods; or set "
+        "KETCH_PEER_KEY. Then every KV transfer and its acknowledgement must carry its HMAC. "
+        "Without one, the KV transfer port trusts the network.",
+    )
 
     def __post_init__(self) -> None:
         ports = {

@@ -46,6 +46,7 @@ from ketch.engine.cache_manager.segment import (
 )
 from ketch.engine.cache_manager.swap import SwapStore
 from ketch.engine.cache_manager.transport import TransferError, make_transport, parse_dest
+from ketch.engine.wire import read_peer_key
 
 logger = logging.getLogger("ketch.cache_manager")
 
@@ -95,7 +96,14 @@ class CacheManager:
         self._done = self._context.socket(zmq.PULL)
         self._closers.append(self._done)
         self._done.bind(_DONE_ADDRESS)
-        self.transport = make_transport(cfg.kv_transport, self._context)
+        key = read_peer_key(cfg.peer_key_file)
+        if key is None:
+            logger.warning(
+                "no peer key (--peer-key-file / KETCH_PEER_KEY): the KV transfer port %d accepts "
+                "blocks from anyone who reaches it; trusted networks only",
+                cfg.kv_transfer_port,
+            )
+        self.transport = make_transport(cfg.kv_transport, self._context, key)
         self.receiver = self.transport.receiver(cfg.host, cfg.kv_transfer_port)
         self._closers.append(self.receiver)
         try:

@@ -14,6 +14,10 @@ message ``[header, data]`` with ``copy=False`` (ZMQ starts writing part k while 
 gathered); the receiver is a ROUTER receiving without copies and answering one ``TransferAck``
 frame per push. A DEALER whose
 peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time.
+With a peer key every part travels as ``[header, data, seal]`` and every answer as
+``[ack, seal]`` (``wire.PeerAuth``: one HMAC over the header and the data); a part without a
+valid, fresh seal is counted and dropped unanswered (no KV is written), an answer without one
+fails the push.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ketch.engine.cache_manager.protocol import (
     decode,
     encode,
 )
+from ketch.engine.wire import BadMessages, PeerAuth
 
 logger = logging.getLogger("ketch.cache_manager.transport")
 
@@ -42,6 +47,8 @@ Parts = Iterable[tuple[TransferHeader, np.ndarray]]
 """The parts of one push, in order; the data must stay untouched until ``send`` returns."""
 
 _POLL_MS = 100
+PUSH = b"ketch kv-transfer push v1"  # channel labels of wire.PeerAuth seals
+ACK = b"ketch kv-transfer ack v1"
 
 
 class TransferError(Exception):
@@ -81,6 +88,9 @@ class KVTransport(ABC):
     @abstractmethod
     def sender(self, timeout: float) -> KVSender: ...
 
+    key: bytes | None = None
+    """The peer key both halves seal and check every message with (None: trusted network)."""
+
     @abstractmethod
     def receiver(self, host: str, port: int) -> KVReceiver:
         """Binds ``host:port``; raises OSError-like ValueError if the port is taken."""
@@ -98,10 +108,11 @@ def parse_dest(dest: str) -> tuple[str, int]:
 class TcpSender(KVSender):
     """One DEALER per destination; waits for the TransferAck up to ``timeout`` seconds."""
 
-    def __init__(self, context: zmq.Context, timeout: float) -> None:
+    def __init__(self, context: zmq.Context, timeout: float, key: bytes | None = None) -> None:
         self._context = context
         self._timeout_ms = int(timeout * 1000)
         self._sockets: dict[str, zmq.Socket] = {}
+        self._auth = PeerAuth(key) if key else None
 
     def _socket(self, dest: str) -> zmq.Socket:
         sock = self._sockets.get(dest)
@@ -131,8 +142,13 @@ class TcpSender(KVSender):
         try:
             for header, data in parts:
                 request_id = header.request_id
-                sock.send(encode(header), zmq.SNDMORE)
-                sock.send(data, copy=False)
+                head = encode(header)
+                sock.send(head, zmq.SNDMORE)
+                if self._auth is None:
+                    sock.send(data, copy=False)
+                else:
+                    sock.send(data, zmq.SNDMORE, copy=False)
+                    sock.send(self._auth.seal(PUSH, head, data))
                 if sock.poll(0, zmq.POLLIN):  # an early answer: a part was refused
                     ack = self._answer(sock, dest, request_id)
                     if ack is not None:
@@ -142,7 +158,8 @@ class TcpSender(KVSender):
                     self._drop(dest)
                     raise TransferError(
                         f"peer {dest} did not acknowledge within {self._timeout_ms / 1000:g} s "
-                        "(is its cache manager running and its --kv-transfer-port reachable?)"
+                        "(is its cache manager running, its --kv-transfer-port reachable and its "
+                        "peer key the same?)"
                     )
                 ack = self._answer(sock, dest, request_id)
         except zmq.ZMQError as exc:
@@ -154,8 +171,13 @@ class TcpSender(KVSender):
     def _answer(self, sock: zmq.Socket, dest: str, request_id: str | None) -> TransferAck | None:
         """Reads one answer: the push's TransferAck, or None for a stale one (dropped)."""
         frames = sock.recv_multipart()
+        if self._auth is not None:
+            error = "no seal" if len(frames) != 2 else self._auth.check(ACK, frames[:1], frames[1])
+            if error is not None:
+                self._drop(dest)
+                raise TransferError(f"peer {dest} answered without a valid seal: {error}")
         try:
-            ack = decode(frames[-1])
+            ack = decode(frames[0] if self._auth is not None else frames[-1])
         except ValueError as exc:
             self._drop(dest)
             raise TransferError(f"peer {dest} answered garbage: {exc}") from exc
@@ -172,7 +194,11 @@ class TcpSender(KVSender):
 class TcpReceiver(KVReceiver):
     """A ROUTER on ``host:port``, served by its own thread."""
 
-    def __init__(self, context: zmq.Context, host: str, port: int) -> None:
+    def __init__(
+        self, context: zmq.Context, host: str, port: int, key: bytes | None = None
+    ) -> None:
+        self._auth = PeerAuth(key) if key else None
+        self.bad_messages = BadMessages("cache manager kv-transfer")
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if ":" in host:
@@ -203,11 +229,28 @@ class TcpReceiver(KVReceiver):
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
                 frames = sock.recv_multipart(copy=False)
+                if self._auth is not None and not self._authentic(self._auth, frames):
+                    continue
                 answer = self._answer(frames, handler)
                 if answer is not None:
-                    sock.send_multipart([frames[0].bytes, encode(answer)])
+                    ack = encode(answer)
+                    seal = [self._auth.seal(ACK, ack)] if self._auth is not None else []
+                    sock.send_multipart([frames[0].bytes, ack, *seal])
         finally:
             sock.close(linger=0)
+
+    def _authentic(self, auth: PeerAuth, frames: list[zmq.Frame]) -> bool:
+        """Whether ``[identity, header, data, seal]`` carries a valid, fresh seal; the seal is
+        removed. A refused part is counted and dropped: nothing is stored or answered."""
+        if len(frames) != 4:
+            error = f"{len(frames) - 1} frames instead of header, data and seal"
+        else:
+            error = auth.check(PUSH, [f.buffer for f in frames[1:3]], frames[3].buffer)
+        if error is not None:
+            self.bad_messages.note("a kv-transfer peer", error)
+            return False
+        del frames[3]
+        return True
 
     @staticmethod
     def _answer(frames: list[zmq.Frame], handler: ReceiveHandler) -> TransferAck | None:
@@ -243,22 +286,23 @@ class TcpTransport(KVTransport):
 
     name = "tcp"
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, key: bytes | None = None) -> None:
         self._context = context
+        self.key = key
 
     def sender(self, timeout: float) -> KVSender:
-        return TcpSender(self._context, timeout)
+        return TcpSender(self._context, timeout, self.key)
 
     def receiver(self, host: str, port: int) -> KVReceiver:
-        return TcpReceiver(self._context, host, port)
+        return TcpReceiver(self._context, host, port, self.key)
 
 
-TRANSPORTS: dict[str, Callable[[zmq.Context], KVTransport]] = {"tcp": TcpTransport}
+TRANSPORTS: dict[str, Callable[[zmq.Context, bytes | None], KVTransport]] = {"tcp": TcpTransport}
 
 
-def make_transport(name: str, context: zmq.Context) -> KVTransport:
+def make_transport(name: str, context: zmq.Context, key: bytes | None = None) -> KVTransport:
     try:
-        return TRANSPORTS[name](context)
+        return TRANSPORTS[name](context, key)
     except KeyError:
         known = sorted(TRANSPORTS)
         raise ValueError(f"--kv-transport {name!r} is unknown; choose from {known}") from None

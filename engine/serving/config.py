@@ -108,6 +108,13 @@ class ServerConfig:
         "one, those endpoints answer loopback clients only (e.g. kubectl exec ... curl).",
         crd=False,
     )
+    peer_key_file: str | None = _opt(
+        None,
+        "File holding the key shared by an InferenceService's prefill and decode pods; or set "
+        "KETCH_PEER_KEY. Then every pd-comm message must carry its HMAC. Without one, pd-comm "
+        "trusts the network.",
+        crd=False,
+    )
 
     def __post_init__(self) -> None:
         ports = {

@@ -29,6 +29,7 @@ from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.pairing import PrefillPeers
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.wire import read_peer_key
 
 logger = logging.getLogger("ketch.serve")
 
@@ -78,6 +79,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
     check_ports(config)
     api_key, admin_key = read_api_key(config), read_admin_key(config)
+    if config.role != "mixed":
+        read_peer_key(config.peer_key_file)  # a bad --peer-key-file fails here, before loading
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
     name = config.served_model_name or engine_config.model
