@@ -80,6 +80,8 @@ class CacheManagerClient:
         now = time.monotonic()
         if self.attached and now - self._last_heard > SILENCE_S:
             self._detach(f"the cache manager was silent for {SILENCE_S:.0f} s")
+        # Only answered messages count: Reserve/Revoke get no answer, so a steady stream of
+        # them must not hold back the pings that keep the link alive.
         if now - self._last_sent >= HELLO_INTERVAL_S:
             if self.attached:
                 self._send(Ping(self.engine_id))
@@ -141,7 +143,8 @@ class CacheManagerClient:
             self.socket.send(encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
         except zmq.Again:
             return False  # no cache manager connected
-        self._last_sent = time.monotonic()
+        if not isinstance(message, Reserve | Revoke):
+            self._last_sent = time.monotonic()
         return True
 
     def _handle(self, data: bytes) -> object | None:

@@ -22,10 +22,17 @@ BLOCK_SIZE = 16  # serve_harness's --block-size
 class Pod:
     """One engine instance: ``ketch serve --role ROLE`` and its cache manager."""
 
-    def __init__(self, role: str, *serve_args: str, swap_space: str = "0.05") -> None:
+    def __init__(
+        self, role: str, *serve_args: str, swap_space: str = "0.05", peer_key_file: str = ""
+    ) -> None:
+        """``peer_key_file``: both processes get it as --peer-key-file (as the operator does)."""
         self.role = role
-        self.cm = CacheManagerProcess("--swap-space", swap_space, "--transfer-timeout", "5")
+        key_args = ("--peer-key-file", peer_key_file) if peer_key_file else ()
+        self.cm = CacheManagerProcess(
+            "--swap-space", swap_space, "--transfer-timeout", "5", *key_args
+        )
         self.server = Server(
+            *key_args,
             "--role",
             role,
             "--cache-queue-port",
@@ -84,12 +91,12 @@ class Pod:
 
 
 @contextlib.contextmanager
-def running_pods(*specs: tuple[str, ...]) -> Iterator[list[Pod]]:
+def running_pods(*specs: tuple[str, ...], peer_key_file: str = "") -> Iterator[list[Pod]]:
     """Pods started together (each takes seconds to load), stopped at the end."""
     pods: list[Pod] = []
     try:
         for role, *args in specs:
-            pods.append(Pod(role, *args))
+            pods.append(Pod(role, *args, peer_key_file=peer_key_file))
         for pod in pods:
             pod.wait_ready()
         yield pods
