@@ -176,6 +176,13 @@ class _Links:
         outputs, errors = self.pd.tick()
         return [*(_delta(o) for o in outputs), *errors]
 
+    def failures(self) -> list[tuple[str, str]]:
+        """Requests that failed alone; a peer's prefills are answered to that peer."""
+        failures = self.engine.take_failures()
+        if failures and self.pd is not None and self.pd.prefill is not None:
+            failures = self.pd.prefill.on_failures(failures)
+        return failures
+
     def after_step(self, outputs: list) -> None:
         if self.pd is None:
             return
@@ -246,6 +253,10 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
             step_outputs = engine.step()
             links.after_step(step_outputs)
             deltas += [_delta(o) for o in step_outputs]
+            for request_id, error in links.failures():  # one request's fault, not the engine's
+                deltas.append(
+                    RequestDelta(request_id, error=f"internal error: {error}", error_code=500)
+                )
             changed = True
         if changed:
             outputs.send(encode(StepOutputs(deltas=deltas, snapshot=links.snapshot())))

@@ -50,6 +50,11 @@ class LLM:
             for output in self.engine.step():
                 if output.finished:
                     finished[output.request_id] = output
+            failures = self.engine.take_failures()
+            if failures:  # the others of this call are not left running behind the error
+                self.engine.abort_request(list(self.engine.scheduler.requests))
+                request_id, error = failures[0]
+                raise RuntimeError(f"request {request_id} failed: {error}")
         return [_merge(ids, finished) for ids in groups]
 
     def chat(

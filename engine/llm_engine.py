@@ -87,6 +87,7 @@ class LLMEngine:
             self.kv_cache,
         )
         self._tracked: dict[str, _Tracked] = {}
+        self.failures: list[tuple[str, str]] = []  # requests that failed alone (take_failures)
         self._last_batch_size = 0
         self._num_seeded = 0
         logger.info(
@@ -268,6 +269,8 @@ class LLMEngine:
         self._last_batch_size = len(sched.num_scheduled_tokens)
         self.kv_cache.flush()  # evicted blocks reach the host swap before the worker reuses them
         runner_output = self.runner.execute(sched)
+        if runner_output.failed:  # before any progress is recorded: nothing of theirs is cached
+            self._fail(runner_output.failed)
         updated = self.scheduler.update_from_output(sched, runner_output)
         if runner_output.logprobs:
             for request_id, lp in zip(
@@ -276,8 +279,29 @@ class LLMEngine:
                 tracked = self._tracked.get(request_id)
                 if lp is not None and tracked is not None and tracked.logprobs is not None:
                     tracked.logprobs.append(TokenLogprob(-1, lp[0], lp[1]))
-        outputs = [self._process(request) for request in updated]
-        return [o for o in outputs if o is not None]
+        outputs = []
+        for request in updated:
+            try:
+                output = self._process(request)
+            except Exception as exc:  # e.g. the detokenizer on one request: that request fails
+                logger.exception("request %s failed", request.request_id)
+                self._fail({request.request_id: f"{type(exc).__name__}: {exc}"})
+                continue
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """Ends these requests with an error (their blocks go back); see ``take_failures``."""
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        for request_id, error in failed.items():
+            self._tracked.pop(request_id, None)
+            self.failures.append((request_id, error))
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests that failed alone since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def _process(self, request: Request) -> RequestOutput | None:
         tracked = self._tracked[request.request_id]

@@ -60,3 +60,5 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled request: (chosen token logprob, [(token id, logprob), ...]) when asked for.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # Requests the runner could not take (request id -> why); nothing of theirs was computed.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -186,6 +186,16 @@ class PrefillSide:
                 error = "the prefill instance's cache manager went away during the KV transfer"
                 self._finish(request_id, PrefillFailed(request_id, error))
 
+    def on_failures(self, failures: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Failed requests that were a peer's prefills are answered here; returns the rest."""
+        rest = []
+        for request_id, error in failures:
+            if request_id in self._prefills:
+                self._finish(request_id, PrefillFailed(request_id, f"internal error: {error}", 500))
+            else:
+                rest.append((request_id, error))
+        return rest
+
     def _finish(self, request_id: str, answer: PdMessage) -> None:
         prefill = self._prefills.pop(request_id)
         self.engine.scheduler.release_held(request_id)

@@ -96,21 +96,24 @@ class ModelRunner:
         )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_changes(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
-        batch = self._prepare_inputs(sched)
+        failed = self._apply_changes(sched)
+        if sched.is_empty or len(failed) == len(sched.num_scheduled_tokens):
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
+        batch = self._prepare_inputs(sched, failed)
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
         # one throwaway logits row.
         logits = self._forward(batch, batch.logit_rows or [0])
         if not batch.sampling_ids:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
         states = [self.requests[rid].sampling for rid in batch.sampling_ids]
         tokens, logprobs = sample(logits, states)
         for state, token in zip(states, tokens, strict=True):
             state.token_ids.append(token)
         return ModelRunnerOutput(
-            request_ids=batch.sampling_ids, sampled_token_ids=tokens, logprobs=logprobs
+            request_ids=batch.sampling_ids,
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            failed=failed,
         )
 
     def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
@@ -133,11 +136,18 @@ class ModelRunner:
             )
         return logits.numpy()
 
-    def _apply_changes(self, sched: SchedulerOutput) -> None:
+    def _apply_changes(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Takes the step's changes; returns the new requests it could not take (id -> why):
+        one request's bad state fails that request, not the step."""
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
+        failed: dict[str, str] = {}
         for new in sched.new_requests:
-            self.requests[new.request_id] = self._new_state(new)
+            try:
+                self.requests[new.request_id] = self._new_state(new)
+            except Exception as exc:
+                logger.exception("request %s cannot run", new.request_id)
+                failed[new.request_id] = f"{type(exc).__name__}: {exc}"
         cached = sched.cached_requests
         for request_id, blocks, resumed, computed in zip(
             cached.request_ids,
@@ -146,12 +156,15 @@ class ModelRunner:
             cached.num_computed_tokens,
             strict=True,
         ):
-            state = self.requests[request_id]
+            state = self.requests.get(request_id)
+            if state is None:
+                continue  # one this runner could not take
             if resumed:
                 state.block_ids = list(blocks)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        return failed
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampling = SamplingState.create(
@@ -170,11 +183,12 @@ class ModelRunner:
             sampling=sampling,
         )
 
-    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        total = sched.total_num_scheduled_tokens
+    def _prepare_inputs(self, sched: SchedulerOutput, failed: dict[str, str]) -> StepInputs:
+        scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}
+        total = sum(scheduled.values())
         batch = StepInputs(np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64))
         start = 0
-        for request_id, n in sched.num_scheduled_tokens.items():
+        for request_id, n in scheduled.items():
             state = self.requests[request_id]
             begin = state.num_computed_tokens
             tokens = state.sampling.token_ids

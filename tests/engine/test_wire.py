@@ -57,7 +57,7 @@ def test_pd_and_cache_manager_messages_round_trip() -> None:
         pd.PrefillDone("r", 5, (-0.1, [(5, -0.1)]), 16, 1024, 0.5, 1.7e9),
         pd.PrefillFailed("r", "no", 503),
         cm.Swap(3, [(1, 2)], [(3, 4)]),
-        cm.TransferHeader(1, "r", LAYOUT, [1, 2], "e", [0, 1], 0, 1),
+        cm.TransferHeader(2, "r", LAYOUT, [1, 2], "e", "n" * 32, layers=[0, 1], part=0, parts=1),
     ]:
         module = pd if type(message).__module__ == pd.__name__ else cm
         assert module.decode(module.encode(message)) == message
