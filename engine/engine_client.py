@@ -127,12 +127,11 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         final_only: bool = False,
-        pairing: tuple[str, str] | None = None,
+        prefill: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Streams a request's deltas until it finishes; aborts it if the caller stops early.
 
-        ``pairing`` (decode role): the prefill peer's pd-comm "host:port" and this instance's
-        host as the peer reaches it."""
+        ``prefill`` (decode role): the prefill peer's pd-comm "host:port"."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         if request_id in self._queues:
@@ -148,7 +147,7 @@ class EngineClient:
                         prompt_token_ids,
                         params,
                         final_only,
-                        *(pairing or (None, None)),
+                        prefill,
                     )
                 )
             )

@@ -275,7 +275,7 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
                     message.final_only,
                     queue=False,
                 )
-                links.pd.add_remote(request, message.prefill, message.decode_host or "127.0.0.1")
+                links.pd.add_remote(request, message.prefill)
             else:
                 engine.add_request(
                     message.request_id,

@@ -17,15 +17,14 @@ from ketch.engine.stats import EngineSnapshot, RequestMetrics
 class AddRequest:
     """Queue a tokenised request; outputs stream back as ``RequestDelta`` messages.
 
-    ``prefill``/``decode_host`` (decode role): the prefill peer's pd-comm "host:port" and the
-    address it reaches this instance at, as the router paired them."""
+    ``prefill`` (decode role): the prefill peer's pd-comm "host:port", as the router paired
+    them. Where the peer pushes the KV is this instance's configuration, never the request's."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     final_only: bool = False
     prefill: str | None = None
-    decode_host: str | None = None
 
 
 @dataclass

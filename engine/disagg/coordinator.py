@@ -94,7 +94,7 @@ class PDCoordinator:
                 self._send,
                 config.pd_block_timeout,
                 config.pd_peer_timeout,
-                config.kv_transfer_port,
+                f"{config.kv_transfer_address_host()}:{config.kv_transfer_port}",
                 cache,
             )
         self.cache = cache
@@ -115,7 +115,7 @@ class PDCoordinator:
     def num_waiting(self) -> int:
         return self.decode.num_waiting if self.decode else 0
 
-    def add_remote(self, request: Request, prefill: str, decode_host: str) -> None:
+    def add_remote(self, request: Request, prefill: str) -> None:
         if self.decode is None:
             raise ValueError("only a decode instance takes requests with a prefill peer")
         if prefill not in self._peers and len(self._peers) >= MAX_PEERS:
@@ -126,7 +126,7 @@ class PDCoordinator:
                     "retry shortly"
                 )
         self._peer_used[prefill] = time.monotonic()
-        self.decode.add(request, prefill, decode_host)
+        self.decode.add(request, prefill)
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
         return self.decode.abort(request_ids) if self.decode else []

@@ -64,14 +64,14 @@ class DecodeSide:
         send: Callable[[str, PdMessage], None],
         block_timeout: float,
         peer_timeout: float,
-        kv_transfer_port: int,
+        kv_transfer_address: str,
         cache: CacheManagerClient | None,
     ) -> None:
         self.engine = engine
         self._send = send
         self.block_timeout = block_timeout
         self.peer_timeout = peer_timeout
-        self.kv_transfer_port = kv_transfer_port
+        self.kv_transfer_address = kv_transfer_address  # where peers push: configuration
         self.cache = cache  # None: no cache manager link (requests then fail clearly)
         self.reservation_ttl = RESERVATION_TTL_S
         self._remote: dict[str, _Remote] = {}
@@ -89,10 +89,10 @@ class DecodeSide:
         """The prefill peers some request here still waits on."""
         return {remote.peer for remote in self._remote.values()}
 
-    def add(self, request: Request, prefill: str, decode_host: str) -> None:
+    def add(self, request: Request, prefill: str) -> None:
         """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
         self._remote[request.request_id] = _Remote(
-            request, prefill, f"{decode_host}:{self.kv_transfer_port}", time.monotonic()
+            request, prefill, self.kv_transfer_address, time.monotonic()
         )
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:

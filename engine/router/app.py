@@ -32,7 +32,7 @@ from ketch.engine.router.instances import Instance, Registry
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
 from ketch.engine.router.registration import registration_routes
-from ketch.engine.serving.pairing import DECODE_HOST_HEADER, PREFILL_HEADER
+from ketch.engine.serving.pairing import PREFILL_HEADER
 
 logger = logging.getLogger("ketch.router")
 
@@ -251,7 +251,6 @@ async def _send(
     send = dict(headers)
     if prefill is not None:
         send[PREFILL_HEADER] = f"{prefill.host}:{prefill.pd_comm_port}"
-        send[DECODE_HOST_HEADER] = target.host
     assert state.registry.session is not None  # opened by Registry.start before serving
     return await state.registry.session.post(
         f"{target.url}{path}", data=body, headers=send, timeout=_timeout(state)

@@ -7,6 +7,7 @@ generated from these fields. ``crd`` metadata gives a field's path under an Infe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,13 @@ class ServerConfig:
         "Prefill/decode roles: seconds a peer may stay silent before its requests fail.",
         minimum=1,
     )
+    kv_transfer_host: str | None = _opt(
+        None,
+        "Decode role: the address prefill peers push KV to (this pod's cache manager). Default: "
+        "$KETCH_KV_TRANSFER_HOST (the operator sets it to the pod IP), else --host unless it is "
+        "a wildcard, else 127.0.0.1. Never taken from a request.",
+        crd=False,
+    )
     pd_prefill_peers: str | None = _opt(
         None,
         "Decode role: the prefill instances this one may be paired with (a DNS name, e.g. the "
@@ -115,6 +123,13 @@ class ServerConfig:
         "trusts the network.",
         crd=False,
     )
+
+    def kv_transfer_address_host(self) -> str:
+        """Where this instance's cache manager takes KV pushes, as peers reach it."""
+        configured = self.kv_transfer_host or os.environ.get("KETCH_KV_TRANSFER_HOST")
+        if configured:
+            return configured
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     def __post_init__(self) -> None:
         ports = {

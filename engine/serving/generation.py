@@ -29,7 +29,7 @@ class Choice:
     params: SamplingParams
     output: CompletionOutput = field(init=False)
     num_cached_tokens: int = 0
-    pairing: tuple[str, str] | None = None  # decode role: (prefill peer, this host)
+    prefill: str | None = None  # decode role: the paired prefill peer's pd-comm host:port
 
     def __post_init__(self) -> None:
         self.output = CompletionOutput(index=self.index, text="", token_ids=[])
@@ -39,7 +39,7 @@ def make_choices(
     prompts: list[list[int]],
     params: SamplingParams,
     max_model_len: int,
-    pairing: tuple[str, str] | None = None,
+    prefill: str | None = None,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get seed + i so the choices differ."""
     choices = []
@@ -52,7 +52,7 @@ def make_choices(
                 param="prompt",
             )
         for i in range(params.n):
-            choices.append(Choice(len(choices), p, prompt, params.for_choice(i), pairing=pairing))
+            choices.append(Choice(len(choices), p, prompt, params.for_choice(i), prefill=prefill))
     return choices
 
 
@@ -84,7 +84,7 @@ async def stream_choice(
     request_id = f"req-{uuid.uuid4().hex}"
     try:
         stream = engine.generate(
-            request_id, choice.prompt_token_ids, choice.params, final_only, choice.pairing
+            request_id, choice.prompt_token_ids, choice.params, final_only, choice.prefill
         )
         async for delta in stream:
             _apply(choice, delta)

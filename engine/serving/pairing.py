@@ -1,12 +1,13 @@
 """Decode role: which prefill instance a request is paired with, and whether that is allowed.
 
-The router pairs each request with a prefill instance and says so in two headers:
-``x-ketch-prefill`` (the prefill engine's pd-comm ``host:port``) and ``x-ketch-decode-host``
-(this instance's address as the prefill side reaches it). The decode engine then connects to
-that prefill host, so the headers must not let just anyone point it anywhere:
+The router pairs each request with a prefill instance and says so in the header
+``x-ketch-prefill`` (the prefill engine's pd-comm ``host:port``). The decode engine then
+connects to that prefill host, so the header must not let just anyone point it anywhere:
 ``--pd-prefill-peers`` (the operator sets it to the prefill pods' headless Service) limits the
 prefill hosts to the addresses that name resolves to. Unset, any host is taken: then only the
-router may be able to reach this instance.
+router may be able to reach this instance. Where the prefill side pushes the KV is this
+instance's own ``--kv-transfer-host``, never a header (it once was: a client could send the
+KV, and the prefill side's time, anywhere).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.protocol import ProtocolError
 
 PREFILL_HEADER = "x-ketch-prefill"
-DECODE_HOST_HEADER = "x-ketch-decode-host"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
 _RESOLVE_EVERY_S = 5.0
 
@@ -70,10 +70,8 @@ class PrefillPeers:
         return found
 
 
-async def pairing(
-    config: ServerConfig, peers: PrefillPeers, request: Request
-) -> tuple[str, str] | None:
-    """Decode role: (prefill peer "host:port", this host) from the router's headers."""
+async def pairing(config: ServerConfig, peers: PrefillPeers, request: Request) -> str | None:
+    """Decode role: the prefill peer's "host:port" from the router's header."""
     if config.role != "decode":
         return None
     prefill = request.headers.get(PREFILL_HEADER)
@@ -92,7 +90,4 @@ async def pairing(
             f"{PREFILL_HEADER} names {host}:{port}, which is not one of this decode instance's "
             f"prefill peers ({peers.describe()}; --pd-prefill-peers)",
         )
-    decode_host = request.headers.get(DECODE_HOST_HEADER) or request.url.hostname or ""
-    if not _HOST.match(decode_host):
-        raise ProtocolError(400, f"{DECODE_HOST_HEADER} must be a host, got {decode_host!r}")
-    return f"{host}:{port}", decode_host
+    return f"{host}:{port}"

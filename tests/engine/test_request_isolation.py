@@ -53,7 +53,7 @@ def test_a_failing_request_fails_alone_and_its_blocks_come_back(poisoned) -> Non
     assert pool.num_free_blocks == pool.num_usable_blocks
     engine.scheduler.check_integrity()
     # The offline API reports it, and serves on afterwards.
-    with pytest.raises(RuntimeError, match="request .* failed: OverflowError"):
+    with pytest.raises(RuntimeError, match=r"request .* failed: OverflowError"):
         llm.generate(["Down the rabbit hole", prompts[2]], [_greedy(POISON_SEED), _greedy()])
     assert not engine.has_unfinished_requests()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())] == want

@@ -135,7 +135,7 @@ def test_a_decode_instance_takes_only_its_prefill_peers() -> None:
         # request for a reason of its own (no cache manager was started for it).
         peer = {
             "x-ketch-prefill": f"127.0.0.1:{server.pd_port}",
-            "x-ketch-decode-host": "127.0.0.1",
+            "x-ketch-decode-host": "evil.invalid",  # ignored: the KV goes where config says
         }
         taken = httpx.post(url, json=body, headers=peer, timeout=30)
         assert taken.status_code == 503 and "cache manager" in taken.text

@@ -137,10 +137,23 @@ def test_decode_instance_refuses_unpaired_requests(cluster: dict) -> None:
 
 def test_kv_layout_mismatch_between_prefill_and_decode_is_refused(cluster: dict) -> None:
     decode, other = cluster["decode"], cluster["other_layout"]
-    headers = {"x-ketch-prefill": other.pd_address, "x-ketch-decode-host": "127.0.0.1"}
+    headers = {"x-ketch-prefill": other.pd_address}
     body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4}
     response = httpx.post(f"{decode.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 400
     assert "block_size is 16 on the decode instance, 32 here" in response.json()["error"]["message"]
     # Nothing is left reserved on the decode side.
     wait_for(lambda: all_blocks_free(decode), 20, "decode's blocks freed", 0.2)
+
+
+def test_the_kv_destination_never_comes_from_the_request(cluster: dict) -> None:
+    """A client that names another KV destination is ignored: the decode instance's own
+    configured address receives the blocks, and the output is the mixed instance's."""
+    decode, prefill = cluster["decode"], cluster["prefill"]
+    headers = {"x-ketch-prefill": prefill.pd_address, "x-ketch-decode-host": "evil.invalid"}
+    body = {"model": "tiny", "prompt": "Down the rabbit hole", "max_tokens": MAX_TOKENS}
+    body["temperature"] = 0
+    got = httpx.post(f"{decode.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert got.status_code == 200, got.text
+    want, _ = _complete(cluster["mixed"].url, body["prompt"], False)
+    assert got.json()["choices"][0]["text"] == want

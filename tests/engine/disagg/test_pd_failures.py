@@ -61,7 +61,7 @@ def _tokens(n: int, seed: int = 1) -> list[int]:
 
 def _paired(decode: Pod, prefill: Pod, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
     """A request straight to a decode instance, paired with the given prefill instance."""
-    headers = {"x-ketch-prefill": prefill.pd_address, "x-ketch-decode-host": "127.0.0.1"}
+    headers = {"x-ketch-prefill": prefill.pd_address}
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{decode.url}/v1/completions", json=body, headers=headers, timeout=BOUND_S)
 
