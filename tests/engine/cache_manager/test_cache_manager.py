@@ -250,3 +250,40 @@ def test_a_late_push_cannot_write_blocks_reassigned_to_another_request(pair, seg
     assert np.array_equal(segments[1].block(3), segments[0].block(1))
     prefill.close()
     decode.close()
+
+
+@pytest.mark.timeout(120)
+def test_hostile_frames_on_both_ports_change_nothing_and_break_nothing(pair, segments) -> None:
+    """300 hostile multipart messages on the cache queue and 300 on the KV-transfer port (wrong
+    frame counts, garbage, deep nesting, valid-looking messages with broken fields): the
+    attached engine's KV is untouched, the sidecar stays healthy, and swaps and pushes work."""
+    from hostile import frames
+
+    sender, receiver = pair
+    prefill, decode = FakeEngine(sender), FakeEngine(receiver)
+    prefill.hello(segments[0])
+    decode.hello(segments[1])
+    kept = np.array(segments[1].kv)
+    context = zmq.Context.instance()
+    for port, kinds, seed in (
+        (receiver.queue_port, [p.Hello, p.Ping, p.Swap, p.Push, p.Reserve, p.Revoke], 5),
+        (receiver.kv_port, [p.TransferHeader], 6),
+    ):
+        attacker = context.socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(f"tcp://127.0.0.1:{port}")
+        for message in frames(kinds, seed=seed, count=300):
+            attacker.send_multipart(message)
+        attacker.close()
+    # The decode engine's own link still works (and re-says Hello if an attacker's was taken).
+    decode.hello(segments[1])
+    assert isinstance(decode.ask(p.Ping(decode.engine_id)), p.Pong)
+    assert np.array_equal(np.array(segments[1].kv), kept)
+    health = receiver.health()
+    assert health["status"] == "ok", health
+    assert receiver.proc.poll() is None
+    done = prefill.reserved_push(decode, "after-fuzz", [1, 2], receiver.kv_address, [3, 4])
+    assert done.ok, done
+    assert np.array_equal(segments[1].block(4), segments[0].block(2))
+    prefill.close()
+    decode.close()
