@@ -23,6 +23,7 @@ import hashlib
 from ketch.operator import autoscaling
 from ketch.operator.containers import (
     CONFIG_DIR,
+    PEER_KEY_VOLUME,
     PORT_HTTP,
     PORT_KV_TRANSFER,
     PORT_PD_COMM,
@@ -49,7 +50,7 @@ from ketch.operator.objects import (
     metadata,
     selector,
 )
-from ketch.operator.spec import API_KEY_PATH, ServiceSpec
+from ketch.operator.spec import API_KEY_PATH, PEER_KEY_PATH, ServiceSpec
 
 RUN_AS_USER = 1000
 SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
@@ -133,6 +134,18 @@ def engine_pod(svc: ServiceSpec, role: str, config_text: str) -> Obj:
                 "secret": {
                     "secretName": auth["name"],
                     "items": [{"key": auth["key"], "path": key_file}],
+                },
+            }
+        )
+    peer = svc.spec.get("auth", {}).get("peerKeySecretRef")
+    if peer and role != "mixed":
+        key_file = PEER_KEY_PATH.rsplit("/", 1)[1]
+        volumes.append(
+            {
+                "name": PEER_KEY_VOLUME,
+                "secret": {
+                    "secretName": peer["name"],
+                    "items": [{"key": peer["key"], "path": key_file}],
                 },
             }
         )

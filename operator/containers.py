@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.operator.crd import FETCH_CREDENTIAL_KEYS
-from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, ServiceSpec
+from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH, ServiceSpec
 
 CONFIG_DIR = "/etc/ketch"
 # Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
@@ -21,7 +21,18 @@ PORT_CACHE_QUEUE = "cache-queue"
 PORT_KV_TRANSFER = "kv-transfer"
 PORT_CM_HTTP = "cm-http"
 
+PEER_KEY_VOLUME = "peer-key"
+
 Obj = dict[str, Any]
+
+
+def peer_key_mounts(svc: ServiceSpec, role: str) -> list[Obj]:
+    """The peer-key Secret, for the engine and the sidecar of a prefill or decode pod (both read
+    ``peer_key_file`` from the role's config file)."""
+    if role == "mixed" or "peerKeySecretRef" not in svc.spec.get("auth", {}):
+        return []
+    directory = PEER_KEY_PATH.rsplit("/", 1)[0]
+    return [{"name": PEER_KEY_VOLUME, "mountPath": directory, "readOnly": True}]
 
 
 def tmp_mount() -> Obj:
@@ -115,6 +126,7 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
         mounts.append(
             {"name": "api-key", "mountPath": API_KEY_PATH.rsplit("/", 1)[0], "readOnly": True}
         )
+    mounts += peer_key_mounts(svc, role)
     env = [home_env(), *engine.get("env", [])]
     return {
         "name": "engine",
@@ -174,6 +186,7 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             tmp_mount(),
+            *peer_key_mounts(svc, role),
         ],
         # Reserving the swap space takes a moment: up to 2 minutes before liveness applies.
         "startupProbe": http_probe("/health", 5, 24, PORT_CM_HTTP),

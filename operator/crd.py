@@ -511,7 +511,17 @@ def _auth() -> dict[str, Any]:
                     "key": string("Key in the Secret.", default="api-key", minLength=1),
                 },
                 required=("name",),
-            )
+            ),
+            "peerKeySecretRef": obj(
+                "A Secret holding the key the prefill and decode pods authenticate each other "
+                "with (HMAC-SHA256 on pd-comm and kv-transfer); required when disaggregated. "
+                "Any random string of 16+ bytes, e.g. 'openssl rand -hex 32'.",
+                {
+                    "name": string("Secret name (same namespace).", minLength=1, maxLength=253),
+                    "key": string("Key in the Secret.", default="peer-key", minLength=1),
+                },
+                required=("name",),
+            ),
         },
     )
 
@@ -562,6 +572,12 @@ def spec_schema() -> dict[str, Any]:
                 "roles.prefill/decode (disaggregated serving) need cacheManager.enabled: true: the "
                 "KV cache moves between the pods' cache-manager sidecars",
                 ".cacheManager.enabled",
+            ),
+            (
+                "!has(self.roles.prefill) || (has(self.auth) && has(self.auth.peerKeySecretRef))",
+                "roles.prefill/decode (disaggregated serving) need auth.peerKeySecretRef: a Secret "
+                "with the key their pd-comm and kv-transfer ports authenticate peers with",
+                ".auth",
             ),
             (
                 "!has(self.roles.mixed) || self.engine.tensorParallelSize == 1 "

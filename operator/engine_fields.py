@@ -108,6 +108,7 @@ _SET_ELSEWHERE = {
     "--model": "spec.model.uri",
     "--role": "spec.roles",
     "--api-key-file": "spec.auth.apiKeySecretRef",
+    "--peer-key-file": "spec.auth.peerKeySecretRef",
 }
 
 

@@ -157,11 +157,14 @@ class ServiceSpec:
             values["pd_prefill_peers"] = f"{self.name}-prefill-peers.{self.namespace}.svc"
         if "apiKeySecretRef" in self.spec.get("auth", {}):
             values["api_key_file"] = API_KEY_PATH
+        if role != "mixed" and "peerKeySecretRef" in self.spec.get("auth", {}):
+            values["peer_key_file"] = PEER_KEY_PATH  # read by the engine and its cache manager
         return dict(sorted(values.items()))
 
 
 MODEL_MOUNT = "/models"
 API_KEY_PATH = "/var/run/secrets/ketch/api-key"
+PEER_KEY_PATH = "/var/run/secrets/ketch-peer/peer-key"
 
 
 def model_path(uri: str) -> str:

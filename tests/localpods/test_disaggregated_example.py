@@ -25,6 +25,7 @@ from localpods.testing import TIME_SCALE, example, reference_texts
 pytestmark = pytest.mark.timeout(300)
 
 API_KEY = "local-test-key"
+PEER_KEY = "local-test-peer-key-0123456789"
 MODEL = "qwen2.5-7b-instruct"  # the served name the example sets
 PROMPTS = ["Alice was beginning to get very tired", "The Queen of Hearts", "Curiouser and"]
 MAX_TOKENS = 12
@@ -34,9 +35,9 @@ MAX_TOKENS = 12
 def cluster() -> Iterator[LocalCluster]:
     isvc = localize(example("disaggregated.yaml"))
     secret = isvc["spec"]["auth"]["apiKeySecretRef"]
-    local = LocalCluster(
-        isvc, time_scale=TIME_SCALE, secrets={secret["name"]: {"api-key": API_KEY}}
-    )
+    peer = isvc["spec"]["auth"]["peerKeySecretRef"]
+    secrets = {secret["name"]: {"api-key": API_KEY}, peer["name"]: {"peer-key": PEER_KEY}}
+    local = LocalCluster(isvc, time_scale=TIME_SCALE, secrets=secrets)
     try:
         local.start().wait_ready()
         yield local

@@ -106,6 +106,7 @@ def body(autoscaling_spec: dict | None = None, *, disaggregated: bool = False) -
     scaling = {"minReplicas": 2, "maxReplicas": 6, **(autoscaling_spec or {})}
     if disaggregated:
         spec["spec"]["roles"] = {"prefill": {"autoscaling": scaling}, "decode": {}}
+        spec["spec"]["auth"] = {"peerKeySecretRef": {"name": "chat-peer-key"}}
     else:
         spec["spec"]["roles"] = {"mixed": {"autoscaling": scaling}}
     return spec

@@ -153,6 +153,33 @@ def test_disaggregated_children():
     assert settings["tensor_parallel_size"] == 2
 
 
+def test_disaggregated_pods_mount_the_peer_key_in_both_containers():
+    kids = children(example("disaggregated"))
+    config = kids[("ConfigMap", "qwen-pd-config")]["data"]
+    for role in ("prefill", "decode"):
+        pod = kids[("Deployment", f"qwen-pd-{role}")]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["peer-key"]["secret"] == {
+            "secretName": "qwen-peer-key",
+            "items": [{"key": "peer-key", "path": "peer-key"}],
+        }
+        for container in pod["containers"]:  # the engine and its cache manager
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["peer-key"] == {
+                "name": "peer-key",
+                "mountPath": "/var/run/secrets/ketch-peer",
+                "readOnly": True,
+            }
+        settings = yaml.safe_load(config[f"{role}.yaml"])
+        assert settings["peer_key_file"] == "/var/run/secrets/ketch-peer/peer-key"
+    router = kids[("Deployment", "qwen-pd-router")]["spec"]["template"]["spec"]
+    assert "peer-key" not in {v["name"] for v in router.get("volumes", [])}
+    mixed = children(example("mixed"))
+    assert "peer_key_file" not in yaml.safe_load(
+        mixed[("ConfigMap", "tiny-config")]["data"]["mixed.yaml"]
+    )
+
+
 def test_autoscaled_role_leaves_replicas_to_the_hpa():
     kids = children(example("autoscaled"))
     dep = kids[("Deployment", "llama-chat-mixed")]
@@ -487,6 +514,11 @@ INVALID: list[tuple[str, dict, str]] = [
             "cacheManager": {"enabled": False},
         },
         "spec.cacheManager.enabled",
+    ),
+    (
+        "disaggregated without a peer key",
+        {"roles": {"mixed": None, "prefill": {}, "decode": {}}},
+        "auth.peerKeySecretRef",
     ),
 ]
 

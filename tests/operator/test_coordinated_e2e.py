@@ -214,6 +214,7 @@ def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics, por
         }
 
     b["spec"]["roles"] = {"prefill": role(4), "decode": role(6)}
+    b["spec"]["auth"] = {"peerKeySecretRef": {"name": "coordpd-peer-key"}}
     b["spec"]["autoscaling"] = {"syncPeriodSeconds": 1, "ratio": {"min": 0.5, "max": 1}}
     metrics.load.update(prefill=0, decode=0)
     cluster.apply(b)

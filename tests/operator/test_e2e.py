@@ -394,7 +394,12 @@ def test_switching_to_disaggregated_prunes_the_mixed_role(cluster, operator):
     cluster.apply(cpu_example("zeta"))
     wait_for(lambda: ready(cluster, "zeta"), "zeta Ready")
     role = {"replicas": 1, "resources": {"gpus": 0}}
-    patch = {"spec": {"roles": {"mixed": None, "prefill": role, "decode": role}}}
+    patch = {
+        "spec": {
+            "roles": {"mixed": None, "prefill": role, "decode": role},
+            "auth": {"peerKeySecretRef": {"name": "zeta-peer-key"}},
+        }
+    }
     cluster.run("patch", crd.PLURAL, "zeta", "--type", "merge", "-p", json.dumps(patch))
     wait_for(
         lambda: (
