@@ -53,6 +53,8 @@ logger = logging.getLogger("ketch.cache_manager")
 ENGINE_SILENCE_S = 5.0
 """An engine that sent nothing for this long is detached (its mapping dropped)."""
 _POLL_MS = 100
+# SIGTERM waits this long for queued KV pushes (a pod's grace period is 30 s by default).
+DRAIN_TIMEOUT_S = 20.0
 _DONE_ADDRESS = "inproc://ketch-cache-manager-push-done"
 
 
@@ -73,6 +75,8 @@ class CacheManager:
         self.attachment: Attachment | None = None
         self._engine_seen = 0.0
         self._stop = threading.Event()
+        self._drain_deadline: float | None = None  # set by SIGTERM: finish queued pushes first
+        self._pushes_pending = 0  # queued or sending, until their PushDone goes to the engine
         self._jobs: queue.Queue[_PushJob | None] = queue.Queue()
         self._buffer: np.ndarray | None = None  # the sender thread's gather buffer
         self._context = zmq.Context()
@@ -139,12 +143,25 @@ class CacheManager:
             if self._done in events:
                 identity, data = self._done.recv_multipart()
                 self._queue.send_multipart([identity, data])
+                self._pushes_pending -= 1
             self._check_engine_silence()
+            self._check_drained()
         logger.info("cache manager %s: stopping", self.id)
         return 0
 
     def stop(self, *_: Any) -> None:
-        self._stop.set()
+        """SIGTERM: take no new pushes, finish the queued ones (up to DRAIN_TIMEOUT_S), exit."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
+
+    def _check_drained(self) -> None:
+        if self._drain_deadline is None:
+            return
+        if self._pushes_pending <= 0:
+            self._stop.set()
+        elif time.monotonic() > self._drain_deadline:
+            logger.warning("drain timeout: %d KV pushes not finished", self._pushes_pending)
+            self._stop.set()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -311,11 +328,14 @@ class CacheManager:
                     parse_dest(push.dest)
                 except ValueError as exc:
                     error = str(exc)
+        if error is None and self._drain_deadline is not None:
+            error = "the cache manager is shutting down; retry on another instance"
         if error is not None or att is None:
             logger.warning("push %s refused: %s", push.request_id, error)
             self.metrics.kv_transfer_failures.labels(direction="send").inc()
             return p.PushDone(str(push.request_id), False, error=error)
         self._jobs.put(_PushJob(identity, push, att))
+        self._pushes_pending += 1
         return None
 
     # ---- sender thread ----

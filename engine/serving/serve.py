@@ -160,9 +160,26 @@ async def _drain(state: ServingState) -> None:
     timeout = state.config.drain_timeout
     logger.info("draining: %d requests in flight, waiting up to %.0f s", state.in_flight, timeout)
     try:
-        await asyncio.wait_for(state.idle.wait(), timeout)
+        await asyncio.wait_for(_idle(state), timeout)
     except TimeoutError:
-        logger.warning("drain timeout: %d requests still in flight are cut", state.in_flight)
+        logger.warning(
+            "drain timeout: %d requests still in flight (%d in the engine) are cut",
+            state.in_flight,
+            _engine_busy(state),
+        )
+
+
+async def _idle(state: ServingState) -> None:
+    """No HTTP request in flight, and (a prefill instance, whose work arrives over pd-comm) no
+    request in its engine either."""
+    await state.idle.wait()
+    while state.config.role == "prefill" and _engine_busy(state) and state.engine.is_alive:
+        await asyncio.sleep(0.1)
+
+
+def _engine_busy(state: ServingState) -> int:
+    snapshot = state.engine.last_snapshot
+    return 0 if snapshot is None else snapshot.num_requests_running + snapshot.num_requests_waiting
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:

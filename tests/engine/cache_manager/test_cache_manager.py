@@ -287,3 +287,26 @@ def test_hostile_frames_on_both_ports_change_nothing_and_break_nothing(pair, seg
     assert np.array_equal(segments[1].block(4), segments[0].block(2))
     prefill.close()
     decode.close()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_finishes_queued_pushes_and_refuses_new_ones(segments) -> None:
+    import signal
+
+    manager = CacheManagerProcess("--swap-space", "0", "--transfer-timeout", "3").wait_ready()
+    engine = FakeEngine(manager)
+    try:
+        engine.hello(segments[0])
+        (dead_port,) = free_ports(1)
+        engine.send(p.Push("in-flight", [1, 2], f"127.0.0.1:{dead_port}", [1, 2]))
+        assert isinstance(engine.ask(p.Ping(engine.engine_id)), p.Pong)  # the push is queued
+        manager.proc.send_signal(signal.SIGTERM)
+        refused = engine.ask(p.Push("late", [1], f"127.0.0.1:{dead_port}", [1]))
+        assert isinstance(refused, p.PushDone) and not refused.ok
+        assert "shutting down" in refused.error
+        done = engine.receive(timeout=15)  # the queued push is answered before the exit
+        assert isinstance(done, p.PushDone) and done.request_id == "in-flight", done
+        assert manager.proc.wait(15) == 0
+    finally:
+        engine.close()
+        manager.stop()
