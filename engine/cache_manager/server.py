@@ -54,7 +54,8 @@ ENGINE_SILENCE_S = 5.0
 """An engine that sent nothing for this long is detached (its mapping dropped)."""
 _POLL_MS = 100
 # SIGTERM waits this long for queued KV pushes (a pod's grace period is 30 s by default).
-DRAIN_TIMEOUT_S = 20.0
+DRAIN_TIMEOUT_S = 60.0
+ENGINE_GONE_AFTER_S = 2.5  # an attached engine pings every second
 _DONE_ADDRESS = "inproc://ketch-cache-manager-push-done"
 
 
@@ -150,14 +151,20 @@ class CacheManager:
         return 0
 
     def stop(self, *_: Any) -> None:
-        """SIGTERM: take no new pushes, finish the queued ones (up to DRAIN_TIMEOUT_S), exit."""
+        """SIGTERM: take no new pushes, finish the queued ones, and stay while the engine beside
+        it is still there (it gets SIGTERM at the same moment and drains: its swaps and pushes
+        need this process until it has gone); at most DRAIN_TIMEOUT_S."""
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
 
     def _check_drained(self) -> None:
         if self._drain_deadline is None:
             return
-        if self._pushes_pending <= 0:
+        engine_there = (
+            self.attachment is not None
+            and time.monotonic() - self._engine_seen < ENGINE_GONE_AFTER_S
+        )
+        if self._pushes_pending <= 0 and not engine_there:
             self._stop.set()
         elif time.monotonic() > self._drain_deadline:
             logger.warning("drain timeout: %d KV pushes not finished", self._pushes_pending)
