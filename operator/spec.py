@@ -153,8 +153,9 @@ class ServiceSpec:
             self.spec["model"]["uri"], self.name
         )
         values["role"] = role
-        if role == "decode":  # pairing headers may name only these prefill hosts
-            values["pd_prefill_peers"] = f"{self.name}-prefill-peers.{self.namespace}.svc"
+        if role == "decode":  # pairing headers may name only these prefill pods' pd-comm ports
+            peers = f"{self.name}-prefill-peers.{self.namespace}.svc"
+            values["pd_prefill_peers"] = f"{peers}:{self.spec['ports']['pdComm']}"
         if "apiKeySecretRef" in self.spec.get("auth", {}):
             values["api_key_file"] = API_KEY_PATH
         if role != "mixed" and "peerKeySecretRef" in self.spec.get("auth", {}):

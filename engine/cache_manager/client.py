@@ -26,6 +26,7 @@ from ketch.engine.cache_manager.protocol import (
     Push,
     PushDone,
     Reserve,
+    Reserved,
     Revoke,
     Swap,
     SwapDone,
@@ -67,6 +68,7 @@ class CacheManagerClient:
         self._last_sent = 0.0
         self._seq = 0
         self._push_results: list[PushDone] = []
+        self._reserved: list[Reserved] = []
         self._last_error: str | None = None
 
     @property
@@ -131,6 +133,11 @@ class CacheManagerClient:
         if request_ids and self.attached:
             self._send(Revoke(request_ids))
 
+    def take_reserved(self) -> list[Reserved]:
+        """The cache manager's answers to ``reserve`` since the last call."""
+        answers, self._reserved = self._reserved, []
+        return answers
+
     def take_push_results(self) -> list[PushDone]:
         results, self._push_results = self._push_results, []
         return results
@@ -160,6 +167,8 @@ class CacheManagerClient:
             self._detach("the cache manager restarted")  # a new one: say Hello again
         elif isinstance(message, PushDone):
             self._push_results.append(message)
+        elif isinstance(message, Reserved):
+            self._reserved.append(message)
         return message
 
     def _attach(self, ack: HelloAck) -> None:
@@ -190,4 +199,5 @@ class CacheManagerClient:
         self.cache_manager_id = None
         self.swap_slots = 0
         self._push_results.clear()
+        self._reserved.clear()
         self._on_detach(why)

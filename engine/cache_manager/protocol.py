@@ -137,7 +137,8 @@ class Push:
 @dataclass
 class Reserve:
     """Decode side: a peer may write ``blocks`` for ``request_id`` if it shows ``nonce``, for
-    ``ttl`` seconds (``reservations.py``). No answer."""
+    ``ttl`` seconds (``reservations.py``). Answered with ``Reserved``: only then does the decode
+    engine tell the prefill peer, so no push can beat its reservation."""
 
     request_id: str
     blocks: list[int]
@@ -149,6 +150,15 @@ class Reserve:
             raise ValueError(f"ttl must be in (0, 86400] seconds, got {self.ttl}")
         if len(self.nonce) < 16:
             raise ValueError("the nonce must have at least 16 characters")
+
+
+@dataclass
+class Reserved:
+    """Cache manager -> decode engine: the reservation is in place (or why not)."""
+
+    request_id: str
+    ok: bool
+    error: str | None = None
 
 
 @dataclass
@@ -221,6 +231,7 @@ Message = (
     | Swap
     | Push
     | Reserve
+    | Reserved
     | Revoke
     | HelloAck
     | Pong
@@ -230,8 +241,8 @@ Message = (
     | TransferAck
 )
 _TYPES = wire.registry(
-    Hello, Ping, Swap, Push, Reserve, Revoke, HelloAck, Pong, SwapDone, PushDone, TransferHeader,
-    TransferAck,
+    Hello, Ping, Swap, Push, Reserve, Reserved, Revoke, HelloAck, Pong, SwapDone, PushDone,
+    TransferHeader, TransferAck,
 )  # fmt: skip
 
 

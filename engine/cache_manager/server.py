@@ -234,7 +234,7 @@ class CacheManager:
         elif isinstance(message, p.Push):
             reply = self._push(identity, message)
         elif isinstance(message, p.Reserve | p.Revoke):
-            self._reservation(message)
+            reply = self._reservation(message)
         else:
             logger.warning("engine queue: unexpected %s ignored", type(message).__name__)
         if reply is not None:
@@ -289,18 +289,20 @@ class CacheManager:
         self.metrics.swap_total_blocks.set(0)
         self.metrics.swap_used_blocks.set(0)
 
-    def _reservation(self, message: p.Reserve | p.Revoke) -> None:
+    def _reservation(self, message: p.Reserve | p.Revoke) -> p.Reserved | None:
         att = self.attachment
-        if att is None:
-            logger.warning("engine queue: %s without an attached engine", type(message).__name__)
-        elif isinstance(message, p.Revoke):
-            att.reservations.revoke(message.request_ids)
-        else:
+        if isinstance(message, p.Revoke):
+            if att is not None:
+                att.reservations.revoke(message.request_ids)
+            return None
+        error = "no engine attached: send Hello first" if att is None else None
+        if att is not None:
             error = bad_blocks(message.blocks, att.layout.num_blocks, "reserved block")
-            if error is not None:
-                logger.warning("reservation for %s refused: %s", message.request_id, error)
-                return
-            att.reservations.reserve(message.request_id, message.blocks, message.nonce, message.ttl)
+        if att is None or error is not None:
+            logger.warning("reservation for %s refused: %s", message.request_id, error)
+            return p.Reserved(message.request_id, False, error)
+        att.reservations.reserve(message.request_id, message.blocks, message.nonce, message.ttl)
+        return p.Reserved(message.request_id, True)
 
     def _swap(self, swap: p.Swap) -> p.SwapDone:
         att = self.attachment

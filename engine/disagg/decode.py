@@ -53,6 +53,8 @@ class _Remote:
     sent: bool = False
     aborted: bool = False
     heard: float = 0.0
+    # Built once its blocks are set aside; sent to the peer when the reservation is confirmed.
+    pending: PrefillRequest | None = None
 
 
 class DecodeSide:
@@ -105,10 +107,10 @@ class DecodeSide:
             metrics = self.engine.drop_tracked(remote.request)
             if metrics is not None:
                 aborted.append(metrics)
-            if remote.sent:
+            if remote.sent and remote.pending is None:
                 remote.aborted = True  # blocks stay reserved until the peer confirms
                 self._send(remote.peer, AbortPrefill(request_id))
-            else:
+            else:  # the peer never heard of it (its reservation, if any, is revoked)
                 self._release(request_id, quarantine=False)
         return aborted
 
@@ -117,6 +119,7 @@ class DecodeSide:
     def tick(self) -> None:
         now = time.monotonic()
         self._reserve(now)
+        self._confirmed()
         self._check_peers(now)
         while self._quarantine and self._quarantine[0][0] <= now:
             _, block_ids = self._quarantine.pop(0)
@@ -195,29 +198,48 @@ class DecodeSide:
             # outlives every wait the request may do, and is revoked before its blocks go.
             nonce = secrets.token_hex(16)
             cache.reserve(request_id, dest_blocks, nonce, self.reservation_ttl)
-            self._send(
-                remote.peer,
-                PrefillRequest(
-                    version=PD_PROTOCOL_VERSION,
-                    request_id=request_id,
-                    prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
-                    params=request.sampling_params,
-                    seed=request.seed,
-                    model=self.engine.model_fingerprint,
-                    layout=self.engine.kv_layout,
-                    kv_dest=remote.kv_dest,
-                    dest_blocks=dest_blocks,
-                    start_block=len(hits),
-                    dest_engine_id=cache.engine_id,
-                    kv_nonce=nonce,
-                    expires_at=time.time() + self.reservation_ttl,
-                ),
+            remote.pending = PrefillRequest(
+                version=PD_PROTOCOL_VERSION,
+                request_id=request_id,
+                prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+                params=request.sampling_params,
+                seed=request.seed,
+                model=self.engine.model_fingerprint,
+                layout=self.engine.kv_layout,
+                kv_dest=remote.kv_dest,
+                dest_blocks=dest_blocks,
+                start_block=len(hits),
+                dest_engine_id=cache.engine_id,
+                kv_nonce=nonce,
+                expires_at=time.time() + self.reservation_ttl,
             )
+
+    def _confirmed(self) -> None:
+        """Reservations the cache manager confirmed: now the peer may hear of them."""
+        if self.cache is None:
+            return
+        for answer in self.cache.take_reserved():
+            remote = self._remote.get(answer.request_id)
+            if remote is None or remote.pending is None:
+                continue
+            if not answer.ok:
+                error = (
+                    f"this decode instance's cache manager refused the KV blocks: {answer.error}"
+                )
+                self._fail(answer.request_id, error, 503, False)
+                continue
+            request, remote.pending = remote.pending, None
+            self._send(remote.peer, request)
 
     def _check_peers(self, now: float) -> None:
         waiting: dict[str, list[str]] = {}
         for request_id, remote in list(self._remote.items()):
             if not remote.sent:
+                continue
+            if remote.pending is not None:  # the peer has not been told yet: nothing to ping
+                if now - remote.heard > self.peer_timeout:
+                    error = "this decode instance's cache manager did not confirm the KV blocks"
+                    self._fail(request_id, error, 503, False)
                 continue
             if now - remote.heard > self.peer_timeout:
                 self.failed_peers.add(remote.peer)

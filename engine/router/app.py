@@ -32,7 +32,7 @@ from ketch.engine.router.instances import Instance, Registry
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
 from ketch.engine.router.registration import registration_routes
-from ketch.engine.serving.pairing import PREFILL_HEADER
+from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PREFILL_HEADER
 
 logger = logging.getLogger("ketch.router")
 
@@ -231,6 +231,15 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
         except BaseException:  # cancelled: the count must not leak, or draining waits on it
             _leave(state, target)
             raise
+        if resp.status == 503 and resp.headers.get(NOT_ACCEPTED_HEADER) == "1":
+            # Refused before any work (draining, paused, its engine just died): as safe to
+            # send elsewhere as a refused connection.
+            _leave(state, target)
+            unreachable = f"{target.url}: answered 503 without taking the request"
+            state.registry.mark_down(target, "refused requests (503, not accepted)")
+            resp.release()
+            tried.add(target.url)
+            continue
         return await _relay(state, target, resp, started)
     if unreachable:
         state.metrics.requests.labels("none", "502").inc()

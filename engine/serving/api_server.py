@@ -33,7 +33,7 @@ from ketch.engine.serving.generation import (
     request_outputs,
     run_to_end,
 )
-from ketch.engine.serving.pairing import PrefillPeers, pairing
+from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
 _CONTROL_PATHS = ("/pause", "/resume")
+NOT_ACCEPTED = "instance_unavailable"  # the error code of a refusal before any work
 
 
 @dataclass
@@ -112,8 +113,10 @@ def _state(request: Request) -> ServingState:
 
 
 def _error(exc: ProtocolError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
-    return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers)
+    headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else {}
+    if exc.code == NOT_ACCEPTED:
+        headers[NOT_ACCEPTED_HEADER] = "1"
+    return JSONResponse(error_body(exc), status_code=exc.status_code, headers=headers or None)
 
 
 def _check_access(state: ServingState, request: Request) -> None:
@@ -150,11 +153,13 @@ async def _read_body(state: ServingState, request: Request) -> bytes:
 def _admit(state: ServingState) -> Slot:
     """The request's slot, if the server takes requests now (503 or 429 otherwise)."""
     if state.draining:
-        raise ProtocolError(503, "the server is shutting down; retry on another instance")
+        message = "the server is shutting down; retry on another instance"
+        raise ProtocolError(503, message, code=NOT_ACCEPTED)
     if state.paused:
-        raise ProtocolError(503, "the server is paused; retry shortly or on another instance")
+        message = "the server is paused; retry shortly or on another instance"
+        raise ProtocolError(503, message, code=NOT_ACCEPTED)
     if not state.engine.is_alive:
-        raise ProtocolError(503, "the engine is not running")
+        raise ProtocolError(503, "the engine is not running", code=NOT_ACCEPTED)
     return Slot(state)
 
 

@@ -23,6 +23,9 @@ from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.protocol import ProtocolError
 
 PREFILL_HEADER = "x-ketch-prefill"
+# On a 503 that ``ketch serve`` answered before taking the request (draining, paused, engine
+# gone): the router may send the request to another instance.
+NOT_ACCEPTED_HEADER = "x-ketch-not-accepted"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
 _RESOLVE_EVERY_S = 5.0
 

@@ -355,8 +355,10 @@ class LocalCluster:
             forms.add(f"{base}.{meta['namespace']}.svc.cluster.local")
             if host not in forms:
                 continue
-            if service["spec"].get("clusterIP") == "None":
-                return ",".join(self._endpoints(service, service["spec"]["ports"][0], True))
+            if service["spec"].get("clusterIP") == "None":  # the pods' ports: the named one
+                ports = service["spec"]["ports"]
+                chosen = next((p for p in ports if str(p["port"]) == port), ports[0])
+                return ",".join(self._endpoints(service, chosen, True))
             if port.isdigit():
                 return f"127.0.0.1:{self.proxy_ports[(base, int(port))]}"
             return "127.0.0.1"

@@ -131,10 +131,10 @@ class FakeEngine:
 
     def reserve(self, request_id: str, blocks: list[int], ttl: float = 60.0) -> str:
         """Reserves ``blocks`` for ``request_id`` (as a decode engine does); returns the nonce
-        a push must carry. A ping behind it makes sure it was applied."""
+        a push must carry, once the cache manager confirmed it."""
         nonce = uuid.uuid4().hex
-        self.send(p.Reserve(request_id, blocks, nonce, ttl))
-        assert isinstance(self.ask(p.Ping(self.engine_id)), p.Pong)
+        answer = self.ask(p.Reserve(request_id, blocks, nonce, ttl))
+        assert answer == p.Reserved(request_id, True), answer
         return nonce
 
     def reserved_push(
