@@ -128,6 +128,9 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
         )
     mounts += peer_key_mounts(svc, role)
     env = [home_env(), *engine.get("env", [])]
+    if role == "decode":  # where prefill peers push this pod's KV: its own IP, never a header
+        pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+        env.append({"name": "KETCH_KV_TRANSFER_HOST", "valueFrom": pod_ip})
     return {
         "name": "engine",
         "image": engine["image"],

@@ -551,3 +551,23 @@ def test_name_too_long_for_children():
     body["metadata"]["name"] = "n" * (crd.MAX_NAME_LENGTH + 1)
     with pytest.raises(InvalidSpec, match=r"metadata\.name"):
         parse(body)
+
+
+def test_decode_pods_learn_their_kv_address_from_the_downward_api() -> None:
+    from ketch.operator.cli import load_documents, render_object
+
+    (isvc,) = load_documents(str(Path(__file__).parents[2] / "examples" / "disaggregated.yaml"))
+    kids = render_object(isvc)
+    for deployment in (k for k in kids if k["kind"] == "Deployment"):
+        role = deployment["metadata"]["labels"].get("serving.ketch.dev/role")
+        (engine,) = [
+            c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"
+        ] or [None]
+        if engine is None:
+            continue
+        env = {e["name"]: e for e in engine.get("env", [])}
+        if role == "decode":
+            ref = env["KETCH_KV_TRANSFER_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert ref == "status.podIP"
+        else:
+            assert "KETCH_KV_TRANSFER_HOST" not in env
