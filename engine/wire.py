@@ -27,7 +27,7 @@ import struct
 import time
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -106,137 +106,231 @@ def decode(
         kind = kinds.get(raw["type"]) if isinstance(raw["type"], str) else None
         if kind is None:
             raise MessageError(f"unknown message type {str(raw['type'])[:64]!r}")
-        return _dataclass(kind, raw["body"], kind.__name__, 0)
+        return _message(kind, raw["body"])
     except MessageError as exc:
         raise MessageError(f"malformed {protocol} message: {exc}") from None
 
 
-def from_json(hint: Any, value: Any, path: str) -> Any:
-    """``value`` (decoded JSON) as the type ``hint`` describes; MessageError naming ``path``."""
-    return _value(hint, value, path, 0)
+Decoder = Callable[[Any, int], Any]
+"""Turns one decoded JSON value into the value of one type (depth: how deep it sits)."""
 
 
-def _value(hint: Any, value: Any, path: str, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise MessageError(f"{path}: nested too deeply")
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if hint is type(None):
-        if value is not None:
-            raise MessageError(f"{path}: expected null, got {_kind(value)}")
-        return None
-    if origin in (typing.Union, types.UnionType):
-        return _union(typing.get_args(hint), value, path, depth)
-    if origin is list:
-        return _list(typing.get_args(hint)[0], value, path, depth)
-    if origin is tuple:
-        return _tuple(typing.get_args(hint), value, path, depth)
-    if origin in (set, frozenset):
-        return origin(_list(typing.get_args(hint)[0], value, path, depth))
-    if origin is dict:
-        return _dict(typing.get_args(hint), value, path, depth)
-    if dataclasses.is_dataclass(hint):
-        return _dataclass(hint, value, path, depth)
-    return _scalar(hint, value, path)
+class _Bad(Exception):
+    """A value that does not fit; ``where`` gathers its path while the error unwinds (paths are
+    only built for bad input, so a good message pays nothing for them)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.where: list[str] = []
+
+    def text(self, root: str) -> str:
+        return f"{root}{''.join(reversed(self.where))}: {self.problem}"
 
 
-def _scalar(hint: Any, value: Any, path: str) -> Any:
-    if hint is int:
-        if type(value) is not int:
-            raise MessageError(f"{path}: expected an integer, got {_kind(value)}")
-        if not INT_MIN <= value <= INT_MAX:
-            raise MessageError(f"{path}: integer out of 64-bit range")
-        return value
-    if hint is float:
-        if type(value) not in (int, float):
-            raise MessageError(f"{path}: expected a number, got {_kind(value)}")
-        try:
-            return float(value)
-        except OverflowError:  # an integer with hundreds of digits
-            raise MessageError(f"{path}: number out of range") from None
-    if hint in (str, bool):
-        if type(value) is not hint:
-            raise MessageError(f"{path}: expected {hint.__name__}, got {_kind(value)}")
-        return value
-    raise MessageError(f"{path}: {hint!r} is not a wire type")  # a message class bug
-
-
-def _union(options: tuple, value: Any, path: str, depth: int) -> Any:
-    if value is None and type(None) in options:
-        return None
-    errors = []
-    for option in options:
-        if option is type(None):
-            continue
-        try:
-            return _value(option, value, path, depth)
-        except MessageError as exc:
-            errors.append(str(exc))
-    raise MessageError(errors[0] if len(errors) == 1 else f"{path}: matches none of {errors}")
-
-
-def _list(item: Any, value: Any, path: str, depth: int) -> list:
-    if type(value) is not list:
-        raise MessageError(f"{path}: expected a list, got {_kind(value)}")
-    # Token ids and block ids, the long lists: checked at C speed.
-    if item is int and all(type(v) is int for v in value):
-        if value and (min(value) < INT_MIN or max(value) > INT_MAX):
-            raise MessageError(f"{path}: integer out of 64-bit range")
-        return value
-    return [_value(item, v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
-
-
-def _tuple(items: tuple, value: Any, path: str, depth: int) -> tuple:
-    if type(value) is not list:
-        raise MessageError(f"{path}: expected a list, got {_kind(value)}")
-    if len(items) == 2 and items[1] is Ellipsis:
-        return tuple(_value(items[0], v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
-    if len(value) != len(items):
-        raise MessageError(f"{path}: expected {len(items)} items, got {len(value)}")
-    return tuple(
-        _value(h, v, f"{path}[{i}]", depth + 1)
-        for i, (h, v) in enumerate(zip(items, value, strict=True))
-    )
-
-
-def _dict(args: tuple, value: Any, path: str, depth: int) -> dict:
-    if type(value) is not dict:
-        raise MessageError(f"{path}: expected an object, got {_kind(value)}")
-    key_hint, value_hint = args
-    if key_hint is not str:
-        raise MessageError(f"{path}: only string keys travel as JSON")
-    return {k: _value(value_hint, v, f"{path}.{k[:32]}", depth + 1) for k, v in value.items()}
-
-
-def _dataclass(kind: type, value: Any, path: str, depth: int) -> Any:
-    if type(value) is not dict:
-        raise MessageError(f"{path}: expected an object, got {_kind(value)}")
-    hints, required = _fields(kind)
-    unknown = set(value) - set(hints)
-    if unknown:
-        raise MessageError(f"{path}: unknown field(s) {sorted(str(k)[:32] for k in unknown)[:5]}")
-    missing = required - set(value)
-    if missing:
-        raise MessageError(f"{path}: missing field(s) {sorted(missing)}")
-    fields = {k: _value(hints[k], v, f"{path}.{k}", depth + 1) for k, v in value.items()}
+def _message(kind: type, body: Any) -> Any:
     try:
-        return kind(**fields)
-    except (TypeError, ValueError) as exc:  # __post_init__'s range checks
-        raise MessageError(f"{path}: {exc}") from None
+        return _decoder(kind)(body, 0)
+    except _Bad as exc:
+        raise MessageError(exc.text(kind.__name__)) from None
 
 
 @functools.cache
-def _fields(kind: type) -> tuple[dict[str, Any], frozenset[str]]:
-    """A message class's field types (resolved once) and the names that have no default."""
+def _decoder(hint: Any) -> Decoder:
+    """The decoder of one type, built once from its hint (and cached for every message)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return lambda value, depth: value
+    if origin in (typing.Union, types.UnionType):
+        return _union_decoder(args)
+    if origin is list:
+        return _list_decoder(args[0])
+    if origin is tuple:
+        return _tuple_decoder(args)
+    if origin in (set, frozenset):
+        items = _list_decoder(args[0])
+        return lambda value, depth: origin(items(value, depth))
+    if origin is dict:
+        return _dict_decoder(args)
+    if dataclasses.is_dataclass(hint):
+        return _dataclass_decoder(hint)
+    return _scalar_decoder(hint)
+
+
+def _scalar_decoder(hint: Any) -> Decoder:
+    if hint is type(None):
+
+        def none(value: Any, depth: int) -> None:
+            if value is not None:
+                raise _Bad(f"expected null, got {_kind(value)}")
+
+        return none
+    if hint is int:
+
+        def integer(value: Any, depth: int) -> int:
+            if type(value) is not int:
+                raise _Bad(f"expected an integer, got {_kind(value)}")
+            if not INT_MIN <= value <= INT_MAX:
+                raise _Bad("integer out of 64-bit range")
+            return value
+
+        return integer
+    if hint is float:
+
+        def number(value: Any, depth: int) -> float:
+            if type(value) is float:
+                return value
+            if type(value) is not int:
+                raise _Bad(f"expected a number, got {_kind(value)}")
+            try:
+                return float(value)
+            except OverflowError:  # an integer with hundreds of digits
+                raise _Bad("number out of range") from None
+
+        return number
+    if hint in (str, bool):
+
+        def exact(value: Any, depth: int) -> Any:
+            if type(value) is not hint:
+                raise _Bad(f"expected {hint.__name__}, got {_kind(value)}")
+            return value
+
+        return exact
+    raise TypeError(f"{hint!r} is not a wire type")  # a message class bug, found at first use
+
+
+def _union_decoder(args: tuple) -> Decoder:
+    nullable = type(None) in args
+    options = [_decoder(a) for a in args if a is not type(None)]
+
+    def union(value: Any, depth: int) -> Any:
+        if value is None and nullable:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return option(value, depth)
+            except _Bad as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise _Bad(f"matches none of {[e.text('') for e in errors]}")
+
+    return union
+
+
+def _items(decode: Decoder, values: list, depth: int) -> list:
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(decode(value, depth))
+        except _Bad as exc:
+            exc.where.append(f"[{i}]")
+            raise
+    return out
+
+
+def _list_decoder(item: Any) -> Decoder:
+    decode = _decoder(item)
+    ints = item is int
+
+    def sequence(value: Any, depth: int) -> list:
+        if type(value) is not list:
+            raise _Bad(f"expected a list, got {_kind(value)}")
+        if depth >= MAX_DEPTH:
+            raise _Bad("nested too deeply")
+        # Token ids and block ids, the long lists: checked at C speed.
+        if ints and all(type(v) is int for v in value):
+            if value and (min(value) < INT_MIN or max(value) > INT_MAX):
+                raise _Bad("integer out of 64-bit range")
+            return value
+        return _items(decode, value, depth + 1)
+
+    return sequence
+
+
+def _tuple_decoder(args: tuple) -> Decoder:
+    if len(args) == 2 and args[1] is Ellipsis:
+        items = _list_decoder(args[0])
+        return lambda value, depth: tuple(items(value, depth))
+    decoders = [_decoder(a) for a in args]
+
+    def fixed(value: Any, depth: int) -> tuple:
+        if type(value) is not list:
+            raise _Bad(f"expected a list, got {_kind(value)}")
+        if len(value) != len(decoders):
+            raise _Bad(f"expected {len(decoders)} items, got {len(value)}")
+        if depth >= MAX_DEPTH:
+            raise _Bad("nested too deeply")
+        out = []
+        for i, (decode, item) in enumerate(zip(decoders, value, strict=True)):
+            try:
+                out.append(decode(item, depth + 1))
+            except _Bad as exc:
+                exc.where.append(f"[{i}]")
+                raise
+        return tuple(out)
+
+    return fixed
+
+
+def _dict_decoder(args: tuple) -> Decoder:
+    key_hint, value_hint = args
+    if key_hint is not str:
+        raise TypeError("only string keys travel as JSON")
+    decode = _decoder(value_hint)
+
+    def mapping(value: Any, depth: int) -> dict:
+        if type(value) is not dict:
+            raise _Bad(f"expected an object, got {_kind(value)}")
+        if depth >= MAX_DEPTH:
+            raise _Bad("nested too deeply")
+        out = {}
+        for key, item in value.items():
+            try:
+                out[key] = decode(item, depth + 1)
+            except _Bad as exc:
+                exc.where.append(f".{key[:32]}")
+                raise
+        return out
+
+    return mapping
+
+
+def _dataclass_decoder(kind: type) -> Decoder:
     hints = typing.get_type_hints(kind)
-    fields = dataclasses.fields(kind)
+    fields = [f for f in dataclasses.fields(kind) if f.init]
+    decoders = {f.name: _decoder(hints[f.name]) for f in fields}
     required = frozenset(
         f.name
         for f in fields
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
-    return {f.name: hints[f.name] for f in fields if f.init}, required
+
+    def message(value: Any, depth: int) -> Any:
+        if type(value) is not dict:
+            raise _Bad(f"expected an object, got {_kind(value)}")
+        if depth >= MAX_DEPTH:
+            raise _Bad("nested too deeply")
+        values = {}
+        for key, item in value.items():
+            decode = decoders.get(key)
+            if decode is None:
+                unknown = sorted(str(k)[:32] for k in value if k not in decoders)[:5]
+                raise _Bad(f"unknown field(s) {unknown}")
+            try:
+                values[key] = decode(item, depth + 1)
+            except _Bad as exc:
+                exc.where.append(f".{key}")
+                raise
+        if len(values) < len(required) or not required <= values.keys():
+            raise _Bad(f"missing field(s) {sorted(required - values.keys())}")
+        try:
+            return kind(**values)
+        except (TypeError, ValueError) as exc:  # __post_init__'s range checks
+            raise _Bad(str(exc)) from None
+
+    return message
 
 
 def _kind(value: Any) -> str:
