@@ -46,7 +46,7 @@ from ketch.engine.cache_manager.segment import (
 )
 from ketch.engine.cache_manager.swap import SwapStore
 from ketch.engine.cache_manager.transport import TransferError, make_transport, parse_dest
-from ketch.engine.wire import read_peer_key
+from ketch.engine.peer_auth import read_peer_key
 
 logger = logging.getLogger("ketch.cache_manager")
 

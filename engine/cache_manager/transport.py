@@ -15,7 +15,7 @@ gathered); the receiver is a ROUTER receiving without copies and answering one `
 frame per push. A DEALER whose
 peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time.
 With a peer key every part travels as ``[header, data, seal]`` and every answer as
-``[ack, seal]`` (``wire.PeerAuth``: one HMAC over the header and the data); a part without a
+``[ack, seal]`` (``peer_auth.PeerAuth``: one HMAC over the header and the data); a part without a
 valid, fresh seal is counted and dropped unanswered (no KV is written), an answer without one
 fails the push.
 """
@@ -36,7 +36,8 @@ from ketch.engine.cache_manager.protocol import (
     decode,
     encode,
 )
-from ketch.engine.wire import BadMessages, PeerAuth
+from ketch.engine.peer_auth import PeerAuth
+from ketch.engine.wire import BadMessages
 
 logger = logging.getLogger("ketch.cache_manager.transport")
 
@@ -47,7 +48,7 @@ Parts = Iterable[tuple[TransferHeader, np.ndarray]]
 """The parts of one push, in order; the data must stay untouched until ``send`` returns."""
 
 _POLL_MS = 100
-PUSH = b"ketch kv-transfer push v1"  # channel labels of wire.PeerAuth seals
+PUSH = b"ketch kv-transfer push v1"  # channel labels of peer_auth.PeerAuth seals
 ACK = b"ketch kv-transfer ack v1"
 
 

@@ -6,7 +6,7 @@ answers pings on it (so either role can be probed). A decode engine reaches each
 through its own DEALER, created on first use, and gets the answers back on it.
 
 With a peer key (``--peer-key-file`` or ``$KETCH_PEER_KEY``) every message, both ways, travels
-as ``[message, seal]`` (see ``wire.PeerAuth``); one without a valid, fresh seal is counted and
+as ``[message, seal]`` (see ``peer_auth.PeerAuth``); one without a valid, fresh seal is counted and
 dropped unanswered. Without a key a message is one frame and any peer is trusted.
 """
 
@@ -34,13 +34,14 @@ from ketch.engine.disagg.messages import (
 )
 from ketch.engine.disagg.prefill import PrefillSide
 from ketch.engine.outputs import RequestOutput
+from ketch.engine.peer_auth import PeerAuth, read_peer_key
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
-from ketch.engine.wire import BadMessages, PeerAuth, read_peer_key
+from ketch.engine.wire import BadMessages
 
 logger = logging.getLogger(__name__)
 
-TO_ROUTER = b"ketch pd-comm to-router v1"  # channel labels of wire.PeerAuth seals
+TO_ROUTER = b"ketch pd-comm to-router v1"  # channel labels of peer_auth.PeerAuth seals
 FROM_ROUTER = b"ketch pd-comm from-router v1"
 
 MAX_PEERS = 64  # prefill peers a decode engine keeps a socket to at once

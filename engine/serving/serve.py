@@ -23,13 +23,13 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
 from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.peer_auth import read_peer_key
 from ketch.engine.ports import Listener, check_free
 from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.pairing import PrefillPeers
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 from ketch.engine.tokenizer import Tokenizer
-from ketch.engine.wire import read_peer_key
 
 logger = logging.getLogger("ketch.serve")
 

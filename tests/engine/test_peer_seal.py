@@ -1,10 +1,10 @@
-"""wire.PeerAuth and read_peer_key: seals that bind key, channel, every frame and a window."""
+"""peer_auth.PeerAuth and read_peer_key: seals that bind key, channel, every frame and a window."""
 
 from __future__ import annotations
 
 import pytest
 
-from ketch.engine.wire import SEAL_BYTES, PeerAuth, read_peer_key
+from ketch.engine.peer_auth import SEAL_BYTES, PeerAuth, read_peer_key
 
 KEY = b"0123456789abcdef"
 

@@ -18,7 +18,7 @@ from cm_harness import CacheManagerProcess, FakeEngine, running_managers
 
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.transport import ACK, PUSH
-from ketch.engine.wire import PeerAuth
+from ketch.engine.peer_auth import PeerAuth
 
 KEY = b"k" * 32
 

@@ -19,8 +19,8 @@ from test_pd_exactness import _complete, _prompts
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.disagg import messages as m
 from ketch.engine.disagg.coordinator import FROM_ROUTER, TO_ROUTER
+from ketch.engine.peer_auth import PeerAuth
 from ketch.engine.sampling_params import SamplingParams
-from ketch.engine.wire import PeerAuth
 
 pytestmark = pytest.mark.timeout(300)
 
