@@ -1,0 +1,35 @@
+"""A static check that rendered children are wired to what their ``ketch`` processes do.
+
+``check_wiring(children)`` reads every pod template's ``ketch`` containers the way the process
+would (``pods``): their command and args through the real ``ketch`` argument parser, their
+``--config`` file from the rendered ConfigMap mounted at that path, then the real config
+dataclasses. It compares what each process listens on with the containers' declared ports,
+probes and Services (``ports``) and the router's settings (``router``). No paddle: only
+``ketch`` config and argparse-level modules are imported.
+"""
+
+from __future__ import annotations
+
+from ketch.operator.wiring.pods import Obj, WiringError, read_pods
+from ketch.operator.wiring.ports import check_pod, check_ports, check_service
+from ketch.operator.wiring.router import check_router
+
+__all__ = ["WiringError", "check_wiring"]
+
+
+def check_wiring(children: list[Obj]) -> list[str]:
+    """Problems with how ``children`` (one InferenceService's, rendered) are wired; [] when fine."""
+    problems: list[str] = []
+    pods = read_pods(children, problems)
+    services = [o for o in children if o["kind"] == "Service"]
+    for pod in pods:
+        for proc in pod.processes:
+            problems += check_ports(proc)
+        problems += check_pod(pod)
+    for svc in services:
+        problems += check_service(svc, pods)
+    for pod in pods:
+        for proc in pod.processes:
+            if proc.command == "router":
+                problems += check_router(proc, pod, pods, services)
+    return problems
