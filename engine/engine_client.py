@@ -1,9 +1,10 @@
 """The API server's handle on the engine process: start it, stream requests through it.
 
-``EngineClient`` spawns the engine process, binds the two IPC sockets (so stale socket files
-from a killed run are replaced), and routes each step's deltas to per-request asyncio queues.
-If the engine process dies, every open request gets an error delta at once and
-``is_alive`` turns False, so the server can report unhealthy and exit instead of hanging.
+``EngineClient`` spawns the engine process, binds the two IPC sockets in the private run
+directory (``ketch.engine.rundir``; a killed run's stale socket files are replaced), and
+routes each step's deltas to per-request asyncio queues. If the engine process dies, every open
+request gets an error delta at once and ``is_alive`` turns False, so the server can report
+unhealthy and exit instead of hanging.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
+from ketch.engine import rundir
 from ketch.engine.config import EngineConfig
 from ketch.engine.core.messages import (
     AbortRequests,
@@ -48,8 +49,7 @@ class EngineDeadError(RuntimeError):
 
 def ipc_addresses(port: int, run_dir: Path | None = None) -> tuple[str, str]:
     """Socket paths derived from the server's port, so two servers on one host never clash."""
-    base = run_dir or Path(tempfile.gettempdir())
-    return (f"ipc://{base}/ketch-{port}-requests.sock", f"ipc://{base}/ketch-{port}-outputs.sock")
+    return rundir.api_addresses(port, run_dir)
 
 
 class EngineClient:
@@ -69,6 +69,7 @@ class EngineClient:
         self.worker_port = worker_port
         self.server = server
         self.last_snapshot: EngineSnapshot | None = None
+        self.port = port
         self.input_addr, self.output_addr = ipc_addresses(port, run_dir)
         self._context = zmq.asyncio.Context()
         self._requests = self._context.socket(zmq.PUSH)
@@ -90,8 +91,7 @@ class EngineClient:
     async def start(self, timeout: float = 300.0) -> EngineReady:
         """Spawns the engine and waits until its model is loaded; raises if it cannot start."""
         for addr in (self.input_addr, self.output_addr):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(addr.removeprefix("ipc://"))  # left behind by a killed run
+            rundir.claim(addr, f"the API server's engine socket for --port {self.port}")
         self._requests.bind(self.input_addr)
         self._outputs.bind(self.output_addr)
         spawn = multiprocessing.get_context("spawn")
@@ -214,8 +214,7 @@ class EngineClient:
         self._outputs.close(linger=0)
         self._context.term()
         for addr in (self.input_addr, self.output_addr):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(addr.removeprefix("ipc://"))
+            rundir.release(addr)
         if self.worker_port is not None:
             remove_segments(self.worker_port)  # the engine may have died before it could
 

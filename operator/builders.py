@@ -306,7 +306,7 @@ def disruption_budget(svc: ServiceSpec, role: str) -> Obj:
 def network_policy(svc: ServiceSpec) -> Obj:
     """Ingress to the InferenceService's pods: the API, metrics and cache-manager HTTP ports are
     open; the pod-to-pod ports of disaggregated serving (pd-comm, kv-transfer) only to this
-    InferenceService's own pods; nothing else (the worker and cache queues are loopback-only).
+    InferenceService's own pods; nothing else (the worker and cache queues are Unix sockets).
     """
     pods = {"matchLabels": {LABEL_INSTANCE: svc.name, LABEL_MANAGED_BY: MANAGER}}
     ports = svc.ports

@@ -17,7 +17,6 @@ PRESTOP_SLEEP = 5
 # Container port names (at most 15 characters, DNS-label style): Services and probes use them.
 PORT_HTTP = "http"
 PORT_PD_COMM = "pd-comm"
-PORT_CACHE_QUEUE = "cache-queue"
 PORT_KV_TRANSFER = "kv-transfer"
 PORT_CM_HTTP = "cm-http"
 
@@ -105,7 +104,6 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
     container_ports = [_port(PORT_HTTP, ports["http"])]
     if ports.get("metrics") is not None:
         container_ports.append(_port("metrics", ports["metrics"]))
-    container_ports.append(_port("worker-queue", ports["engineWorkerQueue"]))
     if role != "mixed":
         container_ports.append(_port(PORT_PD_COMM, ports["pdComm"]))
     limits: dict[str, str] = {}
@@ -163,8 +161,9 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
     """The cache-manager sidecar: host swap space for evicted prefix-cache blocks and, in
     prefill/decode roles, KV transfer from prefill pods to decode pods.
 
-    Ports: ``cache-queue`` (engine <-> sidecar, bound to loopback), ``kv-transfer`` (prefill
-    sidecars push KV blocks to decode sidecars) and ``cm-http`` (``/health``, ``/metrics``).
+    Ports: ``kv-transfer`` (prefill sidecars push KV blocks to decode sidecars) and ``cm-http``
+    (``/health``, ``/metrics``). The engine reaches the sidecar through a Unix socket in the run
+    directory under the shared ``/tmp`` (``ketch.engine.rundir``), not through a port.
     """
     cm = svc.spec["cacheManager"]
     ports = svc.ports
@@ -176,7 +175,6 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
         "command": ["ketch", "cache-manager"],
         "args": cache_manager_args(svc, role),
         "ports": [
-            _port(PORT_CACHE_QUEUE, ports["cacheQueue"]),
             _port(PORT_KV_TRANSFER, ports["kvTransfer"]),
             _port(PORT_CM_HTTP, ports["cacheManager"]),
         ],

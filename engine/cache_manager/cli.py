@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 _DESCRIPTION = """\
 The cache-manager sidecar of one Ketch instance (same pod as `ketch serve`, sharing /dev/shm
-and loopback). It maps the engine's KV cache segment and executes what the engine asks:
+and /tmp, where the private run directory holds the socket to the engine). It maps the
+engine's KV cache segment and executes what the engine asks:
   - swap: copy KV blocks evicted from the engine's cache into host swap space
     (--swap-space) and back;
   - push: send KV blocks to another instance's cache manager (prefill -> decode transfer),
@@ -89,7 +90,6 @@ def _listeners(config: CacheManagerConfig) -> dict[int, Listener]:
     from ketch.engine.ports import Listener
 
     return {
-        config.cache_queue_port: Listener("--cache-queue-port", "127.0.0.1"),
         config.kv_transfer_port: Listener("--kv-transfer-port", config.host),
         config.cache_manager_port: Listener("--cache-manager-port", config.host, HTTP_PROBE_PATHS),
     }

@@ -1,6 +1,7 @@
 """The engine process's link to its cache manager (``ketch cache-manager``), which is optional.
 
-The engine connects a DEALER to the cache manager's ROUTER on ``127.0.0.1:<cache_queue_port>``
+The engine connects a DEALER to the cache manager's ROUTER on the Unix socket
+``cache-<cache_queue_port>.sock`` in the private run directory (``ketch.engine.rundir``)
 and says ``Hello`` with its KV layout every second until answered; once attached it pings every
 second and detaches after ``SILENCE_S`` without a word (the sidecar died or restarted), which
 drops the swap tier. Nothing here blocks the step loop for long: ``tick`` never waits; ``swap``
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import zmq
 
+from ketch.engine import rundir
 from ketch.engine.cache_manager.protocol import (
     PROTOCOL_VERSION,
     Hello,
@@ -58,7 +60,7 @@ class CacheManagerClient:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # send nothing while no cache manager listens
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.socket.connect(rundir.cache_queue_address(port))
         self.port = port
         self.cache_manager_id: str | None = None
         self.swap_slots = 0

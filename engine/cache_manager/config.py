@@ -53,7 +53,9 @@ class CacheManagerConfig:
 
     host: str = _opt("0.0.0.0", "Address the KV transfer port and the HTTP port listen on.")
     cache_queue_port: int = _opt(
-        8003, "Engine <-> cache-manager port (bound on 127.0.0.1 only: the engine is in the pod)."
+        8003,
+        "Names the engine <-> cache-manager socket: cache-N.sock in the private run directory "
+        "($KETCH_RUN_DIR, else <tmp>/ketch-<uid>; no TCP port). Must equal ketch serve's.",
     )
     kv_transfer_port: int = _opt(
         8005, "Port this cache manager receives KV blocks on from peer cache managers."

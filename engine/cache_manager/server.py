@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ketch.engine import rundir
 import numpy as np
 import zmq
 
@@ -76,11 +77,14 @@ class CacheManager:
         self.attachment: Attachment | None = None
         self._engine_seen = 0.0
         self._stop = threading.Event()
+        self._queue_address = rundir.cache_queue_address(cfg.cache_queue_port)
+        rundir.claim(self._queue_address, f"--cache-queue-port {cfg.cache_queue_port}")
         self._drain_deadline: float | None = None  # set by SIGTERM: finish queued pushes first
         self._pushes_pending = 0  # queued or sending, until their PushDone goes to the engine
         self._jobs: queue.Queue[_PushJob | None] = queue.Queue()
         self._buffer: np.ndarray | None = None  # the sender thread's gather buffer
         self._context = zmq.Context()
+        self._closers.append(rundir.SocketFile(self._queue_address))
         self._closers: list[Any] = []
         try:
             self._bind()
@@ -94,9 +98,9 @@ class CacheManager:
         self._queue.setsockopt(zmq.LINGER, 0)
         self._closers.append(self._queue)
         try:
-            self._queue.bind(f"tcp://127.0.0.1:{cfg.cache_queue_port}")
+            self._queue.bind(self._queue_address)
         except zmq.ZMQError as exc:
-            msg = f"--cache-queue-port {cfg.cache_queue_port} on 127.0.0.1 is not free: {exc}"
+            msg = f"--cache-queue-port {cfg.cache_queue_port}: cannot bind: {exc}"
             raise ValueError(msg) from exc
         self._done = self._context.socket(zmq.PULL)
         self._closers.append(self._done)
@@ -129,9 +133,9 @@ class CacheManager:
         self._sender.start()
         self.http.start()
         logger.info(
-            "cache manager %s: engine queue on 127.0.0.1:%d, KV transfers (%s) on %s:%d, "
+            "cache manager %s: engine queue on %s, KV transfers (%s) on %s:%d, "
             "HTTP on %s:%d, swap space %d bytes",
-            self.id, cfg.cache_queue_port, cfg.kv_transport, cfg.host, cfg.kv_transfer_port,
+            self.id, self._queue_address, cfg.kv_transport, cfg.host, cfg.kv_transfer_port,
             cfg.host, cfg.cache_manager_port, cfg.swap_bytes,
         )  # fmt: skip
         poller = zmq.Poller()

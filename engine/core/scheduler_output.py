@@ -35,6 +35,11 @@ class CachedRequestData:
     resumed: list[bool] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if not len(self.new_block_ids) == len(self.resumed) == len(self.num_computed_tokens) == n:
+            raise ValueError("cached_requests: the four lists must be of one length")
+
 
 @dataclass
 class SchedulerOutput:
@@ -46,6 +51,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]
     preempted_request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.total_num_scheduled_tokens != sum(self.num_scheduled_tokens.values()):
+            raise ValueError("total_num_scheduled_tokens is not the sum of num_scheduled_tokens")
 
     @property
     def is_empty(self) -> bool:
@@ -62,3 +71,5 @@ class ModelRunnerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # Requests the runner could not take (request id -> why); nothing of theirs was computed.
     failed: dict[str, str] = field(default_factory=dict)
+    # The whole step was refused (a frame the worker could not decode): why. Nothing was applied.
+    refused: str | None = None

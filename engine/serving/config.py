@@ -33,12 +33,14 @@ class ServerConfig:
     )
     engine_worker_queue_port: int = _opt(
         8002,
-        "Engine <-> worker queue port (loopback only: the worker runs in this pod).",
+        "Names the engine <-> worker socket (worker-N.sock in the private run directory, "
+        "$KETCH_RUN_DIR else <tmp>/ketch-<uid>; no TCP port) and the KV shared-memory segment.",
         crd="ports.engineWorkerQueue",
     )
     cache_queue_port: int = _opt(
         8003,
-        "Engine <-> cache-manager port (loopback only: the sidecar shares the pod).",
+        "Names the engine <-> cache-manager socket (cache-N.sock in the private run "
+        "directory; no TCP port). Must equal the sidecar's --cache-queue-port.",
         crd="ports.cacheQueue",
     )
     pd_comm_port: int = _opt(

@@ -44,12 +44,11 @@ def check_ports(config: ServerConfig) -> None:
 
 
 def listeners(config: ServerConfig) -> dict[int, Listener]:
-    """``{port: Listener}`` for what ``ketch serve`` binds. The engine's worker queue is bound on
-    127.0.0.1; ``cache_queue_port`` is only connected to."""
+    """``{port: Listener}`` for the TCP ports ``ketch serve`` binds. The worker and cache queues
+    are Unix sockets in the private run directory (``ketch.engine.rundir``), not ports."""
     ports = {config.port: Listener("--port", config.host, API_PROBE_PATHS)}
     if config.metrics_port is not None:
         ports[config.metrics_port] = Listener("--metrics-port", config.host, METRICS_PROBE_PATHS)
-    ports[config.engine_worker_queue_port] = Listener("--engine-worker-queue-port", "127.0.0.1")
     if config.role != "mixed":
         ports[config.pd_comm_port] = Listener("--pd-comm-port", config.host)
     return ports

@@ -22,6 +22,7 @@ from ketch.engine.models.llama import LlamaModel
 from ketch.engine.models.loader import load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.sampler import SamplingState, sample
+from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         failed = self._apply_changes(sched)
-        if sched.is_empty or len(failed) == len(sched.num_scheduled_tokens):
+        if sched.is_empty or all(r in failed for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
         batch = self._prepare_inputs(sched, failed)
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
@@ -142,9 +143,15 @@ class ModelRunner:
         for request_id in sched.finished_request_ids:
             self.requests.pop(request_id, None)
         failed: dict[str, str] = {}
+        cfg = self.config
         for new in sched.new_requests:
             try:
+                if new.request_id in self.requests:
+                    raise StepError("a request with this id is running already")
+                check_new(new, cfg.model_config.vocab_size, cfg.num_blocks, cfg.max_model_len)
                 self.requests[new.request_id] = self._new_state(new)
+            except StepError as exc:
+                self._refuse(failed, new.request_id, exc)
             except Exception as exc:
                 logger.exception("request %s cannot run", new.request_id)
                 failed[new.request_id] = f"{type(exc).__name__}: {exc}"
@@ -159,12 +166,36 @@ class ModelRunner:
             state = self.requests.get(request_id)
             if state is None:
                 continue  # one this runner could not take
+            try:
+                check_blocks(blocks, cfg.num_blocks)
+                if not 0 <= computed <= len(state.sampling.token_ids):
+                    raise StepError(f"num_computed_tokens {computed} out of range")
+            except StepError as exc:
+                self._refuse(failed, request_id, exc)
+                continue
             if resumed:
                 state.block_ids = list(blocks)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
+        for request_id, n in sched.num_scheduled_tokens.items():
+            state = self.requests.get(request_id)
+            if request_id in failed:
+                continue
+            try:
+                if state is None:
+                    raise StepError("scheduled, but never sent to the runner")
+                length = len(state.sampling.token_ids)
+                computed, blocks = state.num_computed_tokens, len(state.block_ids)
+                check_scheduled(n, computed, blocks, cfg.block_size, length)
+            except StepError as exc:
+                self._refuse(failed, request_id, exc)
         return failed
+
+    def _refuse(self, failed: dict[str, str], request_id: str, exc: StepError) -> None:
+        logger.error("request %s refused by the runner: %s", request_id, exc)
+        failed[request_id] = f"the runner refused the step: {exc}"
+        self.requests.pop(request_id, None)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampling = SamplingState.create(

@@ -1,7 +1,8 @@
 """The worker process, and the engine's handle on it (``RemoteRunner``).
 
-The engine sends each step's changes over the engine-worker queue (a ZMQ PAIR on loopback
-``--engine-worker-queue-port``) and gets the sampled tokens back. The KV cache lives in a named
+The engine sends each step's changes over the engine-worker queue (a ZMQ PAIR on the Unix
+socket ``worker-<engine_worker_queue_port>.sock`` in the private run directory, so no other
+user can pose as either side) and gets the sampled tokens back. The KV cache lives in a named
 POSIX shared-memory segment (``ketch-kv-<port>``) so the cache-manager sidecar can map the same
 blocks; a small shared status block carries the worker's liveness signals (ready flag, step
 count, heartbeat). Either side that loses the other exits, so nothing is left orphaned.
@@ -22,11 +23,13 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 import zmq
 
+from ketch.engine import rundir
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
-from ketch.engine.worker.model_runner import RunnerConfig
+from ketch.engine.wire import BadMessages, MessageError
+from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.shm import (
     ENGINE_HEARTBEAT,
     PID_NAMESPACE,
@@ -47,7 +50,7 @@ class WorkerDiedError(RuntimeError):
     """The worker process exited; the engine cannot step any more."""
 
 
-def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
+def run_worker(config: RunnerConfig, port: int, parent_pid: int, address: str) -> None:
     """Worker entry point: map the shared KV cache, load the model, execute steps.
 
     The engine owns the shared memory and cleans up, so this process may end at any moment:
@@ -59,8 +62,6 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
     for shm in (kv_shm, status_shm):  # the engine owns the segments; don't unlink on exit
         resource_tracker.unregister(shm._name, "shared_memory")
     status = np.ndarray((STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
-    from ketch.engine.worker.model_runner import ModelRunner
-
     # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
     # interpreter shutdown could wait forever on a reply queued for a dead engine.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -68,7 +69,8 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
     socket = zmq.Context().socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, _POLL_MS * 4)  # never block forever on a dead engine
-    socket.connect(f"tcp://127.0.0.1:{port}")
+    socket.connect(address)
+    refusals = BadMessages("worker")
     parent = os.getppid()
     status[0] = 1.0
     socket.send(b"ready")
@@ -78,7 +80,7 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
             if os.getppid() != parent:
                 os._exit(0)  # the engine is gone
             continue
-        output = runner.execute(decode_step(socket.recv()))
+        output = _execute(runner, socket.recv_multipart(), refusals)
         try:
             socket.send(encode_result(output))
         except zmq.Again:
@@ -86,6 +88,19 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int) -> None:
         status[1] += 1
         if os.getppid() != parent:
             os._exit(0)
+
+
+def _execute(runner: ModelRunner, frames: list[bytes], refusals: BadMessages) -> ModelRunnerOutput:
+    """Runs one step; a step that cannot be decoded is answered with ``refused``, never raised
+    (the engine is the only peer the run directory lets in, but a bug there must not kill us)."""
+    try:
+        if len(frames) != 1:
+            raise MessageError(f"engine-worker step: {len(frames)} frames, expected 1")
+        sched = decode_step(frames[0])
+    except MessageError as exc:
+        refusals.note("engine", exc)
+        return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], refused=str(exc))
+    return runner.execute(sched)
 
 
 class RemoteRunner:
@@ -112,11 +127,16 @@ class RemoteRunner:
         self._socket = zmq.Context().socket(zmq.PAIR)
         self._socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._address = rundir.worker_address(port)
         try:
-            self._socket.bind(f"tcp://127.0.0.1:{port}")
-        except zmq.ZMQError as exc:
+            rundir.claim(self._address, f"--engine-worker-queue-port {port}")
+            self._socket.bind(self._address)
+        except (ValueError, zmq.ZMQError) as exc:
+            self._address = None  # not ours: leave it
             self.close()
-            raise ValueError(f"--engine-worker-queue-port {port} is not free: {exc}") from exc
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"--engine-worker-queue-port {port}: cannot bind: {exc}") from exc
         try:
             self._segments += [
                 fresh_segment(kv_name, size),
@@ -128,7 +148,7 @@ class RemoteRunner:
             spawn = multiprocessing.get_context("spawn")
             self.process = spawn.Process(
                 target=run_worker,
-                args=(config, port, os.getpid()),
+                args=(config, port, os.getpid(), self._address),
                 name="ketch-worker",
                 daemon=True,
             )
@@ -147,7 +167,12 @@ class RemoteRunner:
                 break
             except zmq.Again:
                 continue
-        return decode_result(self._receive(None, what="step"))
+        output = decode_result(self._receive(None, what="step"))
+        if output.refused is not None:  # nothing was applied: fail what the step named
+            logger.error("the worker refused a step: %s", output.refused)
+            why = f"the worker refused the step: {output.refused}"
+            output.failed = dict.fromkeys(sched.num_scheduled_tokens, why)
+        return output
 
     def check_alive(self) -> None:
         self.status[ENGINE_HEARTBEAT] = time.monotonic()  # shm.reclaim_stale_segments reads it
@@ -174,6 +199,8 @@ class RemoteRunner:
             if process.is_alive():
                 process.kill()
         self._socket.close(linger=0)
+        if getattr(self, "_address", None):
+            rundir.release(self._address)
         for segment in self._segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()

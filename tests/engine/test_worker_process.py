@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ketch.engine import LLM, EngineConfig, SamplingParams
+from ketch.engine import LLM, EngineConfig, SamplingParams, rundir
 from ketch.engine.llm_engine import LLMEngine
 from ketch.engine.worker.shm import shm_names
 from ketch.engine.worker.worker_process import WorkerDiedError
@@ -65,9 +65,24 @@ def test_dead_worker_is_reported_not_waited_for() -> None:
 
 
 def test_busy_worker_port_is_a_clear_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    """Another live instance with the same --engine-worker-queue-port holds its socket; a dead
+    one's leftover file is replaced."""
+    port = free_port()
+    path = rundir.worker_address(port).removeprefix("ipc://")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path)
         sock.listen()
-        port = sock.getsockname()[1]
-        with pytest.raises(ValueError, match="engine-worker-queue-port"):
-            LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
+        try:
+            with pytest.raises(ValueError, match=r"engine-worker-queue-port .* in use"):
+                LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
+            assert os.path.exists(path)  # not ours: left alone
+        finally:
+            os.unlink(path)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path)  # bound, never listening: what a killed process leaves
+    engine = LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
+    try:
+        assert len(run(engine)) == len(PROMPTS)
+    finally:
+        engine.close()
+    assert not os.path.exists(path)

@@ -298,7 +298,7 @@ def test_network_policy_opens_pd_comm_and_kv_transfer_to_own_pods_only():
         }
     ]
     # decode -> prefill pd-comm, prefill sidecar -> decode sidecar kv-transfer; the engine-worker
-    # and cache queues bind to loopback and get no rule
+    # and cache queues are Unix sockets inside the pod and get no rule
     assert {p["port"] for p in own["ports"]} == {8004, 8005}
     assert "from" not in public and {p["port"] for p in public["ports"]} == {8000, 8006}
 
@@ -313,7 +313,6 @@ def test_cache_manager_sidecar_shape():
     assert sidecar["command"] == ["ketch", "cache-manager"]
     assert sidecar["args"] == ["--config", "/etc/ketch/decode.yaml", "--swap-space", "16Gi"]
     assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {
-        "cache-queue": 8003,
         "kv-transfer": 8005,
         "cm-http": 8006,
     }
@@ -400,7 +399,7 @@ def test_sidecar_args_parse_with_ketch_cache_manager(tmp_path):
     values = read_config_file(args.config, EngineConfig, ServerConfig, CacheManagerConfig)
     config = config_from_args(CacheManagerConfig, args, values)
     declared = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert config.cache_queue_port == declared["cache-queue"] == 8003
+    assert config.cache_queue_port == 8003 and "cache-queue" not in declared  # a Unix socket
     assert config.kv_transfer_port == declared["kv-transfer"] == 9105
     assert config.cache_manager_port == declared["cm-http"] == 9106
     assert config.swap_bytes == 16 * 1024**3

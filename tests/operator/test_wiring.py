@@ -71,13 +71,11 @@ def test_listening_ports_maps_ports_to_flags():
     assert ports == {
         8080: "--port",
         9100: "--metrics-port",
-        8002: "--engine-worker-queue-port",
         8004: "--pd-comm-port",
-    }
-    assert ports[8002].loopback and not ports[8004].loopback and ports[8080].http
+    }  # the worker and cache queues are Unix sockets (ketch.engine.rundir), not ports
+    assert not ports[8004].loopback and ports[8080].http
     sidecar = listening_ports(build_parser().parse_args(["cache-manager"]), {})
     assert sidecar == {
-        8003: "--cache-queue-port",
         8005: "--kv-transfer-port",
         8006: "--cache-manager-port",
     }
@@ -109,29 +107,29 @@ def test_service_target_port_that_no_container_declares():
     assert "cache-manager/kv-transfer 8005" in problem
 
 
-def test_probe_on_a_loopback_or_non_http_port():
+def test_probe_on_an_undeclared_or_non_http_port():
     children = render_object(example("disaggregated"))
     engine = container(children, "qwen-pd-prefill", "engine")
-    engine["readinessProbe"]["httpGet"]["port"] = "worker-queue"
+    engine["readinessProbe"]["httpGet"]["port"] = 8002
     engine["livenessProbe"]["httpGet"]["port"] = "pd-comm"
     container(children, "qwen-pd-prefill", "cache-manager")["startupProbe"]["httpGet"]["port"] = (
         8016
     )
     problems = check_wiring(children)
     assert len(problems) == 3, problems
-    [loopback] = [p for p in problems if "readinessProbe" in p]
+    [worker_queue] = [p for p in problems if "readinessProbe" in p]
     [not_http] = [p for p in problems if "livenessProbe" in p]
     [undeclared] = [p for p in problems if "startupProbe" in p]
-    assert "container engine" in loopback and "8002" in loopback
-    assert "--engine-worker-queue-port" in loopback and "127.0.0.1 only" in loopback
+    # The worker queue's number is no port any more (a Unix socket in the run directory).
+    assert "container engine" in worker_queue and "8002 is not a declared port" in worker_queue
     assert "--pd-comm-port" in not_http and "not HTTP" in not_http
     assert "container cache-manager" in undeclared and "8016" in undeclared
 
 
-def test_undeclared_public_port_but_loopback_ones_are_not_required():
+def test_undeclared_public_port():
     children = render_object(example("disaggregated"))
     engine = container(children, "qwen-pd-decode", "engine")
-    engine["ports"] = [p for p in engine["ports"] if p["name"] not in ("pd-comm", "worker-queue")]
+    engine["ports"] = [p for p in engine["ports"] if p["name"] != "pd-comm"]
     problems = check_wiring(children)
     assert any("service qwen-pd-decode-peers" in p and "'pd-comm'" in p for p in problems)
     [port] = [p for p in problems if p.startswith("deployment")]

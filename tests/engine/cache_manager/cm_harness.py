@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from ketch.engine import rundir
 from ketch.engine.cache_manager import protocol as p
 from procs import free_ports, terminate
 
@@ -110,7 +111,7 @@ class FakeEngine:
         self.context = zmq.Context.instance()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{manager.queue_port}")
+        self.sock.connect(rundir.cache_queue_address(manager.queue_port))
 
     def send(self, message: p.Message) -> None:
         self.sock.send(p.encode(message))

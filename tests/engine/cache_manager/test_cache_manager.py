@@ -13,6 +13,7 @@ import pytest
 import zmq
 from cm_harness import CacheManagerProcess, FakeEngine, Segment, free_ports, running_managers
 
+from ketch.engine import rundir
 from ketch.engine.cache_manager import protocol as p
 
 SWAP_SLOTS = 4
@@ -265,13 +266,17 @@ def test_hostile_frames_on_both_ports_change_nothing_and_break_nothing(pair, seg
     decode.hello(segments[1])
     kept = np.array(segments[1].kv)
     context = zmq.Context.instance()
-    for port, kinds, seed in (
-        (receiver.queue_port, [p.Hello, p.Ping, p.Swap, p.Push, p.Reserve, p.Revoke], 5),
-        (receiver.kv_port, [p.TransferHeader], 6),
+    for address, kinds, seed in (
+        (
+            rundir.cache_queue_address(receiver.queue_port),
+            [p.Hello, p.Ping, p.Swap, p.Push, p.Reserve, p.Revoke],
+            5,
+        ),
+        (f"tcp://127.0.0.1:{receiver.kv_port}", [p.TransferHeader], 6),
     ):
         attacker = context.socket(zmq.DEALER)
         attacker.setsockopt(zmq.LINGER, 0)
-        attacker.connect(f"tcp://127.0.0.1:{port}")
+        attacker.connect(address)
         for message in frames(kinds, seed=seed, count=300):
             attacker.send_multipart(message)
         attacker.close()
