@@ -7,19 +7,18 @@ import time
 from dataclasses import dataclass, field
 
 from ketch.engine.cache_manager.protocol import KVLayout
+from ketch.engine.capabilities import check_runnable, compute_dtype, max_model_len, num_kv_blocks
 from ketch.engine.config import EngineConfig
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.detokenizer import IncrementalDetokenizer
-from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
-from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.null_runner import NullRunner
 from ketch.engine.worker.shm import shm_names
@@ -54,12 +53,11 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config = ModelConfig.from_dir(path)
+        check_runnable(config, self.model_config)  # the refusals the operator checks too
         self.tokenizer = Tokenizer(path)
-        self.max_model_len = _max_model_len(config, self.model_config)
-        dtype = _dtype(config)
-        if config.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs GPUs; the CPU engine runs one rank")
-        num_blocks = self._num_blocks(dtype)
+        self.max_model_len = max_model_len(config, self.model_config)
+        dtype = compute_dtype(config)
+        num_blocks = num_kv_blocks(config, self.model_config)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -97,24 +95,6 @@ class LLMEngine:
             num_blocks,
             config.block_size,
         )
-
-    def _num_blocks(self, dtype: str) -> int:
-        c, mc = self.config, self.model_config
-        if c.num_kv_blocks is not None:
-            num_blocks = c.num_kv_blocks
-        else:
-            per_block = KVCache.bytes_per_block(
-                mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim, dtype
-            )
-            num_blocks = c.kv_cache_bytes // per_block
-        needed = -(-self.max_model_len // c.block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {c.block_size} tokens) cannot hold one "
-                f"request of max_model_len={self.max_model_len}; it needs {needed} blocks: raise "
-                "kv_cache_memory (or num_kv_blocks) or lower max_model_len"
-            )
-        return num_blocks
 
     def check_health(self) -> None:
         """Raises if a part of the engine (the worker process) has died."""
@@ -387,27 +367,6 @@ class LLMEngine:
             prefix_query_tokens=stats.prefix_query_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
         )
-
-
-def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's context length "
-            f"(max_position_embeddings={limit})"
-        )
-    return config.max_model_len
-
-
-def _dtype(config: EngineConfig) -> str:
-    if config.dtype in ("auto", "float32"):
-        return "float32"
-    raise ModelLoadError(
-        f"dtype={config.dtype} needs the GPU engine, which this build does not have yet; "
-        "on CPU paddle computes in float32 only (use dtype=auto)"
-    )
 
 
 def _null_token(engine: LLMEngine) -> int:

@@ -1,0 +1,105 @@
+"""``ketch.engine.capabilities``: the settings this build refuses at start-up, in one place.
+
+The operator calls ``refusals`` on what it renders; the engine calls ``check_runnable`` before it
+loads anything. The last tests check that the engine really does (an ``LLM`` refuses with the
+same words), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ketch.engine.capabilities import (
+    check_runnable,
+    compute_dtype,
+    kv_cache_bytes,
+    max_model_len,
+    num_kv_blocks,
+    refusals,
+)
+from ketch.engine.config import EngineConfig
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.paths import TINY_MODEL_DIR
+
+TINY = ModelConfig.from_dir(TINY_MODEL_DIR)  # 4 layers, 2 KV heads of 32, 512 positions
+
+
+def settings(refused: list) -> dict:
+    return {r.setting: r.value for r in refused}
+
+
+def test_defaults_run():
+    assert refusals(EngineConfig(), model=TINY, gpus=0) == []
+    check_runnable(EngineConfig(), TINY)
+    assert compute_dtype(EngineConfig()) == compute_dtype(EngineConfig(dtype="float32"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "setting", "words"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size", "runs tensor_parallel_size 1 only"),
+        ({"dtype": "bfloat16"}, "dtype", "float32 on the CPU only"),
+        ({"dtype": "float16"}, "dtype", "GPU workers, planned in issue 17"),
+    ],
+)
+def test_what_the_cpu_engine_refuses(changes, setting, words):
+    [refusal] = refusals(EngineConfig(**changes))
+    assert refusal.setting == setting and refusal.value == changes[setting]
+    assert words in refusal.reason and "issue 17" in refusal.reason
+    assert str(refusal).startswith(f"{setting}={changes[setting]}: ")
+
+
+def test_gpus_are_refused_only_when_the_caller_knows_them():
+    assert refusals(EngineConfig()) == []  # the engine itself cannot see the pod's GPUs
+    [refusal] = refusals(EngineConfig(), gpus=2)
+    assert (refusal.setting, refusal.value) == ("gpus", 2)
+    assert "CPU only" in refusal.reason and "use 0" in refusal.reason
+
+
+def test_every_refusal_is_named_at_once():
+    config = EngineConfig(tensor_parallel_size=4, dtype="bfloat16")
+    assert settings(refusals(config, gpus=4)) == {
+        "tensor_parallel_size": 4,
+        "dtype": "bfloat16",
+        "gpus": 4,
+    }
+    with pytest.raises(ValueError, match=r"dtype=bfloat16: .*; tensor_parallel_size=4: "):
+        check_runnable(config)
+
+
+def test_checks_that_need_the_model():
+    too_long = EngineConfig(max_model_len=4096)
+    assert refusals(too_long) == []  # without the model's facts: not known
+    [refusal] = refusals(too_long, model=TINY)
+    assert refusal.setting == "max_model_len" and "max_position_embeddings=512" in refusal.reason
+    [small] = refusals(EngineConfig(kv_cache_memory="64KiB", block_size=16), model=TINY)
+    assert small.setting == "kv_cache_memory" and "cannot hold one request" in small.reason
+    [blocks] = refusals(EngineConfig(num_kv_blocks=4, block_size=16), model=TINY)
+    assert blocks.setting == "num_kv_blocks" and "it needs 33 blocks" in blocks.reason
+
+
+def test_kv_cache_arithmetic():
+    config = EngineConfig(kv_cache_memory="1MiB", block_size=16)
+    block = 2 * TINY.num_hidden_layers * 16 * TINY.num_key_value_heads * TINY.head_dim * 4
+    assert num_kv_blocks(config, TINY) == (1 << 20) // block
+    assert kv_cache_bytes(config, TINY) == num_kv_blocks(config, TINY) * block
+    assert num_kv_blocks(dataclasses.replace(config, num_kv_blocks=7), TINY) == 7
+    assert max_model_len(config, TINY) == TINY.max_position_embeddings
+    assert max_model_len(EngineConfig(max_model_len=100), TINY) == 100
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"max_model_len": 4096}],
+    ids=["tp", "dtype", "max-model-len"],
+)
+def test_the_engine_refuses_with_the_same_words(changes):
+    """LLMEngine calls check_runnable: the message is exactly what the operator reports."""
+    from ketch.engine.llm import LLM
+
+    expected = "; ".join(map(str, refusals(EngineConfig(**changes), model=TINY)))
+    with pytest.raises(ValueError) as info:
+        LLM("tiny", **changes)
+    assert str(info.value) == expected
