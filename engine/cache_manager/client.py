@@ -120,10 +120,14 @@ class CacheManagerClient:
         dest_blocks: list[int],
         dest_engine_id: str = "",
         dest_nonce: str = "",
+        expires_at: float = 0.0,
     ) -> bool:
-        """Asks the cache manager to send blocks to a peer; the result comes through
-        ``take_push_results``. False if it could not even be asked."""
-        message = Push(request_id, blocks, dest, dest_blocks, dest_engine_id, dest_nonce)
+        """Asks the cache manager to send blocks to a peer, not after ``expires_at`` (wall
+        clock; 0: no deadline); the result comes through ``take_push_results``. False if it
+        could not even be asked."""
+        message = Push(
+            request_id, blocks, dest, dest_blocks, dest_engine_id, dest_nonce, expires_at
+        )
         return self.attached and self._send(message)
 
     def reserve(self, request_id: str, blocks: list[int], nonce: str, ttl: float) -> bool:

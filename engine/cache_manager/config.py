@@ -72,6 +72,30 @@ class CacheManagerConfig:
     kv_transport: str = _opt(
         "tcp", "How KV blocks travel between cache managers.", choices=KV_TRANSPORTS
     )
+    max_queued_pushes_per_peer: int = _opt(
+        32,
+        "Most KV pushes queued or being sent to one destination; more are refused at once "
+        "(the prefill request fails with a clear error) instead of waiting behind a slow peer.",
+        minimum=1,
+    )
+    push_threads: int = _opt(
+        4,
+        "Destinations KV is pushed to at the same time. Each destination is served by one "
+        "thread at a time, in turn with the others, so a slow or unreachable peer holds up "
+        "only its own pushes.",
+        minimum=1,
+        maximum=64,
+    )
+    peer_failure_threshold: int = _opt(
+        3,
+        "Consecutive failed pushes (no acknowledgement in time, a broken connection) that open "
+        "a destination's circuit: its pushes then fail at once for --peer-cooldown seconds, "
+        "after which one probe push decides whether it is back.",
+        minimum=1,
+    )
+    peer_cooldown: float = _opt(
+        10.0, "Seconds a destination's open circuit fails pushes at once.", minimum=0.1
+    )
     peer_key_file: str | None = _opt(
         None,
         "File holding the key shared by an InferenceService's prefill and decode pods; or set "
@@ -95,9 +119,20 @@ class CacheManagerConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError("host must be an address such as 0.0.0.0 or 127.0.0.1")
         parse_swap_space(self.swap_space)
-        timeout = self.transfer_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0.1:
-            raise ValueError(f"transfer_timeout must be >= 0.1 seconds, got {timeout!r}")
+        for name in ("transfer_timeout", "peer_cooldown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0.1:
+                raise ValueError(f"{name} must be >= 0.1 seconds, got {value!r}")
+        for name, top in (
+            ("max_queued_pushes_per_peer", None),
+            ("push_threads", 64),
+            ("peer_failure_threshold", None),
+        ):
+            value = getattr(self, name)
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            if bad or (top is not None and value > top):
+                limit = f"1-{top}" if top else "a positive integer"
+                raise ValueError(f"{name} must be {limit}, got {value!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {list(KV_TRANSPORTS)}, got {self.kv_transport!r}"

@@ -12,6 +12,9 @@ The sample names are fixed (dashboards and the operator read them)::
     ketch:cache_manager_kv_transfers_total{direction}     counter (send|receive)
     ketch:cache_manager_kv_transfer_failures_total{direction}
     ketch:cache_manager_kv_transfer_seconds               histogram (send side)
+    ketch:cache_manager_push_queue_depth                  gauge (pushes queued or being sent)
+    ketch:cache_manager_push_refusals_total{reason}       counter (queue_full|circuit_open|expired)
+    ketch:cache_manager_push_circuits_open                gauge (destinations failing fast)
 
 prometheus_client objects are thread-safe; the sender and receiver threads update them directly.
 """
@@ -22,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 PREFIX = "ketch:cache_manager_"
+PUSH_REFUSAL_REASONS = ("queue_full", "circuit_open", "expired")
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -71,9 +75,29 @@ class CacheManagerMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.push_queue_depth = Gauge(
+            PREFIX + "push_queue_depth",
+            "KV pushes taken from the engine and not yet answered (queued or being sent).",
+            registry=r,
+        )
+        self.push_refusals = Counter(
+            PREFIX + "push_refusals",
+            "KV pushes answered at once without sending, by reason: queue_full (too many for "
+            "one destination), circuit_open (the destination keeps failing), expired (the "
+            "request's deadline passed).",
+            ["reason"],
+            registry=r,
+        )
+        self.push_circuits_open = Gauge(
+            PREFIX + "push_circuits_open",
+            "Destinations whose circuit is open or half-open (their pushes fail at once).",
+            registry=r,
+        )
         for direction in ("send", "receive"):  # both series exist from the start, at 0
             self.kv_transfers.labels(direction=direction)
             self.kv_transfer_failures.labels(direction=direction)
+        for reason in PUSH_REFUSAL_REASONS:
+            self.push_refusals.labels(reason=reason)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

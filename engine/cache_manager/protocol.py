@@ -14,6 +14,8 @@ answers ``HelloAck``. After that:
   The engine blocks on the answer; the copies are plain memory copies.
 - ``Push`` -> ``PushDone``: send device blocks to a peer's cache manager (prefill -> decode KV
   transfer). Asynchronous: the engine keeps the blocks referenced until ``PushDone`` arrives.
+  A push that cannot be taken (too many queued for its destination, the destination's circuit
+  open, its deadline ``expires_at`` passed) gets its ``PushDone`` at once (``push.Pusher``).
 
 Cache manager -> cache manager (KV transfer, ``--kv-transfer-port``, bound on all interfaces): the
 sender connects a DEALER to ``tcp://<host>:<kv_transfer_port>`` and sends the push as ``parts``
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ketch.engine import wire
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever a message or the KV layout changes; peers with another version are refused."""
 MAX_CONTROL_BYTES = 16 << 20
 """A control message or transfer header (block lists of a long prompt fit; KV data travels in
@@ -132,6 +134,8 @@ class Push:
     dest_engine_id: str = ""
     # The nonce of the peer's reservation of dest_blocks for this request (see Reserve).
     dest_nonce: str = ""
+    # Wall clock (the request's PrefillRequest.expires_at): not started, or abandoned, after it.
+    expires_at: float = 0.0
 
 
 @dataclass

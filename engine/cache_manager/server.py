@@ -2,12 +2,13 @@
 
 Threads (ZMQ sockets never cross them):
 
-- main: a ROUTER on ``tcp://127.0.0.1:<cache_queue_port>`` for the engine (Hello, Ping, Swap,
-  Push) and a PULL on an inproc address where the sender posts finished pushes. Swaps are done
-  here, at once (the engine waits on them inside its step loop).
-- sender: takes pushes from a queue, gathers the blocks and sends them with the transport, a few
-  layers per part (the next part is gathered while the last one travels); so a slow or dead peer
-  never delays the engine's swaps.
+- main: a ROUTER on the run directory's ``cache-<cache_queue_port>.sock`` for the engine (Hello,
+  Ping, Swap, Push) and a PULL on an inproc address where the senders post finished pushes.
+  Swaps are done here, at once (the engine waits on them inside its step loop).
+- senders (``push.Pusher``): a few threads that take pushes from per-destination queues, in
+  turn, gather the blocks and send them with the transport, a few layers per part (the next
+  part is gathered while the last one travels); so a slow or dead peer never delays the
+  engine's swaps, nor (beyond its own bounded queue and circuit breaker) pushes to other peers.
 - receiver (the transport's): stores blocks arriving from peers into the attached engine's cache
   (``receive.TransferReceiver``).
 - http: ``/health`` and ``/metrics``.
@@ -20,33 +21,24 @@ with an error and logged.
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from ketch.engine import rundir
-import numpy as np
 import zmq
 
+from ketch.engine import rundir
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.config import CacheManagerConfig
 from ketch.engine.cache_manager.http import HttpEndpoint
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
+from ketch.engine.cache_manager.push import Pusher, PushJob, PushSettings
 from ketch.engine.cache_manager.receive import TransferReceiver
-from ketch.engine.cache_manager.segment import (
-    Attachment,
-    bad_blocks,
-    gather,
-    layer_ranges,
-    map_segment,
-)
+from ketch.engine.cache_manager.segment import Attachment, bad_blocks, map_segment
 from ketch.engine.cache_manager.swap import SwapStore
-from ketch.engine.cache_manager.transport import TransferError, make_transport, parse_dest
+from ketch.engine.cache_manager.transport import make_transport, parse_dest
 from ketch.engine.peer_auth import read_peer_key
 
 logger = logging.getLogger("ketch.cache_manager")
@@ -60,13 +52,6 @@ ENGINE_GONE_AFTER_S = 2.5  # an attached engine pings every second
 _DONE_ADDRESS = "inproc://ketch-cache-manager-push-done"
 
 
-@dataclass
-class _PushJob:
-    identity: bytes
-    push: p.Push
-    attachment: Attachment
-
-
 class CacheManager:
     """One cache-manager process: construct (binds every port), then ``run()`` until signalled."""
 
@@ -77,14 +62,9 @@ class CacheManager:
         self.attachment: Attachment | None = None
         self._engine_seen = 0.0
         self._stop = threading.Event()
-        self._queue_address = rundir.cache_queue_address(cfg.cache_queue_port)
-        rundir.claim(self._queue_address, f"--cache-queue-port {cfg.cache_queue_port}")
         self._drain_deadline: float | None = None  # set by SIGTERM: finish queued pushes first
         self._pushes_pending = 0  # queued or sending, until their PushDone goes to the engine
-        self._jobs: queue.Queue[_PushJob | None] = queue.Queue()
-        self._buffer: np.ndarray | None = None  # the sender thread's gather buffer
         self._context = zmq.Context()
-        self._closers.append(rundir.SocketFile(self._queue_address))
         self._closers: list[Any] = []
         try:
             self._bind()
@@ -97,11 +77,14 @@ class CacheManager:
         self._queue = self._context.socket(zmq.ROUTER)
         self._queue.setsockopt(zmq.LINGER, 0)
         self._closers.append(self._queue)
+        self._queue_address = rundir.cache_queue_address(cfg.cache_queue_port)
+        rundir.claim(self._queue_address, f"--cache-queue-port {cfg.cache_queue_port}")
         try:
             self._queue.bind(self._queue_address)
         except zmq.ZMQError as exc:
             msg = f"--cache-queue-port {cfg.cache_queue_port}: cannot bind: {exc}"
             raise ValueError(msg) from exc
+        self._closers.append(rundir.SocketFile(self._queue_address))
         self._done = self._context.socket(zmq.PULL)
         self._closers.append(self._done)
         self._done.bind(_DONE_ADDRESS)
@@ -121,7 +104,14 @@ class CacheManager:
             msg = f"--cache-manager-port {cfg.cache_manager_port} on {cfg.host} is not free"
             raise ValueError(f"{msg}: {exc.strerror}") from exc
         self._closers.append(self.http)
-        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        settings = PushSettings(
+            cfg.max_queued_pushes_per_peer,
+            cfg.push_threads,
+            cfg.peer_failure_threshold,
+            cfg.peer_cooldown,
+            cfg.transfer_timeout,
+        )
+        self.pusher = Pusher(self.transport, self._context, _DONE_ADDRESS, self.metrics, settings)
 
     # ---- lifecycle ----
 
@@ -130,7 +120,7 @@ class CacheManager:
         self.receiver.start(
             TransferReceiver(lambda: self.attachment, self.metrics, cfg.transfer_timeout)
         )
-        self._sender.start()
+        self.pusher.start()
         self.http.start()
         logger.info(
             "cache manager %s: engine queue on %s, KV transfers (%s) on %s:%d, "
@@ -155,9 +145,9 @@ class CacheManager:
         return 0
 
     def stop(self, *_: Any) -> None:
-        """SIGTERM: take no new pushes, finish the queued ones, and stay while the engine beside
-        it is still there (it gets SIGTERM at the same moment and drains: its swaps and pushes
-        need this process until it has gone); at most DRAIN_TIMEOUT_S."""
+        """SIGTERM: finish the queued pushes and stay while the engine beside it is still there
+        (it gets SIGTERM at the same moment and drains: the requests it finishes need their
+        swaps and pushes, so pushes are still taken); at most DRAIN_TIMEOUT_S."""
         if self._drain_deadline is None:
             self._drain_deadline = time.monotonic() + DRAIN_TIMEOUT_S
 
@@ -180,16 +170,14 @@ class CacheManager:
 
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(None)
-        sender = getattr(self, "_sender", None)
-        if sender is not None and sender.is_alive():
-            sender.join(timeout=2)
+        pusher = getattr(self, "pusher", None)
+        stopped = pusher is None or pusher.close()
         for item in reversed(self._closers):
             try:
                 item.close()
             except Exception:  # closing is best effort; the process is going away
                 logger.debug("closing %r failed", item, exc_info=True)
-        if sender is None or not sender.is_alive():  # a push stuck on a peer keeps its socket
+        if stopped:  # a push stuck on a peer keeps its socket
             self._context.term()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
@@ -197,7 +185,7 @@ class CacheManager:
         broken = [
             name
             for name, alive in (
-                ("sender", self._sender.is_alive()),
+                ("sender", self.pusher.alive()),
                 ("receiver", self.receiver.is_alive()),
             )
             if not alive
@@ -210,6 +198,7 @@ class CacheManager:
             "swap_slots": att.swap.slots if att else 0,
             "swap_used": len(att.swap.used) if att else 0,
             "kv_transport": self.config.kv_transport,
+            "pushes": self.pusher.status(),
         }
         return not broken, body
 
@@ -341,91 +330,18 @@ class CacheManager:
                     parse_dest(push.dest)
                 except ValueError as exc:
                     error = str(exc)
-        if error is None and self._drain_deadline is not None:
-            error = "the cache manager is shutting down; retry on another instance"
+        if error is None and att is not None:
+            # The engine's wall-clock deadline, as a point on this process's monotonic clock.
+            deadline = None
+            if push.expires_at:
+                deadline = time.monotonic() + (push.expires_at - time.time())
+            error = self.pusher.submit(PushJob(identity, push, att, deadline))
         if error is not None or att is None:
             logger.warning("push %s refused: %s", push.request_id, error)
             self.metrics.kv_transfer_failures.labels(direction="send").inc()
             return p.PushDone(str(push.request_id), False, error=error)
-        self._jobs.put(_PushJob(identity, push, att))
         self._pushes_pending += 1
         return None
-
-    # ---- sender thread ----
-
-    def _send_loop(self) -> None:
-        done = self._context.socket(zmq.PUSH)
-        done.setsockopt(zmq.LINGER, 0)
-        done.connect(_DONE_ADDRESS)
-        sender = self.transport.sender(self.config.transfer_timeout)
-        try:
-            while True:
-                job = self._jobs.get()
-                if job is None or self._stop.is_set():
-                    break
-                result = self._send_one(sender, job)
-                done.send_multipart([job.identity, p.encode(result)])
-        finally:
-            sender.close()
-            done.close(linger=0)
-
-    def _send_buffer(self, att: Attachment, num_blocks: int) -> np.ndarray:
-        """A C-contiguous array for ``num_blocks`` gathered blocks, reused across pushes.
-
-        Reuse spares the page faults of a fresh allocation per push; it is safe because a push
-        ends with the peer's acknowledgement (after which the transport holds no reference).
-        """
-        shape = att.layout.transfer_shape(num_blocks)
-        size = int(np.prod(shape))
-        if self._buffer is None or self._buffer.size < size or self._buffer.dtype != att.kv.dtype:
-            self._buffer = np.empty(size, dtype=att.kv.dtype)
-        return self._buffer[:size].reshape(shape)
-
-    def _parts(self, job: _PushJob) -> Iterator[tuple[p.TransferHeader, np.ndarray]]:
-        """The push's parts, each gathered only when the transport asks for it."""
-        push, att = job.push, job.attachment
-        buffer = self._send_buffer(att, len(push.blocks))
-        ranges = layer_ranges(att.layout, len(push.blocks))
-        for part, (lo, hi) in enumerate(ranges):
-            data = gather(att.kv[lo:hi], push.blocks, buffer[lo:hi])
-            header = p.TransferHeader(
-                p.PROTOCOL_VERSION,
-                push.request_id,
-                att.layout,
-                list(push.dest_blocks),
-                engine_id=push.dest_engine_id,
-                nonce=push.dest_nonce,
-                layers=[lo, hi],
-                part=part,
-                parts=len(ranges),
-            )
-            yield header, data
-
-    def _send_one(self, sender: Any, job: _PushJob) -> p.PushDone:
-        push, att = job.push, job.attachment
-        start = time.perf_counter()
-        try:
-            sender.send(push.dest, self._parts(job))
-        except TransferError as exc:
-            self._buffer = None  # the transport may still hold the failed one
-            self.metrics.kv_transfer_failures.labels(direction="send").inc()
-            logger.warning("push %s to %s failed: %s", push.request_id, push.dest, exc)
-            return p.PushDone(push.request_id, False, error=str(exc))
-        except Exception as exc:  # report it; the sender must stay alive
-            self._buffer = None
-            self.metrics.kv_transfer_failures.labels(direction="send").inc()
-            logger.exception("push %s to %s failed", push.request_id, push.dest)
-            return p.PushDone(push.request_id, False, error=f"push to peer {push.dest}: {exc}")
-        seconds = time.perf_counter() - start
-        num_bytes = att.layout.block_bytes * len(push.blocks)
-        self.metrics.kv_sent_bytes.inc(num_bytes)
-        self.metrics.kv_transfers.labels(direction="send").inc()
-        self.metrics.kv_transfer_seconds.observe(seconds)
-        logger.info(
-            "pushed %d blocks (%d bytes) of %s to %s in %.1f ms",
-            len(push.blocks), num_bytes, push.request_id, push.dest, seconds * 1000,
-        )  # fmt: skip
-        return p.PushDone(push.request_id, True, num_bytes=num_bytes, seconds=seconds)
 
 
 def run(config: CacheManagerConfig) -> int:

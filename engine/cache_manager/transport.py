@@ -3,17 +3,19 @@
 A transport has two halves. The *sender* (``KVSender.send``) delivers the parts of one push (a
 header and a buffer of block data each, produced lazily so the next part is gathered while the
 previous one travels) to a peer and returns once the peer acknowledged the push, or raises
-``TransferError``. The *receiver* (``KVReceiver``) listens on the KV transfer port and hands
-every arriving ``(peer, header, data)`` to a handler of the cache manager, which checks and
-stores the blocks and returns the ``TransferAck`` to send back (None: no answer yet). The
-transport moves bytes; what they mean is the cache manager's business, so RDMA/NIXL-style
-transports can be added next to ``tcp`` with the same two methods.
+``TransferError`` (``PeerRefused`` when the peer answered no, ``TransferExpired`` when the push's
+deadline passed first: neither says the peer is down). The *receiver* (``KVReceiver``) listens
+on the KV transfer port and hands every arriving ``(peer, header, data)`` to a handler of the
+cache manager, which checks and stores the blocks and returns the ``TransferAck`` to send back
+(None: no answer yet). The transport moves bytes; what they mean is the cache manager's
+business, so RDMA/NIXL-style transports can be added next to ``tcp`` with the same two methods.
 
 ``tcp`` (ZMQ): the sender keeps one DEALER per destination and sends each part as its own
 message ``[header, data]`` with ``copy=False`` (ZMQ starts writing part k while part k+1 is
 gathered); the receiver is a ROUTER receiving without copies and answering one ``TransferAck``
 frame per push. A DEALER whose
-peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time.
+peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time;
+a sender keeps at most ``MAX_SOCKETS`` (the least recently used goes first).
 With a peer key every part travels as ``[header, data, seal]`` and every answer as
 ``[ack, seal]`` (``peer_auth.PeerAuth``: one HMAC over the header and the data); a part without a
 valid, fresh seal is counted and dropped unanswered (no KV is written), an answer without one
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -48,6 +52,7 @@ Parts = Iterable[tuple[TransferHeader, np.ndarray]]
 """The parts of one push, in order; the data must stay untouched until ``send`` returns."""
 
 _POLL_MS = 100
+MAX_SOCKETS = 64  # DEALERs one sender keeps open (one per recent destination)
 PUSH = b"ketch kv-transfer push v1"  # channel labels of peer_auth.PeerAuth seals
 ACK = b"ketch kv-transfer ack v1"
 
@@ -56,13 +61,22 @@ class TransferError(Exception):
     """A push did not reach its peer (or the peer refused it); the message says why."""
 
 
+class PeerRefused(TransferError):
+    """The peer answered, and refused the blocks (it is reachable)."""
+
+
+class TransferExpired(TransferError):
+    """The push's deadline passed before the peer acknowledged it; the rest was not sent."""
+
+
 class KVSender(ABC):
     """Sends block data to peers; used from one thread only."""
 
     @abstractmethod
-    def send(self, dest: str, parts: Parts) -> None:
+    def send(self, dest: str, parts: Parts, deadline: float | None = None) -> None:
         """Delivers the parts (C-contiguous data) to ``dest`` ("host:port") and waits for the
-        push's acknowledgement; raises TransferError."""
+        push's acknowledgement, at most until ``deadline`` (``time.monotonic()``); raises
+        TransferError."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -112,13 +126,17 @@ class TcpSender(KVSender):
     def __init__(self, context: zmq.Context, timeout: float, key: bytes | None = None) -> None:
         self._context = context
         self._timeout_ms = int(timeout * 1000)
-        self._sockets: dict[str, zmq.Socket] = {}
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._auth = PeerAuth(key) if key else None
 
     def _socket(self, dest: str) -> zmq.Socket:
         sock = self._sockets.get(dest)
-        if sock is None:
+        if sock is not None:
+            self._sockets.move_to_end(dest)
+        else:
             host, port = parse_dest(dest)
+            while len(self._sockets) >= MAX_SOCKETS:
+                self._drop(next(iter(self._sockets)))
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
@@ -133,7 +151,7 @@ class TcpSender(KVSender):
         if sock is not None:
             sock.close(linger=0)
 
-    def send(self, dest: str, parts: Parts) -> None:
+    def send(self, dest: str, parts: Parts, deadline: float | None = None) -> None:
         try:
             sock = self._socket(dest)
         except (ValueError, zmq.ZMQError) as exc:
@@ -143,6 +161,12 @@ class TcpSender(KVSender):
         try:
             for header, data in parts:
                 request_id = header.request_id
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._drop(dest)  # the parts already queued go with the socket
+                    raise TransferExpired(
+                        f"the request's deadline passed after {header.part} of {header.parts} "
+                        f"parts; the push to {dest} was abandoned"
+                    )
                 head = encode(header)
                 sock.send(head, zmq.SNDMORE)
                 if self._auth is None:
@@ -154,9 +178,16 @@ class TcpSender(KVSender):
                     ack = self._answer(sock, dest, request_id)
                     if ack is not None:
                         break
+            waited_until = time.monotonic() + self._timeout_ms / 1000
             while ack is None:
-                if not sock.poll(self._timeout_ms, zmq.POLLIN):
+                until = waited_until if deadline is None else min(waited_until, deadline)
+                if not sock.poll(max(0, int((until - time.monotonic()) * 1000)), zmq.POLLIN):
                     self._drop(dest)
+                    if until < waited_until:
+                        raise TransferExpired(
+                            f"the request's deadline passed before peer {dest} acknowledged "
+                            "the push"
+                        )
                     raise TransferError(
                         f"peer {dest} did not acknowledge within {self._timeout_ms / 1000:g} s "
                         "(is its cache manager running, its --kv-transfer-port reachable and its "
@@ -167,7 +198,7 @@ class TcpSender(KVSender):
             self._drop(dest)
             raise TransferError(f"sending to peer {dest} failed: {exc}") from exc
         if not ack.ok:
-            raise TransferError(f"peer {dest} refused the blocks: {ack.error}")
+            raise PeerRefused(f"peer {dest} refused the blocks: {ack.error}")
 
     def _answer(self, sock: zmq.Socket, dest: str, request_id: str | None) -> TransferAck | None:
         """Reads one answer: the push's TransferAck, or None for a stale one (dropped)."""
