@@ -87,11 +87,15 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of prompts that share a prefix.")
     tensor_parallel_size: int = _opt(
-        1, "Tensor-parallel ranks (GPUs) per engine instance.", minimum=1
+        1,
+        "Tensor-parallel ranks per engine instance. The engine runs 1 today and refuses more at "
+        "start-up; tensor parallelism (a worker per rank, on CPUs or GPUs) is planned (issue 17).",
+        minimum=1,
     )
     dtype: str = _opt(
         "auto",
-        "Compute dtype: auto or float32. bfloat16/float16 are for the GPU engine (not built yet).",
+        "Compute dtype. The engine computes in float32 on the CPU: auto or float32. bfloat16 and "
+        "float16 are for GPU workers, planned (issue 17); the engine refuses them at start-up.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     runner: str = _opt(

@@ -128,14 +128,18 @@ def _resources() -> dict[str, Any]:
         "Compute resources of each engine pod of this role.",
         {
             "gpus": integer(
-                "GPUs (nvidia.com/gpu) per pod. 0 runs the engine on CPU. "
-                "engine.tensorParallelSize must not exceed it.",
-                default=1,
+                "GPUs (gpuResourceName) per pod. Today the engine runs on the CPU only, so 0 is "
+                "the only value the operator accepts (InvalidSpec otherwise). Planned (issue "
+                "17): GPU workers, one per tensor-parallel rank, engine.tensorParallelSize "
+                "not exceeding this.",
+                default=0,
                 minimum=0,
                 maximum=16,
             ),
             "gpuResourceName": string(
-                "Extended resource name of the GPUs.", default="nvidia.com/gpu", maxLength=253
+                "Extended resource name of the GPUs (for the planned GPU workers).",
+                default="nvidia.com/gpu",
+                maxLength=253,
             ),
             "cpu": string(
                 "CPU request and limit of the engine container, e.g. '8'.", pattern=QUANTITY_PATTERN

@@ -3,8 +3,9 @@
 The API server defaults and validates a spec against the CRD before the operator ever sees it;
 the operator does it again, with the same schema and the same CEL rules, because ``render`` runs
 without a server, a cluster may still have an older CRD installed, and some checks (the engine's
-own ``__post_init__`` rules) are beyond the schema. A failure is an ``InvalidSpec`` naming every
-problem, never an exception that makes kopf retry.
+own ``__post_init__`` rules, and what this engine build refuses at start-up: ``runnable``) are
+beyond the schema. A failure is an ``InvalidSpec`` naming every problem, never an exception that
+makes kopf retry.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, engine_fields
+from ketch.operator import crd, engine_fields, runnable
 
 
 class InvalidSpec(ValueError):
@@ -255,8 +256,14 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
         values = service.engine_settings(role)
         engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
         try:
-            EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+            engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
             ServerConfig(**{k: v for k, v in values.items() if k not in engine_names})
         except ValueError as exc:
             raise InvalidSpec([f"spec.engine: {exc}"]) from exc
+        gpus, shm = service.role(role)["resources"]["gpus"], spec["engine"]["shmSize"]
+        for problem in runnable.problems(engine, role=role, gpus=gpus, shm_size=shm):
+            if problem not in problems:  # spec.engine fields apply to every role
+                problems.append(problem)
+    if problems:  # what the engine would refuse at start-up: pods that would crash-loop
+        raise InvalidSpec(problems)
     return service

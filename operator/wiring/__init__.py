@@ -4,12 +4,15 @@
 would (``pods``): their command and args through the real ``ketch`` argument parser, their
 ``--config`` file from the rendered ConfigMap mounted at that path, then the real config
 dataclasses. It compares what each process listens on with the containers' declared ports,
-probes and Services (``ports``) and the router's settings (``router``). No paddle: only
+probes and Services (``ports``) and the router's settings (``router``), and checks each engine's
+configuration against what this engine build runs (``engine``: what ``ketch serve`` would
+refuse at start-up, named by the InferenceService field it was rendered from). No paddle: only
 ``ketch`` config and argparse-level modules are imported.
 """
 
 from __future__ import annotations
 
+from ketch.operator.wiring.engine import check_engine
 from ketch.operator.wiring.pods import Obj, WiringError, read_pods
 from ketch.operator.wiring.ports import check_pod, check_ports, check_service
 from ketch.operator.wiring.router import check_router
@@ -25,6 +28,8 @@ def check_wiring(children: list[Obj]) -> list[str]:
     for pod in pods:
         for proc in pod.processes:
             problems += check_ports(proc)
+            if proc.command == "serve" and not proc.init:
+                problems += check_engine(proc, pod)
         problems += check_pod(pod)
     for svc in services:
         problems += check_service(svc, pods)

@@ -1,0 +1,99 @@
+"""Whether this engine build can run what an InferenceService asks, in the spec's own words.
+
+The engine refuses some settings only at start-up (``ketch.engine.capabilities``): a dtype or a
+tensor-parallel size it does not run, GPUs it cannot use, and, for a model whose facts are known
+without its checkpoint (the built-in ``tiny``), a ``max_model_len`` or KV cache it cannot honour.
+One more is the pod's: the KV cache is a segment in the pod's memory-backed ``/dev/shm``, so it
+must fit ``engine.shmSize``. A pod with any of these would crash-loop, so the operator refuses
+the spec (``spec.parse``: ``InvalidSpec``, then ``Degraded``) and ``check-wiring`` reports the
+rendered pod; both go through ``problems``, so they say the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+from ketch.engine.capabilities import kv_cache_bytes, refusals
+from ketch.engine.cli_args import flag_name
+from ketch.engine.config import EngineConfig
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.paths import TINY_MODEL_DIR
+from ketch.operator import engine_fields
+
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?")
+_UNITS = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+@functools.cache
+def _tiny() -> ModelConfig:
+    return ModelConfig.from_dir(TINY_MODEL_DIR)
+
+
+def known_model(model: str) -> ModelConfig | None:
+    """The facts of ``model`` (the config-file value) when known here: the built-in tiny model's.
+    A checkpoint's are read by the engine at start-up, after the pod is scheduled."""
+    return _tiny() if model == "tiny" else None
+
+
+def spec_field(setting: str, role: str) -> str:
+    """The InferenceService field that sets ``setting`` for ``role``'s pods."""
+    if setting == "gpus":
+        return f"spec.roles.{role}.resources.gpus"
+    if setting == "shm_size":
+        return "spec.engine.shmSize"
+    return engine_fields.flag_source(flag_name(setting)) or setting
+
+
+def quantity_bytes(quantity: str) -> int | None:
+    """A Kubernetes quantity ('2Gi', '512M', '1.5Gi') in bytes; None if it is none of those."""
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def problems(
+    config: EngineConfig,
+    *,
+    role: str,
+    gpus: int,
+    shm_size: str | None,
+    named: Callable[[str], str] | None = None,
+) -> list[str]:
+    """``"<field>: <value>: <why>"`` for each reason ``role``'s pods could not run ``config``.
+
+    ``gpus``: the GPUs each pod gets; ``shm_size``: the sizeLimit of its ``/dev/shm`` (None:
+    unlimited). ``named(setting)`` names where a setting came from (default: the spec field)."""
+    name = named or (lambda setting: spec_field(setting, role))
+    model = known_model(config.model)
+    out = [
+        f"{name(r.setting)}: {r.value}: {r.reason}"
+        for r in refusals(config, model=model, gpus=gpus)
+    ]
+    limit = quantity_bytes(shm_size) if shm_size is not None else None
+    if limit is None or out:  # a KV cache the engine refuses has no size to compare
+        return out
+    size = kv_cache_bytes(config, model) if model else None
+    if size is None and config.num_kv_blocks is None:
+        size = config.kv_cache_bytes  # the segment is at most this; exactly, less a partial block
+    if size is not None and size > limit:
+        out.append(
+            f"{name('kv_cache_memory')}: {config.kv_cache_memory}: the KV cache ({size} bytes) is "
+            f"a segment in the pod's /dev/shm, which {name('shm_size')} {shm_size} ({limit} "
+            "bytes) cannot hold: the engine would fail as it fills it at start-up; raise "
+            "shmSize or lower kvCacheMemory"
+        )
+    return out

@@ -1,0 +1,63 @@
+"""Each rendered ``ketch serve``'s engine configuration vs what this engine build runs.
+
+The configuration is the one the process would build (its role file from the ConfigMap, then its
+flags); the pod gives the rest: the GPUs in the container's resources and the sizeLimit of the
+``/dev/shm`` volume it mounts. ``ketch.operator.runnable`` says what the engine would refuse,
+naming each value by the InferenceService field it was rendered from, or by the flag in the
+container's args when a flag set it.
+"""
+
+from __future__ import annotations
+
+from ketch.engine.cli_args import flag_name
+from ketch.engine.config import EngineConfig
+from ketch.engine.serving.config import ServerConfig
+from ketch.operator import runnable
+from ketch.operator.wiring.pods import Obj, Pod, Process
+
+SHM = "/dev/shm"
+RUNTIME_SHM = "64Mi"  # a pod's /dev/shm when no volume is mounted there
+
+
+def check_engine(proc: Process, pod: Pod) -> list[str]:
+    """What ``ketch serve`` in ``proc`` would refuse to run, or run without the GPUs it holds."""
+    config = proc.config(EngineConfig)
+    role = proc.config(ServerConfig).role
+    shm = shm_size_limit(proc.container, pod)
+    mounted = any(m["mountPath"] == SHM for m in proc.container.get("volumeMounts") or [])
+
+    def named(setting: str) -> str:
+        if setting == "shm_size" and not mounted:
+            return "the runtime's default /dev/shm (no volume mounted there)"
+        if getattr(proc.args, setting, None) is not None:
+            return f"{flag_name(setting)} (container args)"
+        return runnable.spec_field(setting, role)
+
+    found = runnable.problems(
+        config, role=role, gpus=gpu_count(proc.container), shm_size=shm, named=named
+    )
+    return [f"{proc.where}: {problem}" for problem in found]
+
+
+def gpu_count(container: Obj) -> int:
+    """GPUs the container asks for: its extended resources named like GPUs (nvidia.com/gpu,
+    amd.com/gpu, gpu.intel.com/i915, ...), limits over requests as the scheduler reads them."""
+    resources = container.get("resources") or {}
+    asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    return sum(
+        int(float(value))
+        for name, value in asked.items()
+        if "/" in name and "gpu" in name.lower() and str(value).replace(".", "", 1).isdigit()
+    )
+
+
+def shm_size_limit(container: Obj, pod: Pod) -> str | None:
+    """What the container's /dev/shm holds: the sizeLimit of the emptyDir mounted there (None:
+    unlimited, or not an emptyDir), or the runtime's 64Mi when nothing is mounted there."""
+    mount = next((m for m in container.get("volumeMounts") or [] if m["mountPath"] == SHM), None)
+    if mount is None:
+        return RUNTIME_SHM
+    volumes = {v.get("name"): v for v in pod.spec.get("volumes") or []}
+    empty_dir = (volumes.get(mount["name"]) or {}).get("emptyDir") or {}
+    limit = empty_dir.get("sizeLimit")
+    return None if limit is None else str(limit)

@@ -1,0 +1,182 @@
+"""The operator refuses what the engine would refuse at start-up, naming the spec field.
+
+``spec.parse`` (and so ``render``, ``check-wiring`` and the reconciler's ``InvalidSpec``) goes
+through ``ketch.operator.runnable``, which asks ``ketch.engine.capabilities``: the specs below
+pass the CRD's schema and CEL rules but would render pods that crash-loop (or hold GPUs the
+engine never uses). Every example and the CRD's own defaults must pass.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ketch.engine.capabilities import MAX_GPUS, refusals
+from ketch.engine.config import EngineConfig
+from ketch.operator import crd
+from ketch.operator.cli import main as operator_main
+from ketch.operator.cli import render_object
+from ketch.operator.runnable import quantity_bytes
+from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.wiring import check_wiring
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+PEER_KEY = {"peerKeySecretRef": {"name": "peer-key"}}
+
+
+def body(spec: dict, name: str = "svc") -> dict:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": copy.deepcopy(spec),
+    }
+
+
+def mixed(engine: dict | None = None, resources: dict | None = None, **spec: dict) -> dict:
+    roles = {"mixed": {"resources": resources} if resources else {}}
+    return body({"model": {"uri": "tiny"}, "engine": engine or {}, "roles": roles, **spec})
+
+
+def problems(obj: dict) -> list[str]:
+    with pytest.raises(InvalidSpec) as info:
+        parse(obj)
+    return info.value.problems
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_renders_pods_the_engine_runs(path):
+    for doc in yaml.safe_load_all(path.read_text()):
+        assert check_wiring(render_object(doc)) == []
+
+
+def test_check_wiring_passes_every_example(capsys):
+    assert operator_main(["check-wiring", *map(str, EXAMPLES)]) == 0
+    assert capsys.readouterr().out.startswith(f"wiring OK: {len(EXAMPLES)} InferenceService(s)")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": {"uri": "tiny"}, "roles": {"mixed": {}}},
+        {"model": {"uri": "hf://org/m"}, "roles": {"prefill": {}, "decode": {}}, "auth": PEER_KEY},
+    ],
+    ids=["mixed", "disaggregated"],
+)
+def test_the_crds_defaults_run(spec):
+    """Everything the spec leaves out comes from the CRD's defaults, which the engine runs."""
+    children = render_object(body(spec))
+    assert check_wiring(children) == []
+    svc = parse(body(spec))
+    for role in svc.roles:
+        assert svc.role(role)["resources"]["gpus"] == MAX_GPUS == 0
+    engine = svc.spec["engine"]
+    assert engine["tensorParallelSize"] == 1 and engine["dtype"] == "auto"
+
+
+def test_crd_describes_what_runs_today_and_what_is_planned():
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    gpus = schema["properties"]["roles"]["properties"]["mixed"]["properties"]["resources"]
+    gpus = gpus["properties"]["gpus"]
+    assert gpus["default"] == 0
+    assert "CPU only" in gpus["description"] and "issue 17" in gpus["description"]
+    engine = schema["properties"]["engine"]["properties"]
+    assert "runs 1 today" in engine["tensorParallelSize"]["description"]
+    assert "issue 17" in engine["tensorParallelSize"]["description"]
+    assert "float32 on the CPU" in engine["dtype"]["description"]
+
+
+# Specs the schema and CEL rules accept but the engine would refuse: (id, spec, field, words).
+REFUSED = [
+    (
+        "tensor parallel 2",
+        mixed({"tensorParallelSize": 2}, {"gpus": 2}),
+        "spec.engine.tensorParallelSize: 2: the engine runs tensor_parallel_size 1 only "
+        "(tensor parallelism is planned, issue 17)",
+    ),
+    ("gpus", mixed(resources={"gpus": 1}), "spec.roles.mixed.resources.gpus: 1: "),
+    ("bfloat16", mixed({"dtype": "bfloat16"}), "spec.engine.dtype: bfloat16: "),
+    ("float16", mixed({"dtype": "float16"}), "spec.engine.dtype: float16: "),
+    (
+        "max model len past the tiny model's",
+        mixed({"maxModelLen": 4096}),
+        "spec.engine.maxModelLen: 4096: ",
+    ),
+    (
+        "kv cache too small for one request",
+        mixed({"kvCacheMemory": "64KiB"}),
+        "spec.engine.kvCacheMemory: 64KiB: the KV cache (",
+    ),
+    (
+        "kv blocks too few",
+        mixed({"numKvBlocks": 3}),
+        "spec.engine.numKvBlocks: 3: ",
+    ),
+    (
+        "kv cache larger than /dev/shm",
+        mixed({"kvCacheMemory": "4GiB", "shmSize": "2Gi"}),
+        "spec.engine.kvCacheMemory: 4GiB: the KV cache (",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "obj", "words"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_operator_refuses_what_the_engine_would_naming_the_field(case, obj, words):
+    assert any(p.startswith(words) for p in problems(obj)), problems(obj)
+
+
+def test_kv_cache_larger_than_shm_names_both_fields():
+    [problem] = problems(mixed({"kvCacheMemory": "4GiB", "shmSize": "2Gi"}))
+    assert "spec.engine.shmSize 2Gi" in problem and "/dev/shm" in problem
+    parse(mixed({"kvCacheMemory": "4GiB", "shmSize": "5Gi"}))  # fits: accepted
+    # a checkpoint's facts are unknown here: the KV cache is at most kvCacheMemory
+    checkpoint = mixed({"kvCacheMemory": "3GiB"}, model={"uri": "hf://org/m"})
+    assert "spec.engine.shmSize 2Gi" in problems(checkpoint)[0]
+
+
+def test_the_message_is_the_engines_own():
+    """Same words as ketch.engine.capabilities, which LLMEngine raises at start-up."""
+    [problem] = problems(mixed({"dtype": "bfloat16"}))
+    [refusal] = refusals(EngineConfig(dtype="bfloat16"))
+    assert problem == f"spec.engine.dtype: bfloat16: {refusal.reason}"
+
+
+def test_disaggregated_names_each_roles_gpus_and_the_shared_field_once():
+    spec = {
+        "model": {"uri": "hf://org/m"},
+        "engine": {"tensorParallelSize": 2},
+        "roles": {"prefill": {"resources": {"gpus": 2}}, "decode": {"resources": {"gpus": 4}}},
+        "auth": PEER_KEY,
+    }
+    found = problems(body(spec))
+    assert [p.split(":")[0] for p in found] == [
+        "spec.engine.tensorParallelSize",
+        "spec.roles.prefill.resources.gpus",
+        "spec.roles.decode.resources.gpus",
+    ]
+
+
+def test_render_and_check_wiring_refuse_such_a_file(tmp_path, capsys):
+    path = tmp_path / "tp.yaml"
+    path.write_text(yaml.safe_dump(mixed({"tensorParallelSize": 2}, {"gpus": 2})))
+    for command in ("render", "check-wiring"):
+        assert operator_main([command, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert "spec.engine.tensorParallelSize: 2: the engine runs tensor_parallel_size 1" in err
+        assert "spec.roles.mixed.resources.gpus: 2" in err
+
+
+@pytest.mark.parametrize(
+    ("quantity", "size"),
+    [("2Gi", 2 << 30), ("512Mi", 512 << 20), ("1.5Gi", 3 << 29), ("3G", 3 * 10**9), ("7", 7)],
+)
+def test_quantity_bytes(quantity, size):
+    assert quantity_bytes(quantity) == size
+
+
+def test_quantity_bytes_of_nonsense_is_none():
+    assert quantity_bytes("lots") is None and quantity_bytes("2GiB") is None

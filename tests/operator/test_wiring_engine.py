@@ -1,0 +1,110 @@
+"""``check_wiring`` reads each rendered ``ketch serve``'s engine configuration as the engine would
+and reports what it would refuse at start-up, naming the InferenceService field.
+
+The operator already refuses such specs before rendering (test_runnable); these cases edit a
+rendered manifest, as a hand-made overlay or a builder bug would, so the check on what is
+rendered stands on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ketch.operator.cli import render_object
+from ketch.operator.wiring import check_wiring
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def render(name: str) -> list[dict]:
+    return render_object(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()))
+
+
+def get(children: list[dict], kind: str, name: str) -> dict:
+    return next(o for o in children if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def pod(children: list[dict], deployment: str) -> dict:
+    return get(children, "Deployment", deployment)["spec"]["template"]["spec"]
+
+
+def engine(children: list[dict], deployment: str) -> dict:
+    return next(c for c in pod(children, deployment)["containers"] if c["name"] == "engine")
+
+
+def edit_role_file(children: list[dict], config_map: str, key: str, **values) -> None:
+    data = get(children, "ConfigMap", config_map)["data"]
+    data[key] = yaml.safe_dump({**yaml.safe_load(data[key]), **values})
+
+
+def test_tensor_parallel_2_in_the_role_file_names_the_crd_field():
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(children, "qwen-pd-config", f"{role}.yaml", tensor_parallel_size=2)
+    problems = check_wiring(children)
+    assert problems == [
+        f"deployment qwen-pd-{role}, container engine: spec.engine.tensorParallelSize: 2: the "
+        "engine runs tensor_parallel_size 1 only (tensor parallelism is planned, issue 17)"
+        for role in ("prefill", "decode")
+    ]
+
+
+def test_gpus_in_the_engine_container_name_the_roles_field():
+    children = render("mixed")
+    engine(children, "tiny-mixed")["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    [problem] = check_wiring(children)
+    assert problem.startswith(
+        "deployment tiny-mixed, container engine: spec.roles.mixed.resources.gpus: 1: the engine "
+        "runs on the CPU only"
+    )
+    assert "GPU workers are planned, issue 17" in problem
+
+
+def test_gpus_of_another_vendor_count_too():
+    children = render("mixed")
+    engine(children, "tiny-mixed")["resources"]["requests"]["amd.com/gpu"] = "2"
+    [problem] = check_wiring(children)
+    assert "spec.roles.mixed.resources.gpus: 2: " in problem
+
+
+def test_a_dtype_flag_in_the_args_is_named_as_the_flag():
+    children = render("disaggregated")
+    engine(children, "qwen-pd-decode")["args"] += ["--dtype", "bfloat16"]
+    [problem] = check_wiring(children)
+    assert problem.startswith(
+        "deployment qwen-pd-decode, container engine: --dtype (container args): bfloat16: the "
+        "engine computes in float32 on the CPU only"
+    )
+
+
+def test_tiny_model_facts_are_checked():
+    children = render("mixed")
+    edit_role_file(children, "tiny-config", "mixed.yaml", max_model_len=4096)
+    [problem] = check_wiring(children)
+    assert "spec.engine.maxModelLen: 4096: " in problem
+    assert "max_position_embeddings=512" in problem
+    children = render("mixed")
+    edit_role_file(children, "tiny-config", "mixed.yaml", kv_cache_memory="64KiB")
+    [problem] = check_wiring(children)
+    assert "spec.engine.kvCacheMemory: 64KiB: the KV cache (0 blocks" in problem
+
+
+def test_kv_cache_must_fit_the_shm_volume():
+    children = render("autoscaled")  # kvCacheMemory 8GiB, shmSize 9Gi
+    dshm = next(v for v in pod(children, "llama-chat-mixed")["volumes"] if v["name"] == "dshm")
+    dshm["emptyDir"]["sizeLimit"] = "4Gi"
+    [problem] = check_wiring(children)
+    assert "spec.engine.kvCacheMemory: 8GiB: the KV cache (8589934592 bytes)" in problem
+    assert "spec.engine.shmSize 4Gi (4294967296 bytes) cannot hold" in problem
+    del dshm["emptyDir"]["sizeLimit"]  # tmpfs sized by the pod's memory: not checked here
+    assert check_wiring(children) == []
+
+
+def test_no_shm_volume_means_the_runtimes_64mi():
+    children = render("mixed")  # kvCacheMemory 256MiB
+    container = engine(children, "tiny-mixed")
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "dshm"]
+    [problem] = check_wiring(children)
+    assert "the runtime's default /dev/shm (no volume mounted there) 64Mi" in problem
