@@ -22,7 +22,7 @@ _EXAMPLES = """examples:
   ketch-operator run --standalone -n dev      # no peering object needed (local testing)
   ketch-operator run --namespace llm          # one namespace (repeatable)
   ketch-operator render examples/mixed.yaml   # the children the operator would apply
-  ketch-operator check-wiring my-isvc.yaml    # do ports, probes and Services fit the processes?
+  ketch-operator check-wiring my-isvc.yaml    # do ports, probes, Services, engine config fit?
   ketch-operator crd | kubectl apply -f -     # install or upgrade the CRD
   ketch-operator adapter-rules                # prometheus-adapter rules for autoscaling
 """
@@ -110,12 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check-wiring",
         allow_abbrev=False,
-        help="render InferenceService file(s) and check the children's wiring",
+        help="render InferenceService file(s) and check the children's wiring and engine config",
         description="Renders each InferenceService in FILE(s) like 'render', then reads every "
         "'ketch' container as the process would (its args through the real 'ketch' parser, its "
         "--config file from the rendered ConfigMap) and checks that declared ports, probes, "
-        "Services and the router's settings match what the processes listen on. Prints each "
-        "problem and exits 1, or prints one OK line and exits 0.",
+        "Services and the router's settings match what the processes listen on, and that each "
+        "engine's configuration, GPUs and /dev/shm are what this engine build runs (what it "
+        "would refuse at start-up, named by the spec field). Prints each problem and exits 1, "
+        "or prints one OK line and exits 0.",
     )
     check.add_argument(
         "files", nargs="+", metavar="FILE", help="InferenceService YAML ('-' = stdin)"
