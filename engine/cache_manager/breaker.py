@@ -35,10 +35,11 @@ class CircuitBreaker:
             return HALF_OPEN
         return OPEN
 
-    def refusal(self, now: float) -> str | None:
-        """Why a push must fail fast now (open, or half-open with its probe out), else None."""
+    def refusal(self, now: float, busy: bool = False) -> str | None:
+        """Why a push must fail fast now (open, or half-open with its probe out or, ``busy``,
+        queued), else None."""
         state = self.state(now)
-        if state == CLOSED or (state == HALF_OPEN and not self.probing):
+        if state == CLOSED or (state == HALF_OPEN and not self.probing and not busy):
             return None
         if state == HALF_OPEN:
             return "a probe push is on its way; others fail until it succeeds"

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -55,6 +55,13 @@ class PushSettings:
     failure_threshold: int
     cooldown: float
     transfer_timeout: float
+
+
+class _Outcome(NamedTuple):
+    """What a push says about its destination: it answered, or ``failure`` (its fault)."""
+
+    reached: bool = False
+    failure: str | None = None
 
 
 @dataclass
@@ -119,12 +126,15 @@ class Pusher:
             self._metrics.push_refusals.labels(reason="expired").inc()
             return "the request's deadline passed before its KV push could start; nothing sent"
         with self._cond:
+            queue = self._queues.setdefault(dest, deque())
+            busy = bool(queue) or dest in self._sending
             breaker = self._breakers.get(dest)
-            refusal = breaker.refusal(now) if breaker is not None else None
+            refusal = breaker.refusal(now, busy) if breaker is not None else None
             if refusal is not None:
                 self._metrics.push_refusals.labels(reason="circuit_open").inc()
+                if not queue:
+                    self._queues.pop(dest)
                 return f"pushes to {dest} fail fast: {refusal}"
-            queue = self._queues.setdefault(dest, deque())
             if len(queue) + (dest in self._sending) >= self.settings.max_per_peer:
                 self._metrics.push_refusals.labels(reason="queue_full").inc()
                 return (
@@ -168,8 +178,10 @@ class Pusher:
                 job = self._next(worker)
                 if job is None:
                     break
-                result = self._send(sender, worker, job)
+                result, outcome = self._send(sender, worker, job)
+                # Answered before the destination's next push may go: its answers stay in order.
                 done.send_multipart([job.identity, p.encode(result)])
+                self._finished(job.push.dest, outcome)
         finally:
             sender.close()
             done.close(linger=0)
@@ -186,7 +198,7 @@ class Pusher:
             self._sending.add(dest)
             return self._queues[dest].popleft()
 
-    def _send(self, sender: Any, worker: _Gatherer, job: PushJob) -> p.PushDone:
+    def _send(self, sender: Any, worker: _Gatherer, job: PushJob) -> tuple[p.PushDone, _Outcome]:
         push, dest, now = job.push, job.push.dest, time.monotonic()
         refusal = None
         if job.deadline is not None and now >= job.deadline:
@@ -200,8 +212,7 @@ class Pusher:
                 self._metrics.push_refusals.labels(reason="circuit_open").inc()
                 refusal = f"pushes to {dest} fail fast: {refusal}"
         if refusal is not None:
-            self._finished(dest)
-            return p.PushDone(push.request_id, False, error=refusal)
+            return p.PushDone(push.request_id, False, error=refusal), _Outcome()
         start = time.perf_counter()
         try:
             sender.send(dest, worker.parts(job), job.deadline)
@@ -210,7 +221,6 @@ class Pusher:
         except Exception as exc:  # report it; the thread must stay alive
             logger.exception("push %s to %s failed", push.request_id, dest)
             return self._failed(worker, job, exc)
-        self._finished(dest, reached=True)
         seconds = time.perf_counter() - start
         num_bytes = job.attachment.layout.block_bytes * len(push.blocks)
         self._metrics.kv_sent_bytes.inc(num_bytes)
@@ -220,9 +230,12 @@ class Pusher:
             "pushed %d blocks (%d bytes) of %s to %s in %.1f ms",
             len(push.blocks), num_bytes, push.request_id, dest, seconds * 1000,
         )  # fmt: skip
-        return p.PushDone(push.request_id, True, num_bytes=num_bytes, seconds=seconds)
+        done = p.PushDone(push.request_id, True, num_bytes=num_bytes, seconds=seconds)
+        return done, _Outcome(reached=True)
 
-    def _failed(self, worker: _Gatherer, job: PushJob, exc: Exception) -> p.PushDone:
+    def _failed(
+        self, worker: _Gatherer, job: PushJob, exc: Exception
+    ) -> tuple[p.PushDone, _Outcome]:
         push, dest = job.push, job.push.dest
         error = str(exc) if isinstance(exc, TransferError) else f"push to peer {dest}: {exc}"
         worker.buffer = None  # the transport may still hold the failed one
@@ -234,19 +247,19 @@ class Pusher:
         # the other transfer errors are the destination's fault and count towards its circuit.
         reached = isinstance(exc, PeerRefused)
         fault = type(exc) is TransferError
-        self._finished(dest, reached=reached, failure=error if fault else None)
-        return p.PushDone(push.request_id, False, error=error)
+        done = p.PushDone(push.request_id, False, error=error)
+        return done, _Outcome(reached, error if fault else None)
 
-    def _finished(self, dest: str, reached: bool = False, failure: str | None = None) -> None:
-        """Records a push's outcome (the peer answered; or ``failure``, its fault; or neither)
-        and gives the destination its next turn, at the back of the line."""
+    def _finished(self, dest: str, outcome: _Outcome) -> None:
+        """Records a push's outcome and gives its destination the next turn, at the back of
+        the line."""
         now = time.monotonic()
         with self._cond:
             breaker = self._breakers.get(dest)
-            if reached:
+            if outcome.reached:
                 self._breakers.pop(dest, None)  # healthy: nothing to remember
-            elif failure is not None:
-                (breaker or self._remember(dest)).failed(now, failure)
+            elif outcome.failure is not None:
+                (breaker or self._remember(dest)).failed(now, outcome.failure)
             elif breaker is not None:
                 breaker.ended()
             self._sending.discard(dest)
