@@ -84,16 +84,31 @@ def problems(
         for r in refusals(config, model=model, gpus=gpus)
     ]
     limit = quantity_bytes(shm_size) if shm_size is not None else None
-    if limit is None or out:  # a KV cache the engine refuses has no size to compare
-        return out
-    size = kv_cache_bytes(config, model) if model else None
-    if size is None and config.num_kv_blocks is None:
-        size = config.kv_cache_bytes  # the segment is at most this; exactly, less a partial block
-    if size is not None and size > limit:
-        out.append(
-            f"{name('kv_cache_memory')}: {config.kv_cache_memory}: the KV cache ({size} bytes) is "
-            f"a segment in the pod's /dev/shm, which {name('shm_size')} {shm_size} ({limit} "
-            "bytes) cannot hold: the engine would fail as it fills it at start-up; raise "
-            "shmSize or lower kvCacheMemory"
-        )
+    if limit is not None:
+        out += _shm_problems(config, model, shm_size, limit, name)
     return out
+
+
+def _shm_problems(
+    config: EngineConfig,
+    model: ModelConfig | None,
+    shm_size: str,
+    limit: int,
+    name: Callable[[str], str],
+) -> list[str]:
+    """The KV cache is a segment in /dev/shm: it must fit there (the worker writes all of it
+    before the engine is ready)."""
+    if model is not None:
+        size = kv_cache_bytes(config, model)
+    elif config.num_kv_blocks is None:
+        size = config.kv_cache_bytes  # the segment is at most this (whole blocks of it)
+    else:
+        return []  # blocks of a checkpoint whose size is not known here
+    if size <= limit:
+        return []
+    setting = "kv_cache_memory" if config.num_kv_blocks is None else "num_kv_blocks"
+    return [
+        f"{name(setting)}: {getattr(config, setting)}: the KV cache ({size} bytes) is a segment "
+        f"in the pod's /dev/shm, which {name('shm_size')} {shm_size} ({limit} bytes) cannot "
+        "hold: the engine would fail as it fills it at start-up; raise the one or lower the other"
+    ]
