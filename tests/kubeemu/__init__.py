@@ -2,6 +2,7 @@
 
     emu = start_emulator()          # a subprocess; emu.url, emu.kubeconfig
     emu.set_fault("ns", "deploy", "crashloop")
+    emu.set_pod_behaviour(image="repo/model:v2", ready_delay=3)   # or pod=, deployment=
     emu.applied(manager="ketch")    # every server-side apply request, as received
     kubectl(emu, "get", "pods", "-n", "ns")
     emu.stop()
@@ -183,16 +184,34 @@ class Emulator(_Client):
         self.cache_dir = str(workdir / "kubectl-cache")
 
     def set_fault(self, namespace: str, deployment: str, mode: str, ready_delay: float = 0) -> None:
-        """Make the pods of a Deployment ready / crashloop / imagepull / unschedulable / pending."""
-        self.post(
-            "/_emulator/faults",
-            {
-                "namespace": namespace,
-                "deployment": deployment,
-                "mode": mode,
-                "readyDelaySeconds": ready_delay,
-            },
-        ).ok()
+        """Make the pods of a Deployment behave so (see set_pod_behaviour)."""
+        self.set_pod_behaviour(namespace, deployment=deployment, mode=mode, ready_delay=ready_delay)
+
+    def set_pod_behaviour(
+        self,
+        namespace: str = "",
+        *,
+        pod: str | None = None,
+        deployment: str | None = None,
+        image: str | None = None,
+        mode: str = "ready",
+        ready_delay: float = 0,
+        init_container: str = "",
+    ) -> None:
+        """How the containers of one pod, a Deployment's pods or every pod of an image behave
+        from now on (the most specific wins): mode ready (after `ready_delay` seconds),
+        never-ready, crashloop, imagepull, unschedulable, pending, init-error or init-crashloop
+        (`init_container` fails; default the first)."""
+        body: dict[str, Any] = {
+            "namespace": namespace,
+            "mode": mode,
+            "readyDelaySeconds": ready_delay,
+            "initContainer": init_container,
+        }
+        for scope, name in (("pod", pod), ("deployment", deployment), ("image", image)):
+            if name:
+                body[scope] = name
+        self.post("/_emulator/faults", body).ok()
 
     def applied(self, manager: str | None = None, **filters: str) -> list[dict[str, Any]]:
         """Server-side apply requests received (oldest first), optionally for one manager."""
@@ -317,6 +336,9 @@ class RealCluster:
 
     def set_fault(self, *args: Any, **kwargs: Any) -> None:
         self._skip("fault injection")
+
+    def set_pod_behaviour(self, *args: Any, **kwargs: Any) -> None:
+        self._skip("pod behaviours")
 
     def applied(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         self._skip("the apply log")

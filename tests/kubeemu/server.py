@@ -7,8 +7,9 @@ Known differences from kube-apiserver (deliberate simplifications):
 - one storage per group/resource; CRD versions share it without conversion (apiVersion is
   rewritten); core/v1 and events.k8s.io/v1 Events are separate stores.
 - no authn/authz, admission webhooks, quotas, limit ranges, RBAC enforcement.
-- the Deployment controller owns Pods directly (no ReplicaSets), rolls all pods at once
-  (old pods go when the new ones are ready), ignores minReadySeconds and paused.
+- controllers (controllers.py): Deployments roll ReplicaSets by their strategy, ReplicaSets run
+  pods, a kubelet gives pods the status a test set (POST /_emulator/pods); no scheduler, no
+  graceful termination (a deleted pod goes at once), no proportional scaling mid-rollout.
 - SSA: container ports are keyed by containerPort, service ports by port (the real keys add
   protocol); custom resources use x-kubernetes-list-type from their schema (atomic otherwise).
 - GC runs synchronously on delete; Foreground propagation behaves like Background.
@@ -40,7 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from kubeemu import controllers, protowire
-from kubeemu.controllers import DeploymentController, describe_faults
+from kubeemu.controllers import ControllerManager, PodBehaviour, describe_faults
 from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
 from kubeemu.store import (
@@ -101,9 +102,11 @@ def _agent(request: web.Request) -> str:
 class EmulatorApp:
     """The aiohttp application: routing, discovery, watch streaming, admin endpoints."""
 
-    def __init__(self, history: int = HISTORY_PER_TYPE) -> None:
+    def __init__(
+        self, history: int = HISTORY_PER_TYPE, pod_ip_prefix: str = controllers.POD_IP_PREFIX
+    ) -> None:
         self.store = Store(load_validator_factory(), history=history)
-        self.controller = DeploymentController(self.store)
+        self.controller = ControllerManager(self.store, pod_ip_prefix)
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
         self.app.on_startup.append(self._on_startup)
@@ -701,18 +704,9 @@ class EmulatorApp:
     async def admin(self, request: web.Request, parts: list[str]) -> web.Response:
         what = parts[0] if parts else ""
         store = self.store
-        if what == "faults":
+        if what == "faults":  # how pods behave: {scope: name, mode, readyDelaySeconds, ...}
             if request.method == "POST":
-                body = await self._body(request) or {}
-                try:
-                    self.controller.set_fault(
-                        body["namespace"],
-                        body["deployment"],
-                        body.get("mode", "ready"),
-                        float(body.get("readyDelaySeconds", 0) or 0),
-                    )
-                except (KeyError, ValueError, TypeError) as exc:
-                    raise bad_request(f"bad fault request: {exc}") from exc
+                self._set_pod_behaviour(await self._body(request) or {})
             return _json({"faults": describe_faults(self.controller)})
         if what == "applied":
             q = request.query
@@ -737,15 +731,34 @@ class EmulatorApp:
         if what == "reset" and request.method == "POST":
             store.apply_log.clear()
             store.stats = type(store.stats)()
-            self.controller.faults.clear()
+            self.controller.reset()
             return _json({"ok": True})
         raise _generic_not_found()
 
+    def _set_pod_behaviour(self, body: Any) -> None:
+        try:
+            scopes = [s for s in ("pod", "deployment", "image") if body.get(s)]
+            if len(scopes) != 1:
+                raise ValueError("name exactly one of pod, deployment, image")
+            behaviour = PodBehaviour(
+                body.get("mode", "ready"),
+                float(body.get("readyDelaySeconds", 0) or 0),
+                str(body.get("initContainer") or ""),
+            )
+            namespace = "" if scopes[0] == "image" else body["namespace"]
+            self.controller.set_behaviour(scopes[0], namespace, body[scopes[0]], behaviour)
+        except (AttributeError, KeyError, ValueError, TypeError) as exc:
+            raise bad_request(f"bad fault request: {exc}") from exc
+
 
 async def serve(
-    host: str, port: int, ready_line: bool = True, history: int = HISTORY_PER_TYPE
+    host: str,
+    port: int,
+    ready_line: bool = True,
+    history: int = HISTORY_PER_TYPE,
+    pod_ip_prefix: str = controllers.POD_IP_PREFIX,
 ) -> None:
-    emu = EmulatorApp(history)
+    emu = EmulatorApp(history, pod_ip_prefix)
     runner = web.AppRunner(emu.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -791,13 +804,14 @@ def main(argv: list[str] | None = None) -> None:
         help="first two octets of pod IPs (127.x makes them loopback addresses, for fake metrics)",
     )
     args = ap.parse_args(argv)
-    controllers.POD_IP_PREFIX = args.pod_ip_prefix
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    asyncio.run(serve(args.host, args.port, history=args.watch_history))
+    asyncio.run(
+        serve(args.host, args.port, history=args.watch_history, pod_ip_prefix=args.pod_ip_prefix)
+    )
 
 
 if __name__ == "__main__":

@@ -120,9 +120,32 @@ def _pod_cells(obj: dict[str, Any]) -> list[Any]:
         waiting = (c.get("state") or {}).get("waiting")
         if waiting and waiting.get("reason"):
             reason = waiting["reason"]
+    reason = _init_reason(spec, status) or reason
     if obj["metadata"].get("deletionTimestamp"):
         reason = "Terminating"
     return [f"{ready}/{total}", reason, restarts]
+
+
+def _init_reason(spec: dict[str, Any], status: dict[str, Any]) -> str | None:
+    """kubectl's STATUS while init containers have not all completed (Init:Error, Init:0/1)."""
+    inits = status.get("initContainerStatuses") or []
+    for i, c in enumerate(inits):
+        state = c.get("state") or {}
+        done = state.get("terminated") or {}
+        if done and done.get("exitCode") == 0:
+            continue
+        if done:
+            return f"Init:{done.get('reason') or 'ExitCode:' + str(done.get('exitCode'))}"
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") and waiting["reason"] != "PodInitializing":
+            return f"Init:{waiting['reason']}"
+        return f"Init:{i}/{len(spec.get('initContainers') or inits)}"
+    return None
+
+
+def _replicaset_cells(obj: dict[str, Any]) -> list[Any]:
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    return [spec.get("replicas", 1), status.get("replicas", 0), status.get("readyReplicas", 0)]
 
 
 def _deployment_cells(obj: dict[str, Any]) -> list[Any]:
@@ -181,6 +204,10 @@ _BUILTIN_COLUMNS: dict[tuple[str, str], tuple[list[dict[str, Any]], Any]] = {
             _col("Selector", priority=1),
         ],
         _deployment_cells,
+    ),
+    ("apps", "replicasets"): (
+        [_col("Desired", "integer"), _col("Current", "integer"), _col("Ready", "integer")],
+        _replicaset_cells,
     ),
     ("", "services"): (
         [

@@ -1,7 +1,7 @@
 """The Kubernetes API-server emulator behaves as kube-apiserver does where operators depend on it.
 
-Everything goes over HTTP to the emulator subprocess (the `kube` fixture), with kubectl and kopf
-as real clients. These tests need the emulator (they skip on a real cluster).
+Everything goes over HTTP to the emulator subprocess (the `emu` fixture), with kubectl and kopf
+as real clients. The controllers (Deployments, ReplicaSets, pods) are tested in test_workloads.py.
 """
 
 from __future__ import annotations
@@ -20,13 +20,6 @@ import pytest
 
 import procs
 from kubeemu import Emulator, kubectl, start_emulator
-
-
-@pytest.fixture
-def emu(kube: Any) -> Emulator:
-    if not getattr(kube, "is_emulator", False):
-        pytest.skip("emulator behaviour")
-    return kube
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
@@ -166,15 +159,11 @@ WIDGET_CRD = {
 
 
 @pytest.fixture(scope="module")
-def widgets(kube: Any) -> str:
+def widgets(emu: Emulator) -> str:
     """The widgets.example.com CRD, installed once for this module."""
-    if not getattr(kube, "is_emulator", False):
-        pytest.skip("emulator behaviour")
-    existing = kube.get(
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com"
-    )
-    if existing.status == 404:
-        kube.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WIDGET_CRD).ok()
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    if emu.get(f"{crds}/widgets.example.com").status == 404:
+        emu.post(crds, WIDGET_CRD).ok()
     return "/apis/example.com/v1"
 
 
@@ -1002,190 +991,6 @@ def test_custom_resource_validation_errors_reach_the_client(
     warned = emu.post(base, unknown, params={"fieldValidation": "Warn"})
     assert warned.status == 201 and "foo" not in warned.body["spec"]
     assert any("spec.foo" in w for w in warned.warnings)
-
-
-# ----------------------------------------------------------------------------------------------
-# the deployment controller
-
-
-def _pods(emu: Emulator, ns: str, app: str) -> list[dict[str, Any]]:
-    return emu.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": f"app={app}"}).ok()[
-        "items"
-    ]
-
-
-def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    return {
-        c["type"]: (c["status"], c.get("reason", ""))
-        for c in (obj.get("status") or {}).get("conditions", [])
-    }
-
-
-def test_deployment_controller_runs_pods_and_reports_status(emu: Emulator, namespace: str) -> None:
-    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    emu.post(base, deployment("web", replicas=2)).ok()
-    d = wait_for(
-        lambda: (
-            (o := emu.get(f"{base}/web").ok()).get("status", {}).get("readyReplicas") == 2 and o
-        ),
-        what="2 ready replicas",
-    )
-    assert d["status"]["observedGeneration"] == 1
-    assert d["status"]["availableReplicas"] == 2 and d["status"]["updatedReplicas"] == 2
-    assert _conditions(d) == {
-        "Available": ("True", "MinimumReplicasAvailable"),
-        "Progressing": ("True", "NewReplicaSetAvailable"),
-    }
-    pods = _pods(emu, namespace, "web")
-    assert len(pods) == 2
-    pod = pods[0]
-    hash_ = pod["metadata"]["labels"]["pod-template-hash"]
-    assert re.fullmatch(rf"web-{hash_}-[a-z0-9]{{5}}", pod["metadata"]["name"])
-    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
-    assert pod["status"]["phase"] == "Running"
-    assert all(c["status"] == "True" for c in pod["status"]["conditions"])
-    assert pod["status"]["containerStatuses"][0]["ready"] is True
-
-    # a deleted pod comes back; a template change rolls every pod to a new hash
-    emu.delete(f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}").ok()
-    wait_for(
-        lambda: (
-            len(_pods(emu, namespace, "web")) == 2
-            and pod["metadata"]["name"]
-            not in {p["metadata"]["name"] for p in _pods(emu, namespace, "web")}
-        ),
-        what="replacement",
-    )
-    emu.patch(
-        f"{base}/web",
-        {"spec": {"template": {"spec": {"containers": [{"name": "main", "image": "nginx:2"}]}}}},
-        kind="strategic",
-    ).ok()
-    wait_for(
-        lambda: (
-            {p["metadata"]["labels"]["pod-template-hash"] for p in _pods(emu, namespace, "web")}
-            - {hash_}
-            and len(_pods(emu, namespace, "web")) == 2
-            and hash_
-            not in {
-                p["metadata"]["labels"]["pod-template-hash"] for p in _pods(emu, namespace, "web")
-            }
-        ),
-        what="rollout",
-    )
-    d = wait_for(
-        lambda: (
-            (o := emu.get(f"{base}/web").ok())["status"].get("observedGeneration") == 2
-            and _conditions(o)["Progressing"][1] == "NewReplicaSetAvailable"
-            and o
-        ),
-        what="rollout complete",
-    )
-    assert {p["spec"]["containers"][0]["image"] for p in _pods(emu, namespace, "web")} == {
-        "nginx:2"
-    }
-    # scale to zero, then delete: pods are garbage-collected with their owner
-    emu.patch(f"{base}/web", {"spec": {"replicas": 0}}).ok()
-    wait_for(lambda: not _pods(emu, namespace, "web"), what="scaled to zero")
-    d = wait_for(
-        lambda: (o := emu.get(f"{base}/web").ok())["status"].get("replicas") is None and o,
-        what="status at zero",
-    )
-    assert _conditions(d)["Available"] == ("True", "MinimumReplicasAvailable")
-
-
-def test_status_writes_are_not_churning(emu: Emulator, namespace: str) -> None:
-    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    emu.post(base, deployment("calm", replicas=1)).ok()
-    d = wait_for(
-        lambda: (
-            (o := emu.get(f"{base}/calm").ok()).get("status", {}).get("readyReplicas") == 1 and o
-        ),
-        what="ready",
-    )
-    time.sleep(0.3)
-    assert watch_events(emu, base, d["metadata"]["resourceVersion"]) == []
-
-
-@pytest.mark.parametrize("mode", ["crashloop", "imagepull", "unschedulable", "pending"])
-def test_fault_modes_shape_pod_and_deployment_status(
-    emu: Emulator, namespace: str, mode: str
-) -> None:
-    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    emu.set_fault(namespace, "flaky", mode)
-    emu.post(base, deployment("flaky", image="repo/model:v9")).ok()
-    d = wait_for(
-        lambda: (o := emu.get(f"{base}/flaky").ok()).get("status", {}).get("conditions") and o,
-        what="status",
-    )
-    assert _conditions(d)["Available"] == ("False", "MinimumReplicasUnavailable")
-    assert _conditions(d)["Progressing"] == ("True", "ReplicaSetUpdated")
-    assert d["status"]["unavailableReplicas"] == 1 and "readyReplicas" not in d["status"]
-    pod = wait_for(
-        lambda: [p for p in _pods(emu, namespace, "flaky") if p["status"].get("conditions")],
-        what="pod status",
-    )[0]
-    status = pod["status"]
-    if mode == "crashloop":
-        cs = status["containerStatuses"][0]
-        assert status["phase"] == "Running"
-        assert cs["state"]["waiting"]["reason"] == "CrashLoopBackOff"
-        assert cs["restartCount"] >= 3 and cs["lastState"]["terminated"]["exitCode"] == 1
-    elif mode == "imagepull":
-        cs = status["containerStatuses"][0]
-        assert status["phase"] == "Pending"
-        assert cs["state"]["waiting"]["reason"] == "ImagePullBackOff"
-        assert "repo/model:v9" in cs["state"]["waiting"]["message"]
-    elif mode == "unschedulable":
-        assert status["phase"] == "Pending"
-        sched = next(c for c in status["conditions"] if c["type"] == "PodScheduled")
-        assert (sched["status"], sched["reason"]) == ("False", "Unschedulable")
-        assert sched["message"].startswith(
-            "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
-        )
-    else:
-        assert status["phase"] == "Pending"
-    # recovery: back to ready
-    emu.set_fault(namespace, "flaky", "ready")
-    d = wait_for(
-        lambda: (o := emu.get(f"{base}/flaky").ok())["status"].get("readyReplicas") == 1 and o,
-        what="recovered",
-    )
-    assert _conditions(d)["Available"][0] == "True"
-
-
-def test_progress_deadline_exceeded(emu: Emulator, namespace: str) -> None:
-    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    emu.set_fault(namespace, "stuck", "imagepull")
-    body = deployment("stuck")
-    body["spec"]["progressDeadlineSeconds"] = 1
-    emu.post(base, body).ok()
-    d = wait_for(
-        lambda: (
-            (o := emu.get(f"{base}/stuck").ok()).get("status", {}).get("conditions")
-            and _conditions(o)["Progressing"][0] == "False"
-            and o
-        ),
-        what="progress deadline",
-    )
-    assert _conditions(d)["Progressing"] == ("False", "ProgressDeadlineExceeded")
-    assert _conditions(d)["Available"][0] == "False"
-
-
-def test_ready_delay_holds_readiness(emu: Emulator, namespace: str) -> None:
-    base = f"/apis/apps/v1/namespaces/{namespace}/deployments"
-    emu.set_fault(namespace, "slow", "ready", ready_delay=1.0)
-    emu.post(base, deployment("slow")).ok()
-    pod = wait_for(
-        lambda: [p for p in _pods(emu, namespace, "slow") if p["status"].get("conditions")],
-        what="pod status",
-    )[0]
-    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False"  # checked well before a second has passed
-    wait_for(
-        lambda: emu.get(f"{base}/slow").ok()["status"].get("readyReplicas") == 1,
-        what="ready after the delay",
-    )
 
 
 # ----------------------------------------------------------------------------------------------
