@@ -121,6 +121,11 @@ REFUSED = [
         mixed({"kvCacheMemory": "4GiB", "shmSize": "2Gi"}),
         "spec.engine.kvCacheMemory: 4GiB: the KV cache (",
     ),
+    (
+        "kv blocks larger than /dev/shm",
+        mixed({"numKvBlocks": 100000, "shmSize": "64Mi"}),
+        "spec.engine.numKvBlocks: 100000: the KV cache (13107200000 bytes)",
+    ),
 ]
 
 
