@@ -1,4 +1,4 @@
-"""Benchmark: coordinated autoscaling decisions (operator/autoscaler.py) over load traces.
+"""Benchmark: coordinated autoscaling decisions (operator/autoscaling/decisions.py), load traces.
 
 Pure logic, no cluster: each trace is the total RequestsWaiting of one role per sync period
 (5 s); every pod reports an even share. Compared with
@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from ketch.operator import autoscaler
+from ketch.operator.autoscaling import decisions
 
 SYNC = 5.0
 TARGET = 4.0
@@ -42,8 +42,8 @@ def oracle(load: float) -> int:
 
 
 def run(load: list[float], down_window: float, cooldown: float) -> list[int]:
-    coord = autoscaler.Coordinator(
-        {"mixed": autoscaler.RoleSpec(MIN, MAX, {"RequestsWaiting": TARGET}, 0.0, down_window)},
+    coord = decisions.Coordinator(
+        {"mixed": decisions.RoleSpec(MIN, MAX, {"RequestsWaiting": TARGET}, 0.0, down_window)},
         cooldown=cooldown,
     )
     current, out = oracle(load[0]), []
@@ -72,7 +72,7 @@ def main() -> None:
         policies = {
             "oracle": ideal,
             "naive": run(load, 0.0, 0.0),
-            "ketch": run(load, autoscaler.DEFAULT_DOWN_WINDOW, autoscaler.DEFAULT_COOLDOWN),
+            "ketch": run(load, decisions.DEFAULT_DOWN_WINDOW, decisions.DEFAULT_COOLDOWN),
         }
         for policy, reps in policies.items():
             used = sum(reps) * SYNC

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ketch.operator import autoscaling
+from ketch.operator.autoscaling import metric_table
 from ketch.operator.containers import (
     CONFIG_DIR,
     PEER_KEY_VOLUME,
@@ -350,9 +350,9 @@ def hpa(svc: ServiceSpec, role: str) -> Obj:
         "scaleTargetRef": _scale_target(svc, role),
         "minReplicas": spec["minReplicas"],
         "maxReplicas": spec["maxReplicas"],
-        "metrics": [autoscaling.hpa_metric(m) for m in spec["metrics"]],
+        "metrics": [metric_table.hpa_metric(m) for m in spec["metrics"]],
     }
-    behavior = autoscaling.behavior(spec)
+    behavior = metric_table.behavior(spec)
     if behavior:
         hpa_spec["behavior"] = behavior
     return {
@@ -373,11 +373,11 @@ def scaled_object(svc: ServiceSpec, role: str) -> Obj:
         "minReplicaCount": spec["minReplicas"],
         "maxReplicaCount": spec["maxReplicas"],
     }
-    behavior = autoscaling.behavior(spec)
+    behavior = metric_table.behavior(spec)
     if behavior:
         so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": behavior}}
     so_spec["triggers"] = [
-        autoscaling.keda_trigger(m, svc.namespace, deployment_name, spec.get("prometheusAddress"))
+        metric_table.keda_trigger(m, svc.namespace, deployment_name, spec.get("prometheusAddress"))
         for m in spec["metrics"]
     ]
     return {

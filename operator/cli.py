@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from ketch.operator import autoscaling, builders, crd, objects
+from ketch.operator import builders, crd, objects
+from ketch.operator.autoscaling import metric_table
 from ketch.operator.spec import InvalidSpec, parse
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(objects.dump_yaml(crd.crd()))
         return 0
     if args.command == "adapter-rules":
-        sys.stdout.write(autoscaling.adapter_values())
+        sys.stdout.write(metric_table.adapter_values())
         return 0
     if args.command == "render":
         return _render(args)

@@ -21,6 +21,8 @@ PORT_KV_TRANSFER = "kv-transfer"
 PORT_CM_HTTP = "cm-http"
 
 PEER_KEY_VOLUME = "peer-key"
+# The init container that fetches hf:// and s3:// weights; status names it when it fails.
+MODEL_FETCH = "model-fetch"
 
 Obj = dict[str, Any]
 
@@ -214,7 +216,7 @@ def model_fetch_container(svc: ServiceSpec) -> Obj:
     credentials wherever the spec says."""
     engine = svc.spec["engine"]
     return {
-        "name": "model-fetch",
+        "name": MODEL_FETCH,
         "image": engine["image"],
         "imagePullPolicy": engine["imagePullPolicy"],
         "command": ["ketch", "fetch-model"],

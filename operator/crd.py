@@ -191,9 +191,9 @@ def _scaling_rules(direction: str, default_window: str) -> dict[str, Any]:
 
 
 def _autoscaling() -> dict[str, Any]:
-    from ketch.operator import autoscaling
+    from ketch.operator.autoscaling import metric_table
 
-    metric_types = "; ".join(f"{m.type}: {m.description}" for m in autoscaling.METRICS)
+    metric_types = "; ".join(f"{m.type}: {m.description}" for m in metric_table.METRICS)
     return obj(
         "Scale this role on the engine's metrics. When set, the operator leaves the "
         "Deployment's replicas to the autoscaler (spec.roles.*.replicas is then ignored), so "
@@ -205,8 +205,8 @@ def _autoscaling() -> dict[str, Any]:
                 "queries Prometheus itself; needs KEDA and prometheusAddress) or 'ketch' (the "
                 "operator scrapes the pods' /metrics and sets the replicas itself, keeping the "
                 "prefill:decode ratio of spec.autoscaling; engine metrics only).",
-                default=autoscaling.DEFAULT_MODE,
-                enum=list(autoscaling.MODES),
+                default=metric_table.DEFAULT_MODE,
+                enum=list(metric_table.MODES),
             ),
             "minReplicas": integer("Fewest pods.", default=1, minimum=1),
             "maxReplicas": integer("Most pods.", minimum=1),
@@ -218,7 +218,7 @@ def _autoscaling() -> dict[str, Any]:
                     "A metric and its target, a per-pod average.",
                     {
                         "type": string(
-                            f"The metric. {metric_types}.", enum=list(autoscaling.TYPES)
+                            f"The metric. {metric_types}.", enum=list(metric_table.TYPES)
                         ),
                         "target": {
                             "description": "Target per-pod average of the metric, in its own "
@@ -232,8 +232,8 @@ def _autoscaling() -> dict[str, Any]:
                     required=("type", "target"),
                 ),
                 "minItems": 1,
-                "maxItems": len(autoscaling.TYPES),
-                "default": autoscaling.DEFAULT_METRICS,
+                "maxItems": len(metric_table.TYPES),
+                "default": metric_table.DEFAULT_METRICS,
                 "x-kubernetes-validations": [
                     _rule(
                         "self.all(m, self.exists_one(n, n.type == m.type))",
@@ -279,7 +279,7 @@ def _autoscaling() -> dict[str, Any]:
 
 
 def _coordinated() -> dict[str, Any]:
-    from ketch.operator import autoscaler
+    from ketch.operator.autoscaling import decisions
 
     ratio_bound = {
         "type": "number",
@@ -293,13 +293,13 @@ def _coordinated() -> dict[str, Any]:
         {
             "syncPeriodSeconds": integer(
                 "Seconds between two scrapes and decisions.",
-                default=int(autoscaler.DEFAULT_SYNC),
+                default=int(decisions.DEFAULT_SYNC),
                 minimum=1,
                 maximum=300,
             ),
             "cooldownSeconds": integer(
                 "Seconds after a change during which no change the other way is made.",
-                default=int(autoscaler.DEFAULT_COOLDOWN),
+                default=int(decisions.DEFAULT_COOLDOWN),
                 minimum=0,
                 maximum=3600,
             ),

@@ -32,7 +32,7 @@ CHILD_RESOURCES = (
     ("policy/v1", "poddisruptionbudgets"),
     ("networking.k8s.io/v1", "networkpolicies"),
     ("autoscaling/v2", "horizontalpodautoscalers"),
-    # Not KEDA's scaledobjects: see controller.UNWATCHED_KINDS.
+    # Not KEDA's scaledobjects: see prune.UNWATCHED_KINDS.
 )
 
 

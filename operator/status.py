@@ -2,11 +2,16 @@
 
 Three conditions, as Kubernetes API conventions have them:
 
-- ``Ready``: every role has all its desired pods ready on the current template.
+- ``Ready``: every role's rollout is complete, decided as ``kubectl rollout status`` decides
+  (``rollout_wait``): the Deployment controller has seen the current spec, every desired pod
+  runs the current template, no old pod is left, and every updated pod is available. Ready
+  pods alone are not enough: in the last step of a rolling update (``replicas 3, updated 2,
+  ready 2``) an old pod still serves while a new one starts.
 - ``Progressing``: a rollout or scale-up is under way (``Updating``).
 - ``Degraded``: something needs a person: ``InvalidSpec`` (the spec can't be deployed),
   ``CrashLoop`` (a container keeps crashing), ``ImagePullError`` (the image can't be pulled),
-  ``InsufficientCapacity`` (pods can't be scheduled, e.g. no free GPUs).
+  ``InsufficientCapacity`` (pods can't be scheduled, e.g. no free GPUs), ``ModelFetchFailed``
+  (the model-fetch init container fails) or ``InitContainerFailed`` (another init container).
 
 ``lastTransitionTime`` only moves when a condition's status changes, so recomputing the status of
 an unchanged deployment gives an identical object and the operator writes nothing.
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import datetime
 from typing import Any
+
+from ketch.operator.containers import MODEL_FETCH
 
 Obj = dict[str, Any]
 
@@ -55,6 +62,10 @@ def pod_problem(pod: Obj) -> tuple[str, str] | None:
                 f"pod {name} cannot be scheduled: {detail} Free GPUs on matching nodes, lower "
                 "roles.*.resources.gpus, or relax roles.*.scheduling.",
             )
+    for cs in status.get("initContainerStatuses") or []:
+        failed = init_failure(name, cs)
+        if failed:
+            return failed
     statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
     for cs in statuses:
         waiting = (cs.get("state") or {}).get("waiting") or {}
@@ -78,6 +89,61 @@ def pod_problem(pod: Obj) -> tuple[str, str] | None:
                 f"{cs.get('restartCount', 0)} restarts{exit_info}. See "
                 f"'kubectl logs {name} -c {cs.get('name')} --previous'.",
             )
+    return None
+
+
+def init_failure(pod: str, cs: Obj) -> tuple[str, str] | None:
+    """(reason, message) for an init container that exited non-zero or keeps doing so: the pod
+    stays Pending (kubectl shows Init:Error or Init:CrashLoopBackOff)."""
+    state = cs.get("state") or {}
+    ended = state.get("terminated") or {}
+    waiting = state.get("waiting") or {}
+    if not (ended and ended.get("exitCode") != 0) and waiting.get("reason") not in CRASH_REASONS:
+        return None
+    last = ended or (cs.get("lastState") or {}).get("terminated") or {}
+    container = cs.get("name") or "?"
+    how = f"exit code {last.get('exitCode')}" if last else "no exit code"
+    if last.get("reason"):
+        how += f", {last['reason']}"
+    restarts = int(cs.get("restartCount") or 0)
+    message = (
+        f"pod {pod} init container {container} failed ({how}, {restarts} restarts), so the pod "
+        f"cannot start. See 'kubectl logs {pod} -c {container} --previous'."
+    )
+    if container == MODEL_FETCH:
+        return "ModelFetchFailed", message + " Check spec.model.uri and model.credentialsSecretRef."
+    return "InitContainerFailed", message
+
+
+def rollout_wait(role: str, deployment: Obj | None) -> str | None:
+    """What a role's rollout still waits for, or None once it is complete.
+
+    The checks and their order are those of ``kubectl rollout status``
+    (kubectl/pkg/polymorphichelpers/rollout_status.go): the controller has observed the
+    generation, the progress deadline is not exceeded, updatedReplicas >= replicas, no old
+    replicas left (status.replicas == updatedReplicas), every updated replica available."""
+    if deployment is None:
+        return f"{role}: Deployment not created yet"
+    meta = deployment.get("metadata") or {}
+    status = deployment.get("status") or {}
+    if int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 1):
+        return f"{role}: rollout starting"
+    desired = int((deployment.get("spec") or {}).get("replicas", 1))
+    total = int(status.get("replicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    available = int(status.get("availableReplicas") or 0)
+    progressing = condition(status, "Progressing") or {}
+    if progressing.get("reason") == "ProgressDeadlineExceeded":
+        return (
+            f"{role}: rollout exceeded its progress deadline ({updated} of {desired} pods "
+            f"updated, {available} available)"
+        )
+    if updated < desired:
+        return f"{role}: {updated} of {desired} pods updated"
+    if total > updated:
+        return f"{role}: {total - updated} old pods pending termination"
+    if available < updated:
+        return f"{role}: {available} of {updated} updated pods available"
     return None
 
 
@@ -113,17 +179,10 @@ def compute(
         current = dep is not None and int(
             (dep.get("status") or {}).get("observedGeneration") or 0
         ) >= int((dep.get("metadata") or {}).get("generation") or 1)
-        counts = role_counts(dep, current)
-        roles[role] = counts
-        if dep is None:
-            rolling.append(f"{role}: Deployment not created yet")
-        elif not current:
-            rolling.append(f"{role}: rollout starting")
-        elif counts["updated"] < counts["desired"] or counts["ready"] < counts["desired"]:
-            rolling.append(
-                f"{role}: {counts['ready']}/{counts['desired']} ready, "
-                f"{counts['updated']}/{counts['desired']} updated"
-            )
+        roles[role] = role_counts(dep, current)
+        waiting = rollout_wait(role, dep)
+        if waiting:
+            rolling.append(waiting)
     problems = [p for p in (pod_problem(pod) for pod in pods) if p]
     ready_pods = sum(r["ready"] for r in roles.values())
     desired_pods = sum(r["desired"] for r in roles.values())

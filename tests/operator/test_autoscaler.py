@@ -1,10 +1,10 @@
-"""Coordinated autoscaling decisions (operator/autoscaler.py), with a fake clock."""
+"""Coordinated autoscaling decisions (operator/autoscaling/decisions.py), with a fake clock."""
 
 from __future__ import annotations
 
 import itertools
 
-from ketch.operator import autoscaler as a
+from ketch.operator.autoscaling import decisions as a
 
 SYNC = 5.0
 
@@ -159,7 +159,9 @@ def test_status_writes_carry_new_decisions():
     import yaml
     from test_autoscaling import ROOT, UID
 
-    from ketch.operator import controller as ctl
+    from ketch.operator.autoscaling.loop import Autoscale
+    from ketch.operator.cache import Tracked
+    from ketch.operator.controller import Controller
     from ketch.operator.spec import parse
 
     class Client:
@@ -178,14 +180,14 @@ def test_status_writes_carry_new_decisions():
 
     async def scenario():
         client = Client()
-        c = ctl.Controller(client, resync_seconds=0)
+        c = Controller(client, resync_seconds=0)
         key = ("n", "s")
-        tracked = c.tracked[key] = ctl.Tracked(body=body, svc=parse(body), applied_generation=1)
-        state = c.autoscale[key] = ctl.Autoscale(settings=None)
+        tracked = c.cache.tracked[key] = Tracked(body=body, svc=parse(body), applied_generation=1)
+        state = c.autoscaling.states[key] = Autoscale(settings=None)
         state.status = {"advisory": False, "roles": {"mixed": {"decisions": []}}}
-        await c._write_status(key, tracked)
+        await c.status.write(key, tracked)
         a.record(state.status["roles"]["mixed"]["decisions"], a.decision("t", 1, 2, {}, "up"))
-        await c._write_status(key, tracked)
+        await c.status.write(key, tracked)
         return client.patches
 
     patches = asyncio.run(scenario())
@@ -194,7 +196,7 @@ def test_status_writes_carry_new_decisions():
 
 
 def test_scale_order_keeps_the_ratio_between_the_two_calls():
-    from ketch.operator.autoscaler import scale_order
+    from ketch.operator.autoscaling.decisions import scale_order
 
     def d(a: int, b: int) -> dict:
         return {"from": a, "to": b}

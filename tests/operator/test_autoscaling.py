@@ -17,7 +17,7 @@ import pytest
 import yaml
 from test_builders import UID, _validator, children
 
-from ketch.operator import autoscaling
+from ketch.operator.autoscaling import metric_table
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, parse
@@ -161,7 +161,7 @@ def test_every_metric_type_maps_to_an_hpa_metric():
     }
     assert hpa["metrics"][5]["resource"]["name"] == "memory"
     assert hpa["behavior"] == scaling["behavior"]
-    assert set(autoscaling.TYPES) == {m["type"] for m in ALL_METRICS}
+    assert set(metric_table.TYPES) == {m["type"] for m in ALL_METRICS}
 
 
 def test_only_autoscaled_roles_get_an_autoscaler():
@@ -311,7 +311,7 @@ def test_adapter_rules_expose_every_pods_metric_an_hpa_uses():
     for name, rule in exposed.items():
         series = rule["seriesQuery"].split("{", 1)[0]
         assert re.fullmatch(rule["name"]["matches"], series), name
-        assert series.removesuffix("_bucket") in autoscaling.engine_metrics()
+        assert series.removesuffix("_bucket") in metric_table.engine_metrics()
         # the adapter maps the series to pods through these labels
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
         assert "<<.GroupBy>>" in rule["metricsQuery"]

@@ -13,7 +13,7 @@ import yaml
 from test_e2e import Cluster, cluster, operator, settle, wait_for  # noqa: F401 (fixtures)
 
 from ketch.operator import crd
-from ketch.operator.controller import Work
+from ketch.operator.workqueue import Work
 
 SCALED_OBJECT_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",
@@ -160,7 +160,7 @@ def test_keda_mode_without_and_with_the_keda_crd(cluster, operator):  # noqa: F8
         wait_for(lambda: cluster.get("hpa", "kedasvc-mixed") is None, "the HPA pruned")
         # A restarted operator (nothing known yet) still prunes a ScaledObject no longer wanted.
         settle(operator)
-        tracked = operator.tracked[(cluster.namespace, "kedasvc")]
+        tracked = operator.cache.tracked[(cluster.namespace, "kedasvc")]
         tracked.applied_generation = None
         tracked.desired = {}
         tracked.expected = {}

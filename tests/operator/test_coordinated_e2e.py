@@ -259,7 +259,10 @@ def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, me
         ),
         "status.autoscaling and ScalingActive gone",
     )
-    assert (operator.loop is not None) and (cluster.namespace, name) not in operator.autoscale
+    assert (operator.loop is not None) and (
+        cluster.namespace,
+        name,
+    ) not in operator.autoscaling.states
 
 
 def test_sawtooth_load_does_not_flap(cluster, operator, metrics, port):  # noqa: F811

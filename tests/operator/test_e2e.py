@@ -27,8 +27,9 @@ from test_builders import INVALID, invalid_body
 import procs
 from ketch.operator import crd, objects
 from ketch.operator.cli import render_documents, render_object
-from ketch.operator.controller import Controller, Work
+from ketch.operator.controller import Controller
 from ketch.operator.handlers import make_registry
+from ketch.operator.workqueue import Work
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
@@ -169,7 +170,7 @@ def settle(controller: Controller) -> None:
     for _ in range(2):
         time.sleep(0.3)
         deadline = time.monotonic() + 30
-        while controller._tasks or controller._pending:
+        while controller.busy:
             assert time.monotonic() < deadline, "operator did not settle"
             time.sleep(0.05)
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ketch.operator import controller, crd, handlers, kube, objects
+from ketch.operator import crd, handlers, kube, objects, prune
 from ketch.operator.cli import build_parser, render_object
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,11 +313,11 @@ def test_rbac_covers_everything_the_code_touches():
         for path in sorted((ROOT / "examples").glob("*.yaml"))
         for child in render_object(yaml.safe_load(path.read_text()), owner_uid="u")
     }
-    assert applied <= set(controller.CHILD_KINDS)
-    for kind in controller.CHILD_KINDS:  # server-side applied, pruned, watched
+    assert applied <= set(prune.CHILD_KINDS)
+    for kind in prune.CHILD_KINDS:  # server-side applied, pruned, watched
         key = _group_plural(*kube.RESOURCES[kind])
         needed = {"get", "create", "patch", "delete"}
-        if kind not in controller.UNWATCHED_KINDS:
+        if kind not in prune.UNWATCHED_KINDS:
             needed |= {"list", "watch"}
         assert needed <= COMMON_GRANTS[key], kind
     for api_version, plural in handlers.CHILD_RESOURCES:

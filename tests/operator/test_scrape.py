@@ -1,11 +1,11 @@
-"""Reading engine metrics out of a /metrics page (operator/scrape.py)."""
+"""Reading engine metrics out of a /metrics page (operator/autoscaling/scrape.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ketch.engine.metrics import EngineMetrics
-from ketch.operator import autoscaling, scrape
+from ketch.operator.autoscaling import metric_table, scrape
 
 
 def test_quantile_is_prometheus_histogram_quantile():
@@ -43,7 +43,7 @@ def test_extract_understands_the_engines_own_exposition():
 
     metrics = EngineMetrics("tiny")
     text = generate_latest(metrics.registry).decode()
-    types = [m.type for m in autoscaling.METRICS if m.engine is not None]
+    types = [m.type for m in metric_table.METRICS if m.engine is not None]
     assert set(scrape.extract(text, types)) == set(types)
 
 

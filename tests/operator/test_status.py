@@ -9,14 +9,20 @@ NOW = "2026-12-01T00:00:00Z"
 LATER = "2026-12-01T01:00:00Z"
 
 
-def deployment(replicas=2, ready=2, updated=2, generation=1, observed=1):
+def deployment(
+    replicas=2, ready=2, updated=2, generation=1, observed=1, total=None, available=None, **extra
+):
+    """A Deployment's spec.replicas and status (total = status.replicas: old and new pods)."""
     return {
         "metadata": {"generation": generation},
         "spec": {"replicas": replicas},
         "status": {
             "observedGeneration": observed,
+            "replicas": updated if total is None else total,
             "readyReplicas": ready,
             "updatedReplicas": updated,
+            "availableReplicas": ready if available is None else available,
+            **extra,
         },
     }
 
@@ -58,8 +64,70 @@ def test_rollout_in_progress_is_updating():
     assert "not created yet" in cond(st, "Ready")["message"]
 
 
+def test_last_step_of_a_rolling_update_is_not_complete():
+    """maxSurge 1, maxUnavailable 0, 2 replicas: one old pod still serves while the second new
+    one starts. Two pods are ready and both desired pods are updated, but the rollout is not
+    done (kubectl rollout status: "1 old replicas are pending termination")."""
+    st = compute({"mixed": deployment(replicas=2, total=3, updated=2, ready=2)})
+    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("False", "Updating")
+    assert cond(st, "Progressing")["status"] == "True"
+    assert cond(st, "Progressing")["reason"] == "Updating"
+    assert "1 old pods pending termination" in cond(st, "Progressing")["message"]
+
+
+def test_complete_only_as_kubectl_rollout_status_decides():
+    waits = {
+        "spec not observed": deployment(generation=4, observed=3),
+        "a new pod missing": deployment(total=3, updated=1, ready=2),
+        "an old pod left": deployment(total=3, updated=2, ready=3),
+        "ready, not yet available (minReadySeconds)": deployment(ready=2, available=1),
+        "progress deadline exceeded": deployment(
+            conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded"}]
+        ),
+    }
+    for case, dep in waits.items():
+        st = compute({"mixed": dep})
+        assert cond(st, "Ready")["status"] == "False", case
+        assert cond(st, "Progressing")["reason"] == "Updating", case
+    late = compute({"mixed": waits["progress deadline exceeded"]})
+    assert "exceeded its progress deadline" in cond(late, "Ready")["message"]
+    # scaling down: more updated pods than desired, all available, none old: complete
+    st = compute({"mixed": deployment(replicas=1, total=2, updated=2, ready=2)})
+    assert cond(st, "Ready")["status"] == "True"
+
+
 def _pod(name="x-mixed-abc", **state):
     return {"metadata": {"name": name}, "status": state}
+
+
+def _init(name, state, **extra):
+    return _pod(phase="Pending", initContainerStatuses=[{"name": name, "state": state, **extra}])
+
+
+def test_failing_model_fetch_init_container_degrades_naming_it():
+    crashing = _init(
+        "model-fetch",
+        {"waiting": {"reason": "CrashLoopBackOff"}},
+        restartCount=3,
+        lastState={"terminated": {"exitCode": 1, "reason": "Error"}},
+    )
+    exited = _init("model-fetch", {"terminated": {"exitCode": 2, "reason": "Error"}})
+    for pod in (crashing, exited):
+        st = compute({"mixed": deployment(ready=0, available=0)}, [pod])
+        degraded = cond(st, "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "ModelFetchFailed")
+        assert "init container model-fetch failed" in degraded["message"]
+        assert "x-mixed-abc" in degraded["message"] and "spec.model.uri" in degraded["message"]
+        assert cond(st, "Ready")["reason"] == "ModelFetchFailed"
+    assert (
+        "exit code 2, Error"
+        in cond(compute({"mixed": deployment()}, [exited]), "Degraded")["message"]
+    )
+    other = _init("wait-for-db", {"terminated": {"exitCode": 1, "reason": "Error"}})
+    degraded = cond(compute({"mixed": deployment()}, [other]), "Degraded")
+    assert degraded["reason"] == "InitContainerFailed" and "wait-for-db" in degraded["message"]
+    done = _init("model-fetch", {"terminated": {"exitCode": 0, "reason": "Completed"}})
+    assert cond(compute({"mixed": deployment()}, [done]), "Degraded")["status"] == "False"
 
 
 def test_crash_loop():

@@ -1,8 +1,8 @@
 """Every metric the autoscaling pipeline reads is one a live ``ketch serve`` exports.
 
-The pipeline's names come from ketch.operator.autoscaling (HPA Pods metrics, the committed
-prometheus-adapter rules, KEDA PromQL queries); this scrapes the shared real server's /metrics
-after a request, so histograms have observations.
+The pipeline's names come from ketch.operator.autoscaling.metric_table (HPA Pods metrics, the
+committed prometheus-adapter rules, KEDA PromQL queries); this scrapes the shared real server's
+/metrics after a request, so histograms have observations.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ketch.operator import autoscaling
+from ketch.operator.autoscaling import metric_table
 from ketch.operator.cli import render_object
 
 ROOT = Path(__file__).resolve().parents[3]
 ADAPTER_FILE = ROOT / "manifests" / "metrics" / "prometheus-adapter-values.yaml"
-ALL_METRICS = [{"type": t, "target": 1} for t in autoscaling.TYPES]
+ALL_METRICS = [{"type": t, "target": 1} for t in metric_table.TYPES]
 
 
 def _live_series(url: str) -> set[str]:
@@ -52,7 +52,7 @@ def _rendered(mode: str) -> dict:
 def test_every_metric_the_pipeline_reads_is_exported(server):
     live = _live_series(server.url)
     # The table itself.
-    for metric in autoscaling.METRICS:
+    for metric in metric_table.METRICS:
         if metric.engine is not None:
             assert metric.series in live, metric.series
     # The committed adapter rules, and the HPA Pods metrics they back.

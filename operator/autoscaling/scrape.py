@@ -1,9 +1,9 @@
 """Scraping the engine pods' ``/metrics`` for coordinated autoscaling (``mode: ketch``).
 
 Each ready pod of a role is asked directly (``http://<podIP>:<port>/metrics``, a short timeout);
-the spec's metric types become values through ``autoscaling.METRICS``: a gauge as exported, the
+the spec's metric types become values through ``metric_table.METRICS``: a gauge as exported, the
 time-to-first-token quantile from the increase of the pod's histogram buckets over the last
-``autoscaling.RATE_WINDOW`` (2 minutes, as the PromQL of the other modes; ``Windows``), or since
+``metric_table.RATE_WINDOW`` (2 minutes, as the PromQL of the other modes; ``Windows``), or since
 the pod started while the operator has seen it for less than that.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ketch.operator import autoscaling
+from ketch.operator.autoscaling import metric_table
 
 Obj = dict[str, Any]
 
@@ -104,7 +104,7 @@ def extract(
                 samples[sample.name] = samples.get(sample.name, 0.0) + float(sample.value)
     out = {}
     for name in types:
-        metric = autoscaling.BY_TYPE[name]
+        metric = metric_table.BY_TYPE[name]
         if metric.engine is None:
             continue
         if metric.quantile is None:

@@ -1,7 +1,7 @@
 """Coordinated autoscaling (``autoscaling.mode: ketch``): the pure decision logic.
 
-No I/O and no clock: the controller's loop (``controller.Controller._autoscale``) scrapes the
-pods, passes the time in, and applies (or, with ``advisory``, only records) what comes out. So
+No I/O and no clock: the loop (``loop.CoordinatedAutoscaling``) scrapes the pods, passes the
+time in, and applies (or, with ``advisory``, only records) what comes out. So
 every rule below is testable with a fake clock (tests/operator/test_autoscaler.py).
 
 Per sync period and role:

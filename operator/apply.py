@@ -1,0 +1,101 @@
+"""Applying a generation: build every child, server-side apply it, prune what is no longer wanted.
+
+One field manager (``kube.FIELD_MANAGER``), forced: the operator owns exactly the fields its
+builders set, and an identical apply changes nothing on the server. What each apply answered is
+kept (``Tracked.expected``) to judge drift against. One Event per generation lists what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ketch.operator import builders, prune
+from ketch.operator.cache import Cache, Key, Obj, Tracked
+from ketch.operator.drift import project
+from ketch.operator.events import EventRecorder
+from ketch.operator.kube import ApiError, KubeClient
+from ketch.operator.metrics import OperatorMetrics
+
+logger = logging.getLogger("ketch.operator")
+
+
+class ChildApplier:
+    """Applies the children of a parsed InferenceService and prunes the ones it dropped."""
+
+    def __init__(
+        self, client: KubeClient, cache: Cache, events: EventRecorder, metrics: OperatorMetrics
+    ):
+        self.client = client
+        self.cache = cache
+        self.events = events
+        self.metrics = metrics
+
+    async def apply_all(self, key: Key, tracked: Tracked, generation: int) -> None:
+        svc = tracked.svc
+        assert svc is not None
+        first = tracked.applied_generation is None
+        children = builders.build(svc)
+        desired = {(c["kind"], c["metadata"]["name"]): c for c in children}
+        changed = []
+        expected = {}
+        for child in children:
+            child_key = (child["kind"], child["metadata"]["name"])
+            before = self.cache.live(key).get(child_key)
+            result = await self._apply(key, tracked, child)
+            if result is None:
+                continue
+            expected[child_key] = project(child, result)
+            self.metrics.applies.labels(child["kind"]).inc()
+            if before is None or _rv(before) != _rv(result):
+                changed.append(f"{child['kind']} {child['metadata']['name']}")
+        pruned = await prune.prune_watched(self.client, svc, self.cache.live(key), desired)
+        pruned += await prune.prune_unwatched(self.client, tracked, svc, desired)
+        tracked.desired = desired
+        tracked.expected = expected
+        tracked.applied_generation = generation
+        tracked.invalid_generation = None
+        if changed or pruned:
+            all_new = first and not pruned and len(changed) == len(children)
+            await self._announce(
+                tracked, generation, "created" if all_new else "applied", changed, pruned
+            )
+        logger.info(
+            "%s/%s: generation %d applied (%d children, %d changed, %d deleted)",
+            *key,
+            generation,
+            len(children),
+            len(changed),
+            len(pruned),
+        )
+
+    async def _apply(self, key: Key, tracked: Tracked, child: Obj) -> Obj | None:
+        """The server's answer, or None when the child's kind is not served (KEDA missing)."""
+        try:
+            return await self.client.apply(child)
+        except ApiError as exc:
+            if not (exc.status == 404 and child["kind"] in prune.UNWATCHED_KINDS):
+                raise
+            # The kind's CRD is not installed: everything else is applied; the next full
+            # reconcile (resync, new generation) tries again.
+            name = child["metadata"]["name"]
+            logger.warning("%s/%s: cannot apply %s %s: %s", *key, child["kind"], name, exc)
+            await self.events.post(
+                tracked.body,
+                "Warning",
+                "AutoscalerUnavailable",
+                f"{child['kind']} {name} could not be created: "
+                f"{child['apiVersion']} is not served (is KEDA installed?)",
+            )
+            return None
+
+    async def _announce(
+        self, tracked: Tracked, generation: int, verb: str, changed: list[str], pruned: list[str]
+    ) -> None:
+        message = f"generation {generation}: {verb} " + ", ".join(changed) if changed else ""
+        if pruned:
+            message += ("; " if message else "") + "deleted " + ", ".join(pruned)
+        await self.events.post(tracked.body, "Normal", "Reconciled", message)
+
+
+def _rv(obj: Obj | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("resourceVersion")

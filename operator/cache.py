@@ -1,0 +1,55 @@
+"""What the controller knows: the InferenceServices it tracks and their children, from watches.
+
+The watches (``handlers``) fill ``Cache``; the reconcile steps read it instead of asking the API
+server. ``Tracked`` is one InferenceService's part: its latest body, what was applied for it,
+and the status last written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ketch.operator.spec import ServiceSpec
+
+Key = tuple[str, str]  # (namespace, name) of an InferenceService
+ChildKey = tuple[str, str]  # (kind, name) of one of its children
+Obj = dict[str, Any]
+
+
+@dataclasses.dataclass
+class Tracked:
+    """What the controller knows of one InferenceService."""
+
+    body: Obj
+    desired: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # what is applied
+    expected: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # as the server has it
+    applied_generation: int | None = None
+    invalid_generation: int | None = None
+    written_status: Obj | None = None
+    svc: ServiceSpec | None = None
+
+    @property
+    def last_status(self) -> Obj | None:
+        """The status as last written, else as the object came (a restarted operator)."""
+        return self.written_status or self.body.get("status")
+
+
+@dataclasses.dataclass
+class Cache:
+    """The latest copy of every watched object, by owning InferenceService."""
+
+    tracked: dict[Key, Tracked] = dataclasses.field(default_factory=dict)
+    children: dict[Key, dict[ChildKey, Obj]] = dataclasses.field(default_factory=dict)
+    pods: dict[Key, dict[str, Obj]] = dataclasses.field(default_factory=dict)
+
+    def live(self, key: Key) -> dict[ChildKey, Obj]:
+        return self.children.get(key, {})
+
+    def live_pods(self, key: Key) -> list[Obj]:
+        """The InferenceService's pods that are not being deleted."""
+        return [
+            p
+            for p in self.pods.get(key, {}).values()
+            if not (p.get("metadata") or {}).get("deletionTimestamp")
+        ]

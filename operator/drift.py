@@ -1,0 +1,86 @@
+"""Drift: a child that was deleted, or no longer holds what the operator applied, is put back.
+
+``contains`` decides drift (the live object may carry more than was applied: defaults, other
+managers' fields); ``project`` records what was applied as the server stored it, so a value the
+server normalised is not taken for a hand edit. ``DriftRepair`` re-applies the drifted children
+and says so with an Event.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ketch.operator.cache import Cache, ChildKey, Key, Tracked
+from ketch.operator.events import EventRecorder
+from ketch.operator.kube import KubeClient
+from ketch.operator.metrics import OperatorMetrics
+
+logger = logging.getLogger("ketch.operator")
+
+
+def project(desired: Any, actual: Any) -> Any:
+    """``desired`` with each value as the server stored it (``actual``, the apply's answer).
+
+    The server normalises some values (a CPU of "0.5" comes back as "500m"); drift is judged
+    against what it stored, or every watch event would look like a hand edit."""
+    if isinstance(desired, dict) and isinstance(actual, dict):
+        return {k: project(v, actual[k]) if k in actual else v for k, v in desired.items()}
+    if isinstance(desired, list) and isinstance(actual, list) and len(desired) == len(actual):
+        return [project(d, a) for d, a in zip(desired, actual, strict=True)]
+    if isinstance(desired, dict | list) or isinstance(actual, dict | list):
+        return desired
+    return actual
+
+
+def contains(desired: Any, live: Any) -> bool:
+    """True when ``live`` holds everything ``desired`` sets (the server may add defaults)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            k in live and contains(v, live[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(contains(d, x) for d, x in zip(desired, live, strict=True))
+        )
+    return desired == live or (isinstance(desired, int | float) and str(desired) == str(live))
+
+
+def drifted(tracked: Tracked, child: ChildKey, event_type: str, live: Any) -> bool:
+    """True when a watch event shows that an applied child no longer holds what was applied."""
+    wanted = tracked.expected.get(child) or tracked.desired.get(child)
+    return wanted is not None and (event_type == "DELETED" or not contains(wanted, live))
+
+
+class DriftRepair:
+    """Puts drifted children back by applying them again."""
+
+    def __init__(
+        self, client: KubeClient, cache: Cache, events: EventRecorder, metrics: OperatorMetrics
+    ):
+        self.client = client
+        self.cache = cache
+        self.events = events
+        self.metrics = metrics
+
+    async def restore(self, key: Key, tracked: Tracked, drift: set[ChildKey]) -> None:
+        for child_key in sorted(drift):
+            child = tracked.desired.get(child_key)
+            live = self.cache.live(key).get(child_key)
+            wanted = tracked.expected.get(child_key) or child
+            if child is None or (live is not None and contains(wanted, live)):
+                continue  # already put back, or no longer wanted
+            result = await self.client.apply(child)
+            tracked.expected[child_key] = project(child, result)
+            self.metrics.applies.labels(child_key[0]).inc()
+            self.metrics.restored.labels(child_key[0]).inc()
+            what = "deleted" if live is None else "changed"
+            logger.info("%s/%s: %s %s was %s by hand; restored", *key, *child_key, what)
+            await self.events.post(
+                tracked.body,
+                "Normal",
+                "Restored",
+                f"{child_key[0]} {child_key[1]} was {what} outside the operator; put back",
+            )

@@ -1,0 +1,70 @@
+"""Pruning: children an InferenceService owns that its spec no longer wants are deleted.
+
+Only children whose owner reference carries the InferenceService's uid are touched, so an
+object of the same name that someone else made, or one left by an earlier InferenceService of
+that name, stays.
+"""
+
+from __future__ import annotations
+
+from ketch.operator.cache import ChildKey, Obj, Tracked
+from ketch.operator.kube import KubeClient
+from ketch.operator.spec import ServiceSpec
+
+CHILD_KINDS = (
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+)
+# Child kinds kopf does not watch (handlers.CHILD_RESOURCES): KEDA's ScaledObject is a custom
+# kind that may not be installed, and a watch on a missing resource fails forever. Without
+# events, a ScaledObject edited by hand is put back by the next full reconcile (resync) rather
+# than at once, and pruning looks such children up by name (see ``prune_unwatched``).
+UNWATCHED_KINDS = ("ScaledObject",)
+
+
+def owned_by(obj: Obj | None, uid: str) -> bool:
+    owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(o.get("uid") == uid for o in owners)
+
+
+async def prune_watched(
+    client: KubeClient, svc: ServiceSpec, live: dict[ChildKey, Obj], desired: dict[ChildKey, Obj]
+) -> list[str]:
+    """Deletes the watched children (``live``, from the cache) that ``desired`` lacks."""
+    deleted = []
+    for (kind, name), obj in list(live.items()):
+        if (kind, name) in desired or kind not in CHILD_KINDS or not owned_by(obj, svc.uid):
+            continue
+        await client.delete(kind, svc.namespace, name)
+        deleted.append(f"{kind} {name}")
+    return deleted
+
+
+async def prune_unwatched(
+    client: KubeClient, tracked: Tracked, svc: ServiceSpec, desired: dict[ChildKey, Obj]
+) -> list[str]:
+    """Deletes unwatched children (ScaledObjects) no longer wanted. They are looked up by
+    their names (``<name>-<role>``), and only where one may exist."""
+    deleted = []
+    first = tracked.applied_generation is None
+    for kind in UNWATCHED_KINDS:
+        # After a start-up nothing is known: look at the spec's roles; else at what the
+        # last applied generation had.
+        names = (
+            {f"{svc.name}-{role}" for role in svc.roles}
+            if first
+            else {n for k, n in tracked.desired if k == kind}
+        )
+        for name in sorted(names):
+            if (kind, name) in desired:
+                continue
+            if not owned_by(await client.get(kind, svc.namespace, name), svc.uid):  # None: 404
+                continue
+            await client.delete(kind, svc.namespace, name)
+            deleted.append(f"{kind} {name}")
+    return deleted

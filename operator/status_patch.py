@@ -1,0 +1,122 @@
+"""Writing an InferenceService's status: computed by ``status`` (pure), patched only on change.
+
+The status comes from the cached children (Deployments, Pods) and the coordinated autoscaler's
+part; it is sent as a merge patch of the ``status`` subresource, and only when it differs from
+what was last written, so a burst of pod events costs no write when nothing visible changed.
+A condition that turns Ready, or Degraded (other than InvalidSpec, which has its own), is also
+posted as an Event.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from ketch.operator import builders, crd
+from ketch.operator import status as status_mod
+from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
+from ketch.operator.cache import Cache, Key, Obj, Tracked
+from ketch.operator.events import EventRecorder
+from ketch.operator.kube import KubeClient
+from ketch.operator.metrics import OperatorMetrics
+from ketch.operator.spec import InvalidSpec
+
+logger = logging.getLogger("ketch.operator")
+
+
+class StatusWriter:
+    """The status subresource of every tracked InferenceService."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        cache: Cache,
+        events: EventRecorder,
+        metrics: OperatorMetrics,
+        autoscaling: CoordinatedAutoscaling,
+    ):
+        self.client = client
+        self.cache = cache
+        self.events = events
+        self.metrics = metrics
+        self.autoscaling = autoscaling
+
+    async def write(self, key: Key, tracked: Tracked) -> None:
+        """Status from the observed children, written if it changed."""
+        svc = tracked.svc
+        assert svc is not None
+        live = self.cache.live(key)
+        roles = [*svc.roles, "router"] if svc.disaggregated else svc.roles
+        deployments = {role: live.get(("Deployment", f"{svc.name}-{role}")) for role in roles}
+        new = status_mod.compute(
+            generation=tracked.applied_generation or 0,
+            mode=svc.mode,
+            url=builders.service_url(svc),
+            deployments=deployments,
+            pods=self.cache.live_pods(key),
+            old=tracked.last_status,
+            now=status_mod.now(),
+        )
+        state = self.autoscaling.states.get(key)
+        if state is not None:
+            # a copy: the loop appends to its lists, and written_status must keep what was written
+            new["autoscaling"] = copy.deepcopy(state.status)
+            if state.condition is not None:
+                new["conditions"] = [*new["conditions"], state.condition]
+        await self.patch(key, tracked, new)
+
+    async def invalid(self, key: Key, tracked: Tracked, generation: int, exc: InvalidSpec) -> None:
+        """``Degraded/InvalidSpec`` once per generation (and its Event); the children stay."""
+        self.metrics.errors.labels("InvalidSpec").inc()
+        if tracked.invalid_generation == generation:
+            return
+        tracked.invalid_generation = generation
+        message = "; ".join(exc.problems)
+        logger.warning("%s/%s: generation %d is invalid: %s", *key, generation, message)
+        new = status_mod.invalid(
+            generation=generation, message=message, old=tracked.last_status, now=status_mod.now()
+        )
+        await self.patch(key, tracked, new)
+        await self.events.post(tracked.body, "Warning", "InvalidSpec", message)
+
+    async def patch(self, key: Key, tracked: Tracked, new: Obj) -> None:
+        old = tracked.last_status or {}
+        if _comparable(old) == _comparable(new):
+            tracked.written_status = new
+            return
+        await self.client.patch_status(crd.KIND, key[0], key[1], merge_patch(old, new))
+        tracked.written_status = new
+        await self._announce(tracked, old, new)
+
+    async def _announce(self, tracked: Tracked, old: Obj, new: Obj) -> None:
+        before = {c["type"]: c for c in old.get("conditions") or []}
+        for cond in new.get("conditions") or []:
+            prev = before.get(cond["type"], {})
+            flipped = prev.get("status") != cond["status"] or prev.get("reason") != cond["reason"]
+            if cond["type"] == "Ready" and cond["status"] == "True" and flipped:
+                await self.events.post(tracked.body, "Normal", "Ready", cond["message"])
+            # InvalidSpec has its own event.
+            degraded = cond["type"] == "Degraded" and cond["reason"] != "InvalidSpec"
+            if degraded and cond["status"] == "True" and flipped:
+                await self.events.post(tracked.body, "Warning", cond["reason"], cond["message"])
+
+
+def merge_patch(old: Obj, new: Obj) -> Obj:
+    """The merge patch that turns status ``old`` into ``new`` (null removes a member)."""
+    patch = dict(new)
+    for name in set(old) - set(new):
+        patch[name] = None
+    gone = set(old.get("roles") or {}) - set(new.get("roles") or {})
+    if gone:  # copies: ``new`` is kept as the written status
+        patch["roles"] = {**(new.get("roles") or {}), **dict.fromkeys(gone)}
+    old_scaling = (old.get("autoscaling") or {}).get("roles") or {}
+    new_scaling = (new.get("autoscaling") or {}).get("roles") or {}
+    gone = set(old_scaling) - set(new_scaling)
+    if new.get("autoscaling") is not None and gone:
+        roles = {**new_scaling, **dict.fromkeys(gone)}
+        patch["autoscaling"] = {**new["autoscaling"], "roles": roles}
+    return patch
+
+
+def _comparable(status: Obj) -> Obj:
+    return {k: v for k, v in status.items() if v is not None}
