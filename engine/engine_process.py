@@ -275,7 +275,11 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
                     message.final_only,
                     queue=False,
                 )
-                links.pd.add_remote(request, message.prefill)
+                try:
+                    links.pd.add_remote(request, message.prefill)
+                except ValueError:
+                    engine.drop_tracked(request)  # refused: nothing of it stays here
+                    raise
             else:
                 engine.add_request(
                     message.request_id,

@@ -21,7 +21,7 @@ import zmq
 from ketch.engine.cache_manager.client import CacheManagerClient
 from ketch.engine.core.messages import RequestDelta
 from ketch.engine.core.request import Request
-from ketch.engine.disagg.decode import DecodeSide
+from ketch.engine.disagg.decode import DecodeSide, PairingTimeouts
 from ketch.engine.disagg.messages import (
     MAX_PD_MESSAGE_BYTES,
     AbortPrefill,
@@ -93,8 +93,9 @@ class PDCoordinator:
             self.decode = DecodeSide(
                 engine,
                 self._send,
-                config.pd_block_timeout,
-                config.pd_peer_timeout,
+                PairingTimeouts(
+                    config.pd_block_timeout, config.pd_peer_timeout, config.pd_request_timeout
+                ),
                 f"{config.kv_transfer_address_host()}:{config.kv_transfer_port}",
                 cache,
             )
@@ -114,20 +115,31 @@ class PDCoordinator:
 
     @property
     def num_waiting(self) -> int:
+        """Requests here outside the engine's queues: a decode instance's waiting for their
+        prefill, a prefill instance's whose KV is on its way (a drain waits for both)."""
+        if self.prefill is not None:
+            return self.prefill.num_pushing
         return self.decode.num_waiting if self.decode else 0
 
     def add_remote(self, request: Request, prefill: str) -> None:
         if self.decode is None:
             raise ValueError("only a decode instance takes requests with a prefill peer")
-        if prefill not in self._peers and len(self._peers) >= MAX_PEERS:
+        # A request not yet sent has no socket, but will open one: its peer counts already.
+        if self._over_peer_limit(prefill):
             self._retire_idle(0.0)
-            if len(self._peers) >= MAX_PEERS:
+            if self._over_peer_limit(prefill):
                 raise PeerLimitError(
                     f"this decode instance already talks to {MAX_PEERS} prefill instances; "
                     "retry shortly"
                 )
         self._peer_used[prefill] = time.monotonic()
         self.decode.add(request, prefill)
+
+    def _over_peer_limit(self, prefill: str) -> bool:
+        """Whether a request for ``prefill`` would make more than MAX_PEERS peers (those with a
+        socket and those a waiting request will open one to)."""
+        peers = set(self._peers) | (self.decode.peers_in_use() if self.decode else set())
+        return prefill not in peers and len(peers) >= MAX_PEERS
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
         return self.decode.abort(request_ids) if self.decode else []
@@ -155,6 +167,8 @@ class PDCoordinator:
                     self._on_peer(peer, data)
         if self.prefill is not None and self.cache is not None:
             self.prefill.on_push_results(self.cache.take_push_results())
+        if self.prefill is not None:
+            self.prefill.tick()
         if self.decode is None:
             return [], []
         self.decode.tick()

@@ -7,8 +7,13 @@ have its cache manager write the KV into those blocks. ``PrefillDone`` brings th
 the request joins the scheduler with its prompt already computed and decodes from there.
 
 Failures end the request with an error the API server turns into a 503: no blocks in time, a
-prefill peer that says it failed, or one silent for ``pd_peer_timeout``. Blocks a silent peer
-might still write into are kept out of use for ``QUARANTINE_S`` before they are freed.
+prefill peer that says it failed, or one silent for ``pd_peer_timeout``. Above those, a request
+has one deadline, ``pd_request_timeout`` from its arrival, for its prompt's KV to be here,
+whatever stage it is in (waiting for blocks, for the reservation, for the peer); the peer gets
+it as ``PrefillRequest.expires_at`` and holds to it too. Past it the request fails with 504, the
+peer is told to stop (``AbortPrefill``), the reservation is revoked and the blocks are freed.
+Blocks a peer might still write into are kept out of use for ``QUARANTINE_S`` before they are
+freed.
 """
 
 from __future__ import annotations
@@ -44,12 +49,23 @@ RESERVATION_TTL_S = 600.0
 PING_INTERVAL_S = 1.0
 
 
+@dataclass(frozen=True)
+class PairingTimeouts:
+    """Seconds a paired request may wait: for blocks, on a silent peer, in all."""
+
+    block: float  # --pd-block-timeout
+    peer: float  # --pd-peer-timeout
+    request: float  # --pd-request-timeout
+
+
 @dataclass
 class _Remote:
     request: Request
     peer: str  # the prefill engine's pd-comm "host:port"
     kv_dest: str
     queued_at: float
+    deadline: float  # time.monotonic(): the prompt's KV must be here by then
+    expires_at: float  # the same deadline on the wall clock, for the peer
     sent: bool = False
     aborted: bool = False
     heard: float = 0.0
@@ -64,15 +80,15 @@ class DecodeSide:
         self,
         engine,  # LLMEngine (untyped: paddle is imported only inside the engine process)
         send: Callable[[str, PdMessage], None],
-        block_timeout: float,
-        peer_timeout: float,
+        timeouts: PairingTimeouts,
         kv_transfer_address: str,
         cache: CacheManagerClient | None,
     ) -> None:
         self.engine = engine
         self._send = send
-        self.block_timeout = block_timeout
-        self.peer_timeout = peer_timeout
+        self.block_timeout = timeouts.block
+        self.peer_timeout = timeouts.peer
+        self.request_timeout = timeouts.request
         self.kv_transfer_address = kv_transfer_address  # where peers push: configuration
         self.cache = cache  # None: no cache manager link (requests then fail clearly)
         self.reservation_ttl = RESERVATION_TTL_S
@@ -93,8 +109,9 @@ class DecodeSide:
 
     def add(self, request: Request, prefill: str) -> None:
         """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
+        now, timeout = time.monotonic(), self.request_timeout
         self._remote[request.request_id] = _Remote(
-            request, prefill, self.kv_transfer_address, time.monotonic()
+            request, prefill, self.kv_transfer_address, now, now + timeout, time.time() + timeout
         )
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
@@ -118,6 +135,7 @@ class DecodeSide:
 
     def tick(self) -> None:
         now = time.monotonic()
+        self._expire(now)
         self._reserve(now)
         self._confirmed()
         self._check_peers(now)
@@ -197,7 +215,8 @@ class DecodeSide:
             # Only the peer this request is paired with learns the nonce; the reservation
             # outlives every wait the request may do, and is revoked before its blocks go.
             nonce = secrets.token_hex(16)
-            cache.reserve(request_id, dest_blocks, nonce, self.reservation_ttl)
+            ttl = min(self.reservation_ttl, max(remote.deadline - now, 0.0) + QUARANTINE_S)
+            cache.reserve(request_id, dest_blocks, nonce, ttl)
             remote.pending = PrefillRequest(
                 version=PD_PROTOCOL_VERSION,
                 request_id=request_id,
@@ -211,8 +230,31 @@ class DecodeSide:
                 start_block=len(hits),
                 dest_engine_id=cache.engine_id,
                 kv_nonce=nonce,
-                expires_at=time.time() + self.reservation_ttl,
+                expires_at=remote.expires_at,
             )
+
+    def _expire(self, now: float) -> None:
+        """Fails the requests whose deadline passed, whatever they wait for."""
+        for request_id, remote in list(self._remote.items()):
+            if now < remote.deadline:
+                continue
+            told = remote.sent and remote.pending is None  # the peer may be working on it
+            if told:
+                self._send(remote.peer, AbortPrefill(request_id))
+            if remote.aborted:  # the client is gone; only the blocks are left to free
+                self._release(request_id, quarantine=True)
+                continue
+            if not remote.sent:
+                stage = "it was still waiting for free KV blocks here"
+            elif not told:
+                stage = "this instance's cache manager had not confirmed its KV blocks"
+            else:
+                stage = f"the prefill instance {remote.peer} had not handed its KV over"
+            error = (
+                f"the request's prompt was not prefilled within --pd-request-timeout "
+                f"{self.request_timeout:g} s ({stage}); retry"
+            )
+            self._fail(request_id, error, 504, told)
 
     def _confirmed(self) -> None:
         """Reservations the cache manager confirmed: now the peer may hear of them."""

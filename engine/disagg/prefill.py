@@ -6,6 +6,11 @@ model, KV layout), runs the prompt as a one-token request that keeps its blocks 
 finishes, has its cache manager push the blocks into the decode instance's cache, and only then
 hands the first token over (``PrefillDone``). Any failure answers ``PrefillFailed`` and frees
 the blocks; nothing is left behind when a decode peer disappears.
+
+The request's deadline (``PrefillRequest.expires_at``, the decode side's wall clock) holds at
+every stage here: a request that arrives late is refused, one still waiting or computing when
+it passes is aborted, its push is not started after it, and the cache manager abandons a push
+still on its way then (``Push.expires_at``); each answers ``PrefillFailed`` with 504.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from ketch.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+EXPIRY_CHECK_S = 0.05  # how often requests still in the engine are checked against deadlines
+
 
 @dataclass
 class _Prefill:
@@ -54,9 +61,32 @@ class PrefillSide:
         self._reply = reply
         self.cache = cache
         self._prefills: dict[str, _Prefill] = {}
+        self._last_expiry_check = 0.0
 
     def knows(self, request_id: str) -> bool:
         return request_id in self._prefills
+
+    @property
+    def num_pushing(self) -> int:
+        """Prefills whose KV is on its way (done in the engine, not yet handed over)."""
+        return sum(1 for prefill in self._prefills.values() if prefill.pushing)
+
+    def tick(self) -> None:
+        """Aborts the prefills still in the engine whose deadline passed."""
+        now = time.monotonic()
+        if now - self._last_expiry_check < EXPIRY_CHECK_S:
+            return
+        self._last_expiry_check = now
+        expired = [
+            request_id
+            for request_id, prefill in self._prefills.items()
+            if not prefill.pushing and _expired(prefill.message)
+        ]
+        if expired:
+            self.engine.abort_request(expired)
+        for request_id in expired:
+            error = "the request's deadline passed while it waited or computed on this instance"
+            self._finish(request_id, PrefillFailed(request_id, error, 504))
 
     def on_request(self, identity: bytes, message: PrefillRequest) -> None:
         request_id = message.request_id
@@ -64,8 +94,8 @@ class PrefillSide:
         if problem is None and request_id in self._prefills:
             problem = f"request id {request_id!r} is already being prefilled here"
         status = 400
-        if problem is None and message.expires_at and time.time() > message.expires_at:
-            status, problem = 503, "the request expired before it reached this prefill instance"
+        if problem is None and _expired(message):
+            status, problem = 504, "the request's deadline passed before it reached this instance"
         if problem is None and (self.cache is None or not self.cache.attached):
             status, problem = (
                 503,
@@ -132,6 +162,10 @@ class PrefillSide:
             if prefill is None or not output.finished or prefill.pushing:
                 continue
             message = prefill.message
+            if _expired(message):
+                error = "the request's deadline passed before its KV could be sent"
+                self._finish(message.request_id, PrefillFailed(message.request_id, error, 504))
+                continue
             completion = output.outputs[0]
             logprob = None
             if completion.logprobs:
@@ -156,6 +190,7 @@ class PrefillSide:
                     message.dest_blocks,
                     message.dest_engine_id,
                     message.kv_nonce,
+                    message.expires_at,
                 )
             if pushed:
                 prefill.pushing = True
@@ -176,7 +211,8 @@ class PrefillSide:
                 )
             else:
                 error = f"sending the KV to {prefill.message.kv_dest} failed: {result.error}"
-                answer = PrefillFailed(result.request_id, error)
+                status = 504 if _expired(prefill.message) else 503
+                answer = PrefillFailed(result.request_id, error, status)
             self._finish(result.request_id, answer)
 
     def on_cache_detached(self) -> None:
@@ -200,3 +236,7 @@ class PrefillSide:
         prefill = self._prefills.pop(request_id)
         self.engine.scheduler.release_held(request_id)
         self._reply(prefill.identity, answer)
+
+
+def _expired(message: PrefillRequest) -> bool:
+    return bool(message.expires_at) and time.time() >= message.expires_at

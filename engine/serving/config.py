@@ -68,6 +68,13 @@ class ServerConfig:
         "Prefill/decode roles: seconds a peer may stay silent before its requests fail.",
         minimum=1,
     )
+    pd_request_timeout: float = _opt(
+        60.0,
+        "Decode role: one deadline, in seconds from its arrival, for a request's prompt KV to "
+        "be here (waiting for blocks, the prefill peer's queue and compute, the transfer); then "
+        "it fails with 504 and its blocks are freed. The prefill peer gets the same deadline.",
+        minimum=1,
+    )
     kv_transfer_host: str | None = _opt(
         None,
         "Decode role: the address prefill peers push KV to (this pod's cache manager). Default: "
@@ -167,6 +174,7 @@ class ServerConfig:
             ("drain_timeout", 0),
             ("pd_block_timeout", 0),
             ("pd_peer_timeout", 1),
+            ("pd_request_timeout", 1),
             ("request_read_timeout", 0.001),
         ):
             value = getattr(self, name)

@@ -23,13 +23,19 @@ class Pod:
     """One engine instance: ``ketch serve --role ROLE`` and its cache manager."""
 
     def __init__(
-        self, role: str, *serve_args: str, swap_space: str = "0.05", peer_key_file: str = ""
+        self,
+        role: str,
+        *serve_args: str,
+        swap_space: str = "0.05",
+        peer_key_file: str = "",
+        cm_args: tuple[str, ...] = (),
     ) -> None:
-        """``peer_key_file``: both processes get it as --peer-key-file (as the operator does)."""
+        """``peer_key_file``: both processes get it as --peer-key-file (as the operator does);
+        ``cm_args``: more flags of the cache manager (overriding the defaults here)."""
         self.role = role
         key_args = ("--peer-key-file", peer_key_file) if peer_key_file else ()
         self.cm = CacheManagerProcess(
-            "--swap-space", swap_space, "--transfer-timeout", "5", *key_args
+            "--swap-space", swap_space, "--transfer-timeout", "5", *key_args, *cm_args
         )
         self.server = Server(
             *key_args,
