@@ -312,7 +312,8 @@ def test_min_ready_seconds_holds_availability(apps: Apps) -> None:
 def test_kubectl_rollout_status_waits_for_the_last_pod(apps: Apps) -> None:
     apps.create(deployment("ks", replicas=2, strategy=rolling(1, 0)))
     apps.settled("ks")
-    apps.emu.set_pod_behaviour(image="app:v2", ready_delay=0.7)
+    # long enough for kubectl to start and see the last step (one old pod pending termination)
+    apps.emu.set_pod_behaviour(image="app:v2", ready_delay=1.5)
     apps.set_image("ks", "app:v2")
     out = kubectl(apps.emu, "rollout", "status", "deployment/ks", "-n", apps.ns, "--timeout=30s")
     assert out.returncode == 0 and "successfully rolled out" in out.stdout, out.stderr
