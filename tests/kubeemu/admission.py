@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kubeemu import builtin_schema, kinds
+from kubeemu import builtin_schema, crd_budget, kinds
 from kubeemu.errors import ApiError, bad_request, details_of, invalid, namespace_not_found
 from kubeemu.kinds import ResourceType
 from kubeemu.timefmt import now_rfc3339
@@ -103,6 +103,9 @@ def admit(
         raise invalid(rt, name, causes)
     if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
         store._build_validators(new)
+        over_budget = crd_budget.crd_cost_causes(new, old)  # CEL cost limits, as the apiserver
+        if over_budget:
+            raise invalid(rt, name, over_budget)
         new["status"] = kinds.crd_status(new, now_rfc3339(), (old or {}).get("status"))
     return new, warnings
 
