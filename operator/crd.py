@@ -55,6 +55,19 @@ MODEL_URI_PATTERN = (
     r"^(tiny|file:///.+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/]+/.+|s3://[^/]+/.+)$"
 )
 
+# Bounds on every string, list and map of the spec. kube-apiserver prices each CEL rule at CRD
+# creation, sizing what a rule may read without maxLength/maxItems/maxProperties from the 3 MiB
+# request limit, and the root's rules may read anything. tests/kubeemu/crd_budget.py prices the
+# rules the way it does; tests/operator/test_crd.py keeps the spec bounded.
+NAME_MAX_LENGTH = 253  # DNS-1123 subdomain: object names, Secret keys, extended resource names
+LABEL_VALUE_MAX_LENGTH = 63
+QUANTITY_MAX_LENGTH = 64
+TEXT_MAX_LENGTH = 1024  # URIs, image references, flags
+ENV_VALUE_MAX_LENGTH = 32768
+MAX_ENV = 256
+MAX_TOLERATIONS = 64
+MAX_NODE_SELECTOR = 64
+
 
 # --------------------------------------------------------------------------- schema helpers
 
@@ -116,7 +129,12 @@ def string_map(description: str) -> dict[str, Any]:
     return {
         "type": "object",
         "description": description,
-        "additionalProperties": {"type": "string", "description": "A label value."},
+        "additionalProperties": {
+            "type": "string",
+            "description": "A label value.",
+            "maxLength": LABEL_VALUE_MAX_LENGTH,
+        },
+        "maxProperties": MAX_NODE_SELECTOR,
     }
 
 
@@ -142,11 +160,14 @@ def _resources() -> dict[str, Any]:
                 maxLength=253,
             ),
             "cpu": string(
-                "CPU request and limit of the engine container, e.g. '8'.", pattern=QUANTITY_PATTERN
+                "CPU request and limit of the engine container, e.g. '8'.",
+                pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
             "memory": string(
                 "Memory request and limit of the engine container, e.g. '64Gi'.",
                 pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
         },
         default={},
@@ -163,6 +184,7 @@ def _scheduling() -> dict[str, Any]:
                 "description": "Taints the pods tolerate (pod spec.tolerations), "
                 "e.g. of GPU node pools.",
                 "items": free_form("A core/v1 Toleration."),
+                "maxItems": MAX_TOLERATIONS,
             },
             "affinity": free_form("Pod affinity rules (a core/v1 Affinity)."),
             "priorityClassName": string("PriorityClass of the pods.", maxLength=253),
@@ -227,6 +249,7 @@ def _autoscaling() -> dict[str, Any]:
                             "x-kubernetes-int-or-string": True,
                             "minimum": 1,
                             "pattern": POSITIVE_QUANTITY_PATTERN,
+                            "maxLength": QUANTITY_MAX_LENGTH,
                         },
                     },
                     required=("type", "target"),
@@ -350,7 +373,12 @@ def _engine() -> dict[str, Any]:
     props = config_field_schemas("engine")
     props.update(
         {
-            "image": string("Engine container image.", default=DEFAULT_IMAGE, minLength=1),
+            "image": string(
+                "Engine container image.",
+                default=DEFAULT_IMAGE,
+                minLength=1,
+                maxLength=TEXT_MAX_LENGTH,
+            ),
             "imagePullPolicy": string(
                 "When to pull the image.",
                 default="IfNotPresent",
@@ -361,6 +389,7 @@ def _engine() -> dict[str, Any]:
                 "cache manager.",
                 default="2Gi",
                 pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
             "extraArgs": _extra_args(),
             "env": {
@@ -372,14 +401,15 @@ def _engine() -> dict[str, Any]:
                 "items": obj(
                     "A core/v1 EnvVar.",
                     {
-                        "name": string("Variable name.", minLength=1),
-                        "value": string("Variable value."),
+                        "name": string("Variable name.", minLength=1, maxLength=NAME_MAX_LENGTH),
+                        "value": string("Variable value.", maxLength=ENV_VALUE_MAX_LENGTH),
                         "valueFrom": free_form("A core/v1 EnvVarSource."),
                     },
                     required=("name",),
                 ),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["name"],
+                "maxItems": MAX_ENV,
             },
         }
     )
@@ -474,13 +504,18 @@ def _cache_manager() -> dict[str, Any]:
                 "swapping.",
                 default="4Gi",
                 pattern=SWAP_SPACE_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
             "cpu": string(
-                "CPU request and limit of the sidecar.", default="1", pattern=QUANTITY_PATTERN
+                "CPU request and limit of the sidecar.",
+                default="1",
+                pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
             "memory": string(
                 "Memory request and limit of the sidecar; defaults to hostSwapSpace + 1Gi.",
                 pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
             ),
         },
         default={},
@@ -512,7 +547,12 @@ def _auth() -> dict[str, Any]:
                 "<key>'.",
                 {
                     "name": string("Secret name (same namespace).", minLength=1, maxLength=253),
-                    "key": string("Key in the Secret.", default="api-key", minLength=1),
+                    "key": string(
+                        "Key in the Secret.",
+                        default="api-key",
+                        minLength=1,
+                        maxLength=NAME_MAX_LENGTH,
+                    ),
                 },
                 required=("name",),
             ),
@@ -522,7 +562,12 @@ def _auth() -> dict[str, Any]:
                 "Any random string of 16+ bytes, e.g. 'openssl rand -hex 32'.",
                 {
                     "name": string("Secret name (same namespace).", minLength=1, maxLength=253),
-                    "key": string("Key in the Secret.", default="peer-key", minLength=1),
+                    "key": string(
+                        "Key in the Secret.",
+                        default="peer-key",
+                        minLength=1,
+                        maxLength=NAME_MAX_LENGTH,
+                    ),
                 },
                 required=("name",),
             ),
@@ -682,7 +727,15 @@ def crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # Declared so that the root's rules see bounded names (an undeclared metadata.name
+            # is an unbounded string to kube-apiserver's cost estimate before v1.37).
+            "metadata": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": NAME_MAX_LENGTH},
+                    "generateName": {"type": "string", "maxLength": NAME_MAX_LENGTH},
+                },
+            },
             "spec": spec_schema(),
             "status": status_schema(),
         },

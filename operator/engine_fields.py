@@ -18,6 +18,9 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
 
 MEMORY_SIZE_PATTERN = r"^[0-9]*\.?[0-9]+\s*([KkMmGg]([Ii]?[Bb]?)?|[Bb])?$"
+# A free-text setting (a served model name, a memory size) is far shorter; bounded so that the
+# API server's CEL cost estimate does not size it from the 3 MiB request limit.
+STRING_MAX_LENGTH = 256
 
 
 def camel(name: str) -> str:
@@ -54,6 +57,8 @@ def config_fields() -> tuple[ConfigField, ...]:
                 schema["default"] = f.default
             if "choices" in f.metadata:
                 schema["enum"] = list(f.metadata["choices"])
+            elif kind is str:
+                schema["maxLength"] = STRING_MAX_LENGTH
             if "minimum" in f.metadata:
                 schema["minimum"] = f.metadata["minimum"]
             if f.name.endswith("port"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
 from ketch.operator import crd, engine_fields
 from ketch.operator.cli import main as operator_main
+from kubeemu import crd_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
@@ -126,6 +128,75 @@ def test_cel_rules_compile():
     assert len(rules) >= 8
     for rule in rules:
         env.compile(rule)
+
+
+def _committed() -> dict:
+    return yaml.safe_load(CRD_FILE.read_text())
+
+
+def test_committed_crd_fits_the_apiservers_cel_cost_budgets():
+    """kube-apiserver prices every rule at CRD creation and refuses one estimated above 1e7
+    (cost of one evaluation x evaluations per object) or rules adding up to more than 1e8."""
+    definition = _committed()
+    schema = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    costs = crd_budget.schema_rule_costs(schema)
+    table = "\n".join(f"{c.cost:>12} {c.path}" for c in costs)
+    assert len(costs) >= 8
+    assert all(c.cost <= crd_budget.STATIC_ESTIMATED_COST_LIMIT for c in costs), table
+    assert sum(c.cost for c in costs) <= crd_budget.STATIC_ESTIMATED_CRD_COST_LIMIT, table
+    assert crd_budget.crd_cost_causes(definition) == []
+
+
+def _unbounded(node: dict) -> bool:
+    if node.get("type") == "string" or node.get("x-kubernetes-int-or-string"):
+        return "maxLength" not in node and "enum" not in node
+    if node.get("type") == "array":
+        return "maxItems" not in node
+    return isinstance(node.get("additionalProperties"), dict) and "maxProperties" not in node
+
+
+def test_every_string_list_and_map_of_the_spec_is_bounded():
+    """The root's rules may read any field, so nothing a rule could reach is sized from the
+    3 MiB request limit (free-form Kubernetes types are invisible to CEL)."""
+    spec = _schema()["properties"]["spec"]
+    assert [path for path, node in _walk(spec) if _unbounded(node)] == []
+    meta = _schema()["properties"]["metadata"]["properties"]
+    assert meta["name"]["maxLength"] == meta["generateName"]["maxLength"] == 253
+
+
+def test_the_old_regex_rule_over_unbounded_strings_is_refused():
+    """The extraArgs rule as it was: a regex of every owned flag over strings without a
+    maxLength. Each match is priced at ceil((1 + 3 MiB) * 0.1) * ceil(len(regex) * 0.25)."""
+    definition = copy.deepcopy(crd.crd())
+    schema = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    extra = schema["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]
+    del extra["items"]["maxLength"]
+    regex = "^(" + "|".join(engine_fields.owned_flags()) + ")(=.*)?$"
+    extra["x-kubernetes-validations"][0]["rule"] = f"self.all(a, !a.matches('{regex}'))"
+    rule = (
+        "spec.validation.openAPIV3Schema.properties[spec].properties[engine]"
+        ".properties[extraArgs].x-kubernetes-validations[0].rule"
+    )
+    hint = (
+        "(try simplifying the rule, or adding maxItems, maxProperties, and maxLength where "
+        "arrays, maps, and strings are declared)"
+    )
+    total = sum(c.cost for c in crd_budget.schema_rule_costs(schema))
+    assert total > 100 * crd_budget.STATIC_ESTIMATED_COST_LIMIT  # 64 strings of 3 MiB each
+    causes = crd_budget.crd_cost_causes(definition)
+    assert [(c["field"], c["message"]) for c in causes] == [
+        (rule, f"Forbidden: estimated rule cost exceeds budget by factor of more than 100x {hint}"),
+        (
+            rule,
+            "Forbidden: contributed to estimated rule cost total exceeding cost limit for "
+            "entire OpenAPIv3 schema",
+        ),
+        (
+            "spec.validation.openAPIV3Schema",
+            "Forbidden: x-kubernetes-validations estimated rule cost total for entire "
+            f"OpenAPIv3 schema exceeds budget by factor of {total / 1e8:.1f}x {hint}",
+        ),
+    ]
 
 
 @pytest.mark.skipif(
