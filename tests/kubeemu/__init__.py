@@ -31,8 +31,12 @@ from pathlib import Path
 from typing import Any
 
 SERVER_SCRIPT = Path(__file__).resolve().parent / "server.py"
+# The kubeconfig's token: a member of system:masters (authn.py); other identities get tokens from
+# the TokenRequest subresource (`service_account_token`) and are held to RBAC (rbac.py).
+ADMIN_TOKEN = "kubeemu-token"
 
 __all__ = [
+    "ADMIN_TOKEN",
     "ApiResponse",
     "Emulator",
     "RealCluster",
@@ -56,15 +60,17 @@ class ApiResponse:
         return self.body
 
 
-def write_kubeconfig(path: Path, url: str, namespace: str = "default") -> Path:
-    """A kubeconfig with one context: the server `url`, TLS checks off, a static token."""
+def write_kubeconfig(
+    path: Path, url: str, namespace: str = "default", token: str = ADMIN_TOKEN
+) -> Path:
+    """A kubeconfig with one context: the server `url`, TLS checks off, a bearer token."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
             {"name": "kubeemu", "cluster": {"server": url, "insecure-skip-tls-verify": True}}
         ],
-        "users": [{"name": "kubeemu", "user": {"token": "kubeemu-token"}}],
+        "users": [{"name": "kubeemu", "user": {"token": token}}],
         "contexts": [
             {
                 "name": "kubeemu",
@@ -79,9 +85,11 @@ def write_kubeconfig(path: Path, url: str, namespace: str = "default") -> Path:
 
 
 class _Client:
-    """A tiny synchronous JSON client for the emulator (tests use it to set up and assert)."""
+    """A tiny synchronous JSON client for the emulator (tests use it to set up and assert).
+    It sends `token` (the admin's unless a test sets another)."""
 
     url: str
+    token: str | None = ADMIN_TOKEN
 
     def request(
         self,
@@ -99,6 +107,8 @@ class _Client:
             url += "?" + urllib.parse.urlencode(params, doseq=True)
         data = None
         hdrs = {"Accept": "application/json", "User-Agent": "kubeemu-tests/1.0"}
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
         if body is not None:
             if isinstance(body, bytes | str):
                 data = body.encode() if isinstance(body, str) else body
@@ -155,7 +165,10 @@ class _Client:
         parsed = urllib.parse.urlsplit(self.url)
         conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
         query = urllib.parse.urlencode({"watch": "true", **(params or {})})
-        conn.request("GET", f"{path}?{query}", headers={"Accept": "application/json"})
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        conn.request("GET", f"{path}?{query}", headers=headers)
         resp = conn.getresponse()
         try:
             if resp.status != 200:
@@ -175,12 +188,20 @@ class Emulator(_Client):
 
     is_emulator = True
 
-    def __init__(self, proc: subprocess.Popen[str], url: str, workdir: Path, log_path: Path):
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        url: str,
+        workdir: Path,
+        log_path: Path,
+        secure_url: str | None = None,
+    ):
         self.proc = proc
-        self.url = url
+        self.url = url  # plain HTTP: the tests' helpers (no credentials = the admin)
+        self.secure_url = secure_url or url  # TLS: what kubeconfigs name (kubectl sends tokens)
         self.workdir = workdir
         self.log_path = log_path
-        self.kubeconfig = str(write_kubeconfig(workdir / "kubeconfig", url))
+        self.kubeconfig = str(write_kubeconfig(workdir / "kubeconfig", self.secure_url))
         self.cache_dir = str(workdir / "kubectl-cache")
 
     def set_fault(self, namespace: str, deployment: str, mode: str, ready_delay: float = 0) -> None:
@@ -285,8 +306,8 @@ def start_emulator(
     if not line.startswith("KUBEEMU_LISTENING "):
         proc.kill()
         raise RuntimeError(f"emulator did not start: {line!r}\n{log_path.read_text()}")
-    url = line.split(" ", 1)[1]
-    emu = Emulator(proc, url, workdir, log_path)
+    urls = line.split()[1:]
+    emu = Emulator(proc, urls[0], workdir, log_path, urls[1] if len(urls) > 1 else None)
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -1,5 +1,6 @@
 """Admission: the checks and defaulting every write goes through before it is stored
-(type and namespace checks, pruning, defaulting, built-in and CRD-schema validation)."""
+(type and namespace checks, pruning, defaulting, built-in and CRD-schema validation, Pod
+Security admission)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kubeemu import builtin_schema, crd_budget, kinds
 from kubeemu.errors import ApiError, bad_request, details_of, invalid, namespace_not_found
 from kubeemu.kinds import ResourceType
+from kubeemu.podsecurity import admit as pod_security
 from kubeemu.timefmt import now_rfc3339
 
 if TYPE_CHECKING:
@@ -101,6 +103,7 @@ def admit(
         causes += kinds.validate_labels(new["metadata"].get("labels"), "metadata.labels")
     if causes:
         raise invalid(rt, name, causes)
+    warnings += pod_security(store, rt, new, old, subresource)  # a 403, or Warning headers
     if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
         store._build_validators(new)
         over_budget = crd_budget.crd_cost_causes(new, old)  # CEL cost limits, as the apiserver

@@ -6,7 +6,9 @@ on stdout once it serves. See tests/kubeemu/__init__.py for the test-side helper
 Known differences from kube-apiserver (deliberate simplifications):
 - one storage per group/resource; CRD versions share it without conversion (apiVersion is
   rewritten); core/v1 and events.k8s.io/v1 Events are separate stores.
-- no authn/authz, admission webhooks, quotas, limit ranges, RBAC enforcement.
+- authentication and RBAC (access.py, authn.py, rbac.py): bearer tokens only (the admin token,
+  ServiceAccount tokens from TokenRequest), no impersonation, no aggregated ClusterRoles; Pod
+  Security admission (podsecurity.py); no admission webhooks, quotas, limit ranges.
 - controllers (controllers.py): Deployments roll ReplicaSets by their strategy, ReplicaSets run
   pods, a kubelet gives pods the status a test set (POST /_emulator/pods); no scheduler, no
   graceful termination (a deleted pod goes at once), no proportional scaling mid-rollout.
@@ -36,11 +38,13 @@ import json
 import logging
 import re
 import signal
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from kubeemu import controllers, protowire
+from kubeemu import controllers, protowire, tls
+from kubeemu.access import Gate
 from kubeemu.controllers import ControllerManager, PodBehaviour, describe_faults
 from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
@@ -108,6 +112,8 @@ class EmulatorApp:
         self.store = Store(load_validator_factory(), history=history)
         self.controller = ControllerManager(self.store, pod_ip_prefix)
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.gate = Gate(self.store)  # authentication and RBAC before every handler
+        self.app.middlewares.append(self.gate.middleware())
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
         self.app.on_startup.append(self._on_startup)
         self.app.on_shutdown.append(self._on_shutdown)
@@ -767,8 +773,9 @@ async def serve(
     sockets = getattr(server, "sockets", None) or []
     actual = sockets[0].getsockname()[1] if sockets else port
     emu.host = f"{host}:{actual}"
+    secure = await tls.start_site(runner, host, Path.cwd())  # credentials need TLS (kubectl)
     if ready_line:
-        print(f"KUBEEMU_LISTENING http://{host}:{actual}", flush=True)
+        print(f"KUBEEMU_LISTENING http://{host}:{actual} {secure or ''}".rstrip(), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
