@@ -61,6 +61,14 @@ def test_bad_settings_exit_2_with_a_clear_message(tmp_path: Path) -> None:
     assert result.returncode == 2 and "swap_space='lots' is not a size" in result.stderr
     result = _run("--kv-transfer-port", "8003")
     assert result.returncode == 2 and "ports must be distinct" in result.stderr
+    for flag, value, words in (
+        ("--max-queued-pushes-per-peer", "0", "max_queued_pushes_per_peer must be a positive"),
+        ("--push-threads", "65", "push_threads must be 1-64, got 65"),
+        ("--peer-failure-threshold", "0", "peer_failure_threshold must be a positive integer"),
+        ("--peer-cooldown", "0", "peer_cooldown must be >= 0.1 seconds"),
+    ):
+        result = _run(flag, value)
+        assert result.returncode == 2 and words in result.stderr, (flag, result.stderr)
     bad = tmp_path / "bad.yaml"
     bad.write_text("swap_spase: 4Gi\n")
     result = _run("--config", str(bad))
@@ -105,6 +113,15 @@ def test_health_and_metrics_before_any_engine() -> None:
             for name in ("kv_transfers_total", "kv_transfer_failures_total"):
                 key = ("ketch:cache_manager_" + name, (("direction", direction),))
                 assert samples[key] == 0
+        for reason in ("queue_full", "circuit_open", "expired"):
+            key = ("ketch:cache_manager_push_refusals_total", (("reason", reason),))
+            assert samples[key] == 0
+        assert samples[("ketch:cache_manager_push_queue_depth", ())] == 0
+        assert samples[("ketch:cache_manager_push_circuits_open", ())] == 0
+        assert health["pushes"] == {
+            "queued": 0, "sending": 0, "destinations": 0, "circuits_open": 0,
+            "failing_destinations": {},
+        }  # fmt: skip
     finally:
         assert manager.stop() == 0, manager.log()
 
