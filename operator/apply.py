@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ketch.operator import builders, prune
+from ketch.operator import builders, handoff, prune
 from ketch.operator.cache import Cache, Key, Obj, Tracked
 from ketch.operator.drift import project
 from ketch.operator.events import EventRecorder
@@ -38,13 +38,17 @@ class ChildApplier:
         desired = {(c["kind"], c["metadata"]["name"]): c for c in children}
         changed = []
         expected = {}
+        answers = {}
         for child in children:
             child_key = (child["kind"], child["metadata"]["name"])
             before = self.cache.live(key).get(child_key)
+            await self._hand_over_replicas(child, before)
             result = await self._apply(key, tracked, child)
             if result is None:
                 continue
             expected[child_key] = project(child, result)
+            if child["kind"] == "Deployment":
+                answers[child_key] = result
             self.metrics.applies.labels(child["kind"]).inc()
             if before is None or _rv(before) != _rv(result):
                 changed.append(f"{child['kind']} {child['metadata']['name']}")
@@ -52,6 +56,7 @@ class ChildApplier:
         pruned += await prune.prune_unwatched(self.client, tracked, svc, desired)
         tracked.desired = desired
         tracked.expected = expected
+        tracked.answers = answers
         tracked.applied_generation = generation
         tracked.invalid_generation = None
         if changed or pruned:
@@ -67,6 +72,23 @@ class ChildApplier:
             len(changed),
             len(pruned),
         )
+
+    async def _hand_over_replicas(self, child: Obj, cached: Obj | None) -> None:
+        """Before a Deployment is applied without ``replicas`` (its role is now autoscaled),
+        the count it has is handed over, so that it does not fall to 1 (see ``handoff``)."""
+        if child["kind"] != "Deployment" or "replicas" in child["spec"]:
+            return
+        meta = child["metadata"]
+        live = cached or await self.client.get("Deployment", meta["namespace"], meta["name"])
+        if handoff.needs_handoff(child, live):
+            assert live is not None
+            if await handoff.hand_over(self.client, child, live):
+                logger.info(
+                    "%s/%s: %d replicas handed over to the autoscaler",
+                    meta["namespace"],
+                    meta["name"],
+                    live["spec"].get("replicas", 1),
+                )
 
     async def _apply(self, key: Key, tracked: Tracked, child: Obj) -> Obj | None:
         """The server's answer, or None when the child's kind is not served (KEDA missing)."""

@@ -28,6 +28,10 @@ class Tracked:
     invalid_generation: int | None = None
     written_status: Obj | None = None
     svc: ServiceSpec | None = None
+    # The API's answers to this process's applies of Deployments. Status reads a Deployment
+    # from the watch; until the watch has shown it (a restarted operator whose Deployment watch
+    # has not listed yet), from here, so that a restart never reports it missing.
+    answers: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)
 
     @property
     def last_status(self) -> Obj | None:
@@ -45,6 +49,13 @@ class Cache:
 
     def live(self, key: Key) -> dict[ChildKey, Obj]:
         return self.children.get(key, {})
+
+    def observed(self, key: Key, child: ChildKey) -> Obj | None:
+        """A child as the watch last showed it, else as the API last answered an apply of it."""
+        live = self.live(key).get(child)
+        if live is None and key in self.tracked:
+            return self.tracked[key].answers.get(child)
+        return live
 
     def live_pods(self, key: Key) -> list[Obj]:
         """The InferenceService's pods that are not being deleted."""

@@ -113,6 +113,8 @@ class Controller:
         tracked = self.cache.tracked.get(key)
         if tracked is None:
             return
+        if event_type == "DELETED":
+            tracked.answers.pop((kind, name), None)  # gone: no older answer stands in for it
         if drifted(tracked, (kind, name), event_type, body):
             self.enqueue(key, Work(drift={(kind, name)}, status=kind == "Deployment"))
         elif kind == "Deployment":

@@ -74,6 +74,8 @@ class DriftRepair:
                 continue  # already put back, or no longer wanted
             result = await self.client.apply(child)
             tracked.expected[child_key] = project(child, result)
+            if child_key[0] == "Deployment":
+                tracked.answers[child_key] = result
             self.metrics.applies.labels(child_key[0]).inc()
             self.metrics.restored.labels(child_key[0]).inc()
             what = "deleted" if live is None else "changed"

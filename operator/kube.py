@@ -21,6 +21,7 @@ from ketch.operator import crd
 
 FIELD_MANAGER = "ketch-operator"
 AUTOSCALER_FIELD_MANAGER = "ketch-autoscaler"  # the coordinated autoscaler's replica changes
+HANDOFF_FIELD_MANAGER = "ketch-operator-handoff"  # holds replicas on the way to an autoscaler
 
 # kind -> (apiVersion, plural)
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -159,13 +160,15 @@ class KubeClient:
             raise ApiError(status, str(status), text)
         return payload
 
-    async def apply(self, obj: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
-        """Server-side apply: the operator owns exactly the fields ``obj`` sets."""
+    async def apply(
+        self, obj: dict[str, Any], *, force: bool = True, manager: str = FIELD_MANAGER
+    ) -> dict[str, Any]:
+        """Server-side apply: ``manager`` owns exactly the fields ``obj`` sets."""
         meta = obj["metadata"]
         return await self.request(
             "PATCH",
             resource_path(obj["kind"], meta.get("namespace"), meta["name"]),
-            params={"fieldManager": FIELD_MANAGER, "force": "true" if force else "false"},
+            params={"fieldManager": manager, "force": "true" if force else "false"},
             body=obj,
             content_type="application/apply-patch+yaml",
         )

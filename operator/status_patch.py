@@ -45,9 +45,10 @@ class StatusWriter:
         """Status from the observed children, written if it changed."""
         svc = tracked.svc
         assert svc is not None
-        live = self.cache.live(key)
         roles = [*svc.roles, "router"] if svc.disaggregated else svc.roles
-        deployments = {role: live.get(("Deployment", f"{svc.name}-{role}")) for role in roles}
+        deployments = {
+            role: self.cache.observed(key, ("Deployment", f"{svc.name}-{role}")) for role in roles
+        }
         new = status_mod.compute(
             generation=tracked.applied_generation or 0,
             mode=svc.mode,

@@ -4,6 +4,8 @@
     emu.set_fault("ns", "deploy", "crashloop")
     emu.set_pod_behaviour(image="repo/model:v2", ready_delay=3)   # or pod=, deployment=
     emu.applied(manager="ketch")    # every server-side apply request, as received
+    emu.hold(verb="apply", resource="deployments")  # matching requests wait: emu.release()
+    emu.expire_watches()            # compact the watch history: open watches get a 410
     kubectl(emu, "get", "pods", "-n", "ns")
     emu.stop()
 
@@ -245,6 +247,24 @@ class Emulator(_Client):
     def reset_stats(self) -> None:
         self.post("/_emulator/reset", {}).ok()
 
+    def expire_watches(self, *resources: str) -> int:
+        """Compact the watch history (of ``plural[.group]`` types; none: all) as etcd would:
+        open watches get a 410 Expired ERROR event and end. Returns how many ended."""
+        body = {"resources": list(resources)} if resources else {}
+        return int(self.post("/_emulator/expire-watches", body).ok()["ended"])
+
+    def hold(self, **match: str) -> None:
+        """Make matching requests (verb, resource plural, namespace, name) wait until
+        ``release()`` or until their client goes away (holds.py)."""
+        self.post("/_emulator/holds", match).ok()
+
+    def holds(self) -> list[dict[str, Any]]:
+        """Each hold with ``caught`` (requests it stopped) and ``waiting`` (stopped now)."""
+        return self.get("/_emulator/holds").ok()["holds"]
+
+    def release(self) -> None:
+        self.delete("/_emulator/holds").ok()
+
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -368,6 +388,13 @@ class RealCluster:
     def stats(self) -> dict[str, Any]:
         self._skip("API statistics")
         return {}
+
+    def expire_watches(self, *resources: str) -> int:
+        self._skip("watch expiry")
+        return 0
+
+    def hold(self, **match: str) -> None:
+        self._skip("held requests")
 
     def stop(self) -> None:
         pass

@@ -46,6 +46,7 @@ from aiohttp import web
 from kubeemu import controllers, protowire, tls
 from kubeemu.access import Gate
 from kubeemu.controllers import ControllerManager, PodBehaviour, describe_faults
+from kubeemu.holds import Holds
 from kubeemu.kinds import ResourceType
 from kubeemu.labelsel import SelectorError, parse_fields, parse_labels
 from kubeemu.store import (
@@ -58,6 +59,7 @@ from kubeemu.store import (
     load_validator_factory,
 )
 from kubeemu.tables import to_table
+from kubeemu.watch import expire
 
 log = logging.getLogger("kubeemu")
 
@@ -111,6 +113,7 @@ class EmulatorApp:
     ) -> None:
         self.store = Store(load_validator_factory(), history=history)
         self.controller = ControllerManager(self.store, pod_ip_prefix)
+        self.holds = Holds()  # requests a test makes wait (holds.py)
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.gate = Gate(self.store)  # authentication and RBAC before every handler
         self.app.middlewares.append(self.gate.middleware())
@@ -124,6 +127,7 @@ class EmulatorApp:
         self.controller.start()
 
     async def _on_shutdown(self, app: web.Application) -> None:
+        self.holds.release()
         self.store.close_all_watchers()
         await self.controller.stop()
 
@@ -346,6 +350,7 @@ class EmulatorApp:
         verb = self._verb(method, name, q, request.headers.get("Content-Type", ""))
         store.stats.requests[verb] += 1
         store.stats.by_agent[_agent(request)][verb] += 1
+        await self.holds.wait(verb, rt, ns, name)
         dry_run = self._dry_run(q)
         field_validation = q.get("fieldValidation", "Warn")
         if field_validation not in ("Strict", "Warn", "Ignore"):
@@ -734,6 +739,21 @@ class EmulatorApp:
             }
             out["watchers"] = sum(len(ws) for ws in store.watchers.values())
             return _json(out)
+        if what == "holds":
+            if request.method == "POST":
+                self.holds.add(await self._body(request))
+            elif request.method == "DELETE":
+                self.holds.release()
+            return _json(self.holds.to_json())
+        if what == "expire-watches" and request.method == "POST":
+            # {"resources": ["deployments.apps", "pods"]} (plural[.group]); none: every type
+            wanted = (await self._body(request) or {}).get("resources")
+            keys = [
+                k
+                for k in store.types
+                if wanted is None or (f"{k[1]}.{k[0]}" if k[0] else k[1]) in wanted
+            ]
+            return _json({"ended": expire(store, keys), "resourceVersion": str(store.rv)})
         if what == "reset" and request.method == "POST":
             store.apply_log.clear()
             store.stats = type(store.stats)()

@@ -119,3 +119,22 @@ def close_all_watchers(store: Store) -> None:
     for ws in store.watchers.values():
         for w in list(ws):
             w.close()
+
+
+def expire(store: Store, keys: list[tuple[str, str]]) -> int:
+    """Compacts the history of the given types at the current resourceVersion, as etcd does.
+
+    Open watches of those types get what kube-apiserver sends when its etcd watch is compacted
+    (an ERROR event with a 410 Expired Status) and are closed; a new watch from an older
+    resourceVersion gets the 410 of ``watch``. A client resumes with a fresh list. Returns the
+    number of watches ended."""
+    gone = ApiError(410, "Expired", "The resourceVersion for the provided watch is too old.")
+    ended = 0
+    for key in keys:
+        store.history.get(key, deque()).clear()
+        store.compacted[key] = store.rv
+        for w in list(store.watchers.get(key, ())):
+            w.queue.put_nowait(("ERROR", gone.status()))
+            w.close()
+            ended += 1
+    return ended
