@@ -11,6 +11,7 @@ applying). The emulator's own endpoints (/_emulator/...) are not Kubernetes: no 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kubeemu.store import Store
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("kubeemu.access")
 
 
 class Gate:
@@ -44,6 +46,7 @@ class Gate:
             try:
                 answer = await self.admit(request)
             except ApiError as err:
+                log.info("%s %s: %d %s", request.method, request.path_qs, err.code, err.message)
                 return _respond(err.status(), err.code, err.headers)
             return answer if answer is not None else await handler(request)
 
@@ -58,6 +61,10 @@ class Gate:
         self.authorizer.check(user, info)
         if self._creates_by_apply(info, request.headers.get("Content-Type", "")):
             self.authorizer.check(user, info.but(verb="create"))
+            info = info.but(verb="create")
+        if log.isEnabledFor(logging.DEBUG) and user.uid:  # what ServiceAccounts use
+            resource = "/".join(p for p in (info.resource, info.subresource) if p)
+            log.debug("allowed %s %s %s.%s", user.name, info.verb, resource, info.api_group)
         if _is_token_request(info):
             body = await _token_request_body(request)
             issued = self.tokens.request(self.store, info.namespace, info.name, body)

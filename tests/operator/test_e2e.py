@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import operator_rbac
 import pytest
 import yaml
 from test_builders import INVALID, invalid_body
@@ -33,6 +34,7 @@ from ketch.operator.workqueue import Work
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+PSA_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -121,11 +123,16 @@ def ready(cluster: Cluster, name: str) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def fresh_namespace(kube: Any, prefix: str) -> Iterator[Cluster]:
-    """The CRD applied and a new namespace for one test module (deleted afterwards)."""
+    """The CRD applied and a new namespace for one test module (deleted afterwards), which
+    enforces the restricted Pod Security Standard."""
     namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
     c = Cluster(kube, namespace)
     c.run("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE), ns=False)
-    namespace_body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    namespace_body = {  # engine pods must meet the restricted Pod Security Standard
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": namespace, "labels": {PSA_ENFORCE: "restricted"}},
+    }
     c.run("apply", "-f", "-", ns=False, input=yaml.safe_dump(namespace_body))
     yield c
     c.run("delete", "namespace", namespace, "--wait=false", ns=False, check=False)
@@ -138,19 +145,33 @@ def cluster(kube) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def operator(cluster) -> Iterator[Controller]:
+def operator(cluster, tmp_path_factory) -> Iterator[Controller]:
+    """The operator signed in as its ServiceAccount, with the manifests' RBAC and nothing more
+    (operator_rbac.py): what it cannot do installed, it cannot do here."""
+    workdir = tmp_path_factory.mktemp("operator")
+    kubeconfig = operator_rbac.install(cluster.kube, cluster.namespace, workdir)
+    with running_operator(cluster, kubeconfig) as controller:
+        yield controller
+
+
+@contextlib.contextmanager
+def running_operator(
+    cluster: Cluster, kubeconfig: Path | str, scope: list[str] | None = None
+) -> Iterator[Controller]:
+    """The operator (kopf's KopfRunner) serving the cluster's namespace (or `scope`, kopf's
+    arguments), signed in with `kubeconfig`; yields its controller once it has started."""
     from kopf.testing import KopfRunner
 
     controllers: list[Controller] = []
     registry = make_registry(resync_seconds=0, on_controller=controllers.append)
     previous = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.kube.kubeconfig)
+    os.environ["KUBECONFIG"] = str(kubeconfig)
     # kopf's CLI gives the root logger a handler on click's captured stream, which is closed
     # when the runner ends; later KopfRunners in this session would log into a closed file.
     root_handlers = list(logging.getLogger().handlers)
     try:
         with KopfRunner(
-            ["run", "--standalone", "--namespace", cluster.namespace],
+            ["run", "--standalone", *(scope or ["--namespace", cluster.namespace])],
             registry=registry,
             timeout=30,
         ) as runner:

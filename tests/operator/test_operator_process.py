@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import operator_rbac
 import pytest
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
@@ -23,10 +24,15 @@ EXE = str(Path(sys.executable).parent / "ketch-operator")
 
 
 class OperatorProcess:
+    """`ketch-operator run` signed in as its ServiceAccount with the manifests' RBAC."""
+
     def __init__(self, cluster: Cluster, *args: str, log: Path):
         (self.metrics_port,) = free_ports(1)
         self.log = log
-        env = {**os.environ, "KUBECONFIG": str(cluster.kube.kubeconfig)}
+        kubeconfig = operator_rbac.install(
+            cluster.kube, cluster.namespace, log.with_suffix(".rbac")
+        )
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         self.proc = subprocess.Popen(
             [
                 EXE,

@@ -1,0 +1,133 @@
+"""The operator runs with the RBAC of manifests/ and nothing more, so a verb missing from the
+Role shows here as it would on a cluster: the call fails with the apiserver's 403, and the
+operator says which call (its log, /healthz's last API error) and keeps retrying.
+
+Every e2e test already runs the operator this way (test_e2e.py's `operator` fixture); this file
+removes one verb at a time from a copy of the Role."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import operator_rbac
+import pytest
+from test_e2e import (
+    Cluster,
+    condition,
+    cpu_example,
+    fresh_namespace,
+    ready,
+    running_operator,
+    wait_for,
+)
+
+from ketch.operator import crd
+from kubeemu import start_emulator
+
+
+class Records(logging.Handler):
+    """What the operator logs (kopf replaces the root logger's handlers, so caplog misses it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    handler = Records()
+    logger = logging.getLogger("ketch.operator")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture
+def cluster(kube) -> Iterator[Cluster]:
+    with fresh_namespace(kube, "rbac") as c:
+        yield c
+
+
+def forbidden(cluster: Cluster, verb: str, resource: str, group: str, name: str) -> str:
+    qualified = f"{resource.split('/')[0]}.{group}" if group else resource.split("/")[0]
+    return (
+        f'{qualified} "{name}" is forbidden: User "{operator_rbac.USER}" cannot {verb} resource '
+        f'"{resource}" in API group "{group}" in the namespace "{cluster.namespace}"'
+    )
+
+
+def test_the_operator_signs_in_as_its_service_account(cluster: Cluster, tmp_path: Path):
+    kubeconfig = operator_rbac.install(cluster.kube, cluster.namespace, tmp_path)
+
+    def as_operator(*args: str) -> subprocess.CompletedProcess[str]:
+        command = ["kubectl", "--kubeconfig", str(kubeconfig), "-n", cluster.namespace, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    assert as_operator("get", crd.PLURAL).returncode == 0
+    secrets = as_operator("get", "secrets")  # the API key and peer key stay unread
+    assert secrets.returncode != 0
+    assert (
+        f'secrets is forbidden: User "{operator_rbac.USER}" cannot list resource "secrets" in '
+        f'API group "" in the namespace "{cluster.namespace}"'
+    ) in secrets.stderr
+    elsewhere = as_operator("get", "deployments", "-n", "default")
+    assert "is forbidden" in elsewhere.stderr  # a Role: rights in the served namespace only
+
+
+@pytest.mark.parametrize(
+    ("without", "verb", "resource", "group", "child"),
+    [
+        (("apps", "deployments", "create"), "create", "deployments", "apps", "-mixed"),
+        (("", "configmaps", "patch"), "patch", "configmaps", "", "-config"),
+        (
+            (crd.GROUP, f"{crd.PLURAL}/status", "patch"),
+            "patch",
+            f"{crd.PLURAL}/status",
+            crd.GROUP,
+            "",
+        ),
+    ],
+    ids=["create-deployments", "patch-configmaps", "patch-status"],
+)
+def test_a_verb_missing_from_the_role_fails_with_the_403_named(
+    cluster: Cluster, tmp_path: Path, records: Records, without, verb, resource, group, child
+):
+    kubeconfig = operator_rbac.install(cluster.kube, cluster.namespace, tmp_path, without=without)
+    name = "denied"
+    expected = forbidden(cluster, verb, resource, group, name + child)
+    with running_operator(cluster, kubeconfig) as controller:
+        cluster.apply(cpu_example(name))
+        wait_for(
+            lambda: expected in (controller.last_api_error or ""),
+            f"the operator to report: {expected}",
+        )
+        wait_for(
+            lambda: any(
+                "reconcile failed (Forbidden)" in m and expected in m for m in records.messages
+            ),
+            "the operator's log line",
+        )
+        body = cluster.get(crd.PLURAL, name)
+        assert condition(body, "Ready").get("status") != "True"
+
+
+def test_cluster_wide_the_clusterrole_is_enough(tmp_path: Path):
+    """The cluster-wide overlay's ClusterRole, on an emulator of this test's own (a
+    ClusterRoleBinding would widen what every other test's operator may do)."""
+    if os.environ.get("KETCH_TEST_KUBECONFIG"):
+        pytest.skip("binds a ClusterRole; runs against the emulator only")
+    with start_emulator() as emu, fresh_namespace(emu, "wide") as cluster:
+        kubeconfig = operator_rbac.install(emu, cluster.namespace, tmp_path, cluster_wide=True)
+        with running_operator(cluster, kubeconfig, scope=["--all-namespaces"]):
+            cluster.apply(cpu_example("wide"))
+            body = wait_for(lambda: ready(cluster, "wide"), "wide Ready")
+        assert condition(body, "Degraded")["status"] == "False"
