@@ -12,17 +12,37 @@ What a pod gets, translated from its manifest:
   directories there too, except ``/dev/shm``, which is the machine's (shared by the pod's
   containers, as the memory-backed volume is in the pod); paths under a mount are rewritten;
 - ``env`` values, ``configMapKeyRef``/``secretKeyRef``, and downward-API fields
-  (``status.podIP`` = 127.0.0.1, ``metadata.name``, ``metadata.namespace``);
+  (``status.podIP`` = 127.0.0.1, ``metadata.name``, ``metadata.namespace``), see
+  ``sources.py``;
+- the engine's loopback numbers (``translate.LOOPBACK_PORTS``: they name its Unix sockets and
+  ``/dev/shm`` segments) remapped too, and a private run directory (``$KETCH_RUN_DIR``, 0700)
+  per pod: two pods of one Deployment never share a socket or a segment name, as two pods on
+  a node would not; when a pod is gone, any ``/dev/shm/ketch-*-<its number>`` segment left goes
+  with it, as its memory-backed volume would (``leftover_segments`` names them);
 - Service names, as cluster DNS would resolve them: a ClusterIP Service's name is its proxy on
   127.0.0.1; a headless Service's name is the list of its pods' addresses
   (``127.0.0.1:<port>,...``), taken when the naming pod starts.
-``apply(new)`` re-renders and rolls every Deployment whose pod template changed, one pod at a
-time: a new pod must be ready before an old one is terminated (maxSurge 1, maxUnavailable 0).
+
+A Service proxy sends connections to a pod while it is ready and for ``endpoint_lag_s`` after it
+stopped being ready or was deleted: on a cluster the endpoint controllers and kube-proxy see a
+deletion that late, while the kubelet starts the pod's ``preStop`` (or sends SIGTERM) at once.
+A pod that exits as soon as it gets SIGTERM is still sent requests, which fail; the rendered
+``preStop`` sleep, then the engine's drain, are what keep them.
+
+``apply(new)`` re-renders and rolls out every Deployment as its rendered ``strategy`` says, with
+the Deployment controller's decisions (``rollout.py``): RollingUpdate starts new pods up to
+``maxSurge`` and deletes old ones only while ``replicas - maxUnavailable`` pods stay available
+(ready, by their real readiness probe, for ``minReadySeconds``); Recreate deletes every old pod,
+waits until all are gone, then starts the new ones. Pods carry a ``pod-template-hash`` label
+that tells the template they were made from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
 import os
 import shutil
 import signal
@@ -30,17 +50,28 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ketch.engine import rundir
 from ketch.engine.lifecycle import ENV_WATCH_PID
 from ketch.operator.cli import render_object
 from localpods.pod import Container, LocalPod, _Probe
 from localpods.proxy import ServiceProxies
-from localpods.translate import local_path, localize_args, localize_file
+from localpods.rollout import PodView, Strategy, complete, next_step
+from localpods.sources import PodSources
+from localpods.translate import local_path, localize_args, loopback_ports
 from procs import free_ports, processes_with_env, wait_for
 
+logger = logging.getLogger(__name__)
+
 Obj = dict[str, Any]
+Patch = Callable[[list[Obj]], None]
+"""Edits rendered objects in place before they run (tests: what the operator would not render)."""
+TEMPLATE_HASH = "pod-template-hash"  # the label a ReplicaSet gives its pods
+_SYNC_S = 0.05  # how often a rollout looks again
+_SHM = Path("/dev/shm")
 _KETCH_BIN = Path(sys.executable).parent
 # Set on every container: the processes of one cluster (and all they start) can be found, and
 # killed, however they were left.
@@ -57,20 +88,26 @@ class LocalCluster:
         secrets: dict[str, dict[str, str]] | None = None,
         time_scale: float = 1.0,
         workdir: Path | None = None,
+        endpoint_lag_s: float = 2.0,
     ) -> None:
         """``secrets``: Secret name -> data (what ``kubectl create secret`` would hold).
-        ``time_scale`` shortens startup/readiness probe periods, preStop sleeps and restart
-        back-off (tests); liveness probes keep their periods."""
+        ``time_scale`` shortens startup/readiness probe periods, preStop sleeps, restart
+        back-off, ``minReadySeconds`` and ``endpoint_lag_s`` (how long a Service keeps sending
+        to a pod that was deleted or stopped being ready; it stays in proportion to the
+        preStop sleep meant to cover it); liveness probes keep their periods."""
         self.namespace = namespace
         self.secrets = secrets or {}
         self.time_scale = time_scale
+        self.endpoint_lag_s = endpoint_lag_s * time_scale
         self.dir = workdir or Path(tempfile.mkdtemp(prefix="localpods-"))
         self.children = render_object(isvc, namespace=namespace)
+        self._sources = PodSources(self.children, self.secrets, namespace)
         self.pods: dict[str, list[LocalPod]] = {}  # Deployment name -> pods
         self._every_pod: list[LocalPod] = []  # retired ones too, for stop()
         self.proxy_ports: dict[tuple[str, int | str], int] = {}  # (Service, port) -> local port
         self._ports: dict[str, dict[int, int]] = {}  # pod name -> containerPort -> local port
         self._names: dict[str, dict[str, int]] = {}  # pod name -> port name -> containerPort
+        self.leftover_segments: list[str] = []  # /dev/shm names removed with their pod
         self._counter = 0
         self._lock = threading.Lock()
         self._proxies = ServiceProxies()
@@ -113,6 +150,8 @@ class LocalCluster:
             pod.join(10)  # its supervisor starts nothing more
         self._proxies.close()
         self._kill_leftovers()
+        for pod in pods:
+            self._remove_segments(pod)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _kill_leftovers(self) -> None:
@@ -138,6 +177,20 @@ class LocalCluster:
         number = self._names[pod.name][port] if isinstance(port, str) else port
         return self._ports[pod.name][number]
 
+    def endpoints(self, service: str, port: int | str = "http") -> list[str]:
+        """Names of the pods a ClusterIP Service's proxy sends new connections to, now."""
+        svc = next(s for s in self._objects("Service") if s["metadata"]["name"] == service)
+        spec = next(p for p in svc["spec"]["ports"] if port in (p["port"], p.get("name")))
+        addresses = set(self._endpoints(svc, spec, False))
+        with self._lock:
+            pods = list(self._every_pod)
+        return [p.name for p in pods if self._address(p, spec) in addresses]
+
+    def delete_pod(self, pod: LocalPod) -> None:
+        """``kubectl delete pod``: terminates it; the next ``apply`` replaces it."""
+        deployment = next(name for name, pods in self.pods.items() if pod in pods)
+        self._retire(deployment, pod)
+
     def describe(self) -> str:
         lines = []
         for deployment, pods in self.pods.items():
@@ -147,7 +200,8 @@ class LocalCluster:
                     f"restarts={c.restarts}"
                     for c in pod.containers
                 )
-                lines.append(f"{deployment}/{pod.name} ready={pod.ready}: {state}")
+                deleted = " (deleted)" if pod.terminating else ""
+                lines.append(f"{deployment}/{pod.name}{deleted} ready={pod.ready}: {state}")
                 for c in pod.containers:
                     if not c.ready:
                         lines.append(f"  --- {c.name} log:\n{c.log()}")
@@ -155,34 +209,54 @@ class LocalCluster:
 
     # ---- updates ----
 
-    def apply(self, isvc: Obj, timeout: float = 180.0) -> None:
-        """Re-renders and rolls each Deployment whose pod template changed, one pod at a time."""
-        old_children, self.children = self.children, render_object(isvc, namespace=self.namespace)
-        old = {d["metadata"]["name"]: d for d in _of_kind(old_children, "Deployment")}
-        for deployment in self._objects("Deployment"):
-            name = deployment["metadata"]["name"]
-            previous = old.get(name)
-            if previous and previous["spec"]["template"] == deployment["spec"]["template"]:
-                continue
-            self._roll(deployment, timeout)
+    def apply(self, isvc: Obj, patch: Patch | None = None, timeout: float = 180.0) -> None:
+        """Re-renders (``patch`` then edits the rendered objects) and rolls out every Deployment
+        whose pods differ from it, each as its strategy says, all at once as the controller
+        would; returns when every rollout is complete (old pods may still be terminating)."""
+        children = render_object(isvc, namespace=self.namespace)
+        if patch is not None:
+            patch(children)
+        self.children = children
+        self._sources = PodSources(children, self.secrets, self.namespace)
+        deadline = time.monotonic() + timeout
+        pending = self._objects("Deployment")
+        while pending:
+            pending = [d for d in pending if not self._sync(d)]
+            if pending and time.monotonic() > deadline:
+                names = [d["metadata"]["name"] for d in pending]
+                raise AssertionError(f"rollout of {names} not complete:\n{self.describe()}")
+            time.sleep(_SYNC_S)
 
-    def _roll(self, deployment: Obj, timeout: float) -> None:
+    def _sync(self, deployment: Obj) -> bool:
+        """One sync of the Deployment controller for ``deployment``; True once it is complete."""
         name = deployment["metadata"]["name"]
-        outgoing = list(self.pods.get(name, []))
-        for i in range(deployment["spec"].get("replicas", 1)):
+        desired = deployment["spec"].get("replicas", 1)
+        strategy = Strategy.of(deployment)
+        template = _template_hash(deployment)
+        now = time.monotonic()
+        with self._lock:
+            pods = list(self.pods.get(name, []))
+        by_name = {p.name: p for p in pods}
+        views: dict[bool, list[PodView]] = {True: [], False: []}  # is it of the template?
+        for pod in pods:
+            if not pod.terminating:
+                view = PodView(pod.name, pod.ready, pod.available(strategy.min_ready_s, now))
+                views[pod.labels.get(TEMPLATE_HASH) == template].append(view)
+        new, old = views[True], views[False]
+        if complete(desired, new, old):
+            return True
+        old_running = any(
+            p.labels.get(TEMPLATE_HASH) != template and not p.terminated.is_set() for p in pods
+        )
+        step = next_step(strategy, desired, new, old, old_running)
+        for _ in range(step.create):
             pod = self._new_pod(deployment)
             with self._lock:
                 self.pods.setdefault(name, []).append(pod)
             pod.start()
-            deadline = time.monotonic() + timeout
-            while not pod.ready:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"new pod {pod.name} not ready:\n{self.describe()}")
-                time.sleep(0.05)
-            if i < len(outgoing):  # maxUnavailable 0: an old pod goes once a new one is ready
-                self._retire(name, outgoing[i])
-        for pod in outgoing[deployment["spec"].get("replicas", 1) :]:
-            self._retire(name, pod)
+        for pod_name in step.delete:
+            self._retire(name, by_name[pod_name])
+        return False
 
     def _retire(self, deployment: str, pod: LocalPod) -> None:
         pod.terminate(wait=False)
@@ -191,6 +265,7 @@ class LocalCluster:
             pod.terminated.wait()
             with self._lock:
                 self.pods[deployment].remove(pod)
+            self._remove_segments(pod)
 
         threading.Thread(target=forget, daemon=True).start()
 
@@ -207,11 +282,15 @@ class LocalCluster:
             name = f"{deployment['metadata']['name']}-{self._counter}"
         pod_dir = self.dir / name
         pod_dir.mkdir(parents=True)
+        (pod_dir / "run").mkdir(mode=0o700)  # its $KETCH_RUN_DIR
         containers = [*spec.get("initContainers", []), *spec["containers"]]
         names = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
-        ports = dict(zip(names.values(), free_ports(len(names)), strict=True))
+        files = self._sources.config_files(spec)
+        argvs = [[*c.get("command", []), *c.get("args", [])] for c in containers]
+        numbers = sorted(set(names.values()) | loopback_ports(files, argvs))
+        ports = dict(zip(numbers, free_ports(len(numbers)), strict=True))
         self._names[name], self._ports[name] = names, ports
-        volumes = {v["name"]: self._volume_dir(v, pod_dir) for v in spec.get("volumes", [])}
+        volumes = {v["name"]: PodSources.volume_dir(v, pod_dir) for v in spec.get("volumes", [])}
         # Paths under any mount, as the pod's containers see them (config files name them too).
         mounts = sorted(
             {
@@ -222,14 +301,15 @@ class LocalCluster:
             key=lambda m: -len(m[0]),
         )
         for volume in spec.get("volumes", []):
-            self._fill_volume(volume, volumes[volume["name"]], ports, mounts)
+            path = volumes[volume["name"]]
+            self._sources.fill_volume(volume, path, ports, mounts, self._resolve_name)
 
         def build(c: Obj) -> Container:
             return self._container(c, name, pod_dir, volumes, ports)
 
         pod = LocalPod(
             name,
-            template["metadata"].get("labels", {}),
+            {**template["metadata"].get("labels", {}), TEMPLATE_HASH: _template_hash(deployment)},
             [build(c) for c in spec.get("initContainers", [])],
             [build(c) for c in spec["containers"]],
             probe_port=lambda c, probe: self._probe_port(name, probe),
@@ -239,37 +319,6 @@ class LocalCluster:
         with self._lock:
             self._every_pod.append(pod)
         return pod
-
-    def _volume_dir(self, volume: Obj, pod_dir: Path) -> Path:
-        if volume.get("emptyDir", {}).get("medium") == "Memory":
-            return Path("/dev/shm")  # shared by the pod's containers, as in the pod
-        if not {"configMap", "secret", "emptyDir"} & set(volume):
-            raise ValueError(f"volume {volume['name']!r} ({sorted(volume)}) can't run locally")
-        path = pod_dir / "volumes" / volume["name"]
-        path.mkdir(parents=True)
-        return path
-
-    def _fill_volume(
-        self, volume: Obj, path: Path, ports: dict[int, int], mounts: list[tuple[str, Path]]
-    ) -> None:
-        if "configMap" in volume:
-            data = self._config_map(volume["configMap"]["name"])
-            for key, text in data.items():
-                (path / key).write_text(localize_file(key, text, ports, mounts, self._resolve_name))
-        elif "secret" in volume:
-            secret = volume["secret"]["secretName"]
-            if secret not in self.secrets:
-                raise ValueError(f"the pods mount Secret {secret!r}: pass it in secrets=")
-            data = self.secrets[secret]
-            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                (path / item["path"]).write_text(data[item["key"]])
-
-    def _config_map(self, name: str) -> dict[str, str]:
-        for config_map in self._objects("ConfigMap"):
-            if config_map["metadata"]["name"] == name:
-                return config_map.get("data", {})
-        raise ValueError(f"ConfigMap {name!r} is not among the rendered objects")
 
     def _container(
         self, c: Obj, pod: str, pod_dir: Path, volumes: dict[str, Path], ports: dict[int, int]
@@ -288,8 +337,9 @@ class LocalCluster:
         env = {"PATH": f"{_KETCH_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         # This harness plays the kubelet: if it dies, its pods stop by themselves.
         env |= {ENV_WATCH_PID: str(os.getpid()), CLUSTER_ENV: str(self.dir)}
+        env[rundir.ENV] = str(pod_dir / "run")  # the pod's own /tmp/ketch-<uid>
         for item in c.get("env", []):
-            env[item["name"]] = local(self._env_value(item, pod))
+            env[item["name"]] = local(self._sources.env_value(item, pod))
         # time_scale speeds up what only delays a test (startup/readiness polling); liveness
         # keeps its real period, so a slow start on a busy machine is not killed for it.
         probes = {
@@ -307,36 +357,6 @@ class LocalCluster:
             probes=probes,
             pre_stop_s=pre_stop,
         )
-
-    def _env_value(self, item: Obj, pod: str) -> str:
-        if "value" in item:
-            return str(item["value"])
-        source = item.get("valueFrom", {})
-        if "fieldRef" in source:
-            field = source["fieldRef"]["fieldPath"]
-            values = {
-                "status.podIP": "127.0.0.1",
-                "status.hostIP": "127.0.0.1",
-                "metadata.name": pod,
-                "metadata.namespace": self.namespace,
-                "spec.nodeName": "localhost",
-            }
-            if field not in values:
-                raise ValueError(f"env {item['name']}: fieldRef {field} is not supported locally")
-            return values[field]
-        if "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            return self._config_map(ref["name"])[ref["key"]]
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            value = self.secrets.get(ref["name"], {}).get(ref["key"])
-            if value is None:
-                raise ValueError(
-                    f"env {item['name']} reads key {ref['key']!r} of Secret {ref['name']!r}: "
-                    "pass it in secrets= (run.py: --secret NAME=KEY=VALUE)"
-                )
-            return value
-        raise ValueError(f"env {item['name']}: {sorted(source)} is not supported locally")
 
     def _probe_port(self, pod: str, probe: Obj) -> int:
         port = probe["httpGet"]["port"]
@@ -374,20 +394,47 @@ class LocalCluster:
             self.proxy_ports[(name, port["name"])] = local
 
     def _endpoints(self, service: Obj, port: Obj, any_state: bool) -> list[str]:
+        """The addresses of the pods ``service`` selects: every pod there is (``any_state``,
+        as a headless name lists them), or those its proxy still sends to (``routed``)."""
         selector = service["spec"].get("selector", {})
-        target = port.get("targetPort", port["port"])
         out = []
+        now = time.monotonic()
         with self._lock:
-            pods = [p for pods in self.pods.values() for p in pods]
+            if any_state:
+                pods = [p for pods in self.pods.values() for p in pods]
+            else:  # a deleted pod too, while the Service has not caught up
+                pods = [p for p in self._every_pod if p.routed(self.endpoint_lag_s, now)]
         for pod in pods:
             if any(pod.labels.get(k) != v for k, v in selector.items()):
                 continue
-            if not any_state and not pod.ready:
-                continue
-            number = self._names[pod.name].get(target) if isinstance(target, str) else target
-            if number in self._ports[pod.name]:
-                out.append(f"127.0.0.1:{self._ports[pod.name][number]}")
+            address = self._address(pod, port)
+            if address is not None:
+                out.append(address)
         return out
+
+    def _address(self, pod: LocalPod, port: Obj) -> str | None:
+        """``127.0.0.1:<local port>`` of a Service port's target on ``pod`` (None: not there)."""
+        target = port.get("targetPort", port["port"])
+        number = self._names[pod.name].get(target) if isinstance(target, str) else target
+        if number in self._ports[pod.name]:
+            return f"127.0.0.1:{self._ports[pod.name][number]}"
+        return None
+
+    def _remove_segments(self, pod: LocalPod) -> None:
+        """Removes what the pod left in ``/dev/shm`` (``ketch-*-<one of its numbers>``), as
+        the kubelet drops a pod's memory-backed volume; ``leftover_segments`` names them."""
+        for number in self._ports[pod.name].values():
+            for path in _SHM.glob(f"ketch-*-{number}"):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    logger.warning("pod %s left %s behind; removed", pod.name, path)
+                    with self._lock:
+                        self.leftover_segments.append(path.name)
+
+
+def _template_hash(deployment: Obj) -> str:
+    text = json.dumps(deployment["spec"]["template"], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _of_kind(objects: list[Obj], kind: str) -> list[Obj]:

@@ -6,6 +6,10 @@ completion, starts the containers, polls startup, liveness and readiness probes 
 probe with exponential back-off, and on termination runs the ``preStop`` sleep, sends SIGTERM
 and, after ``terminationGracePeriodSeconds``, SIGKILL. Each container runs in its own session,
 so killing it also kills the processes it started (engine, worker).
+
+The pod also remembers when it became ready and when it last was: the Deployment controller
+counts a pod available after ``minReadySeconds`` of readiness, and a Service keeps sending to a
+pod for a while after it stopped being ready or was deleted (``routed``).
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ class LocalPod:
         self.time_scale = time_scale
         self.terminating = False
         self.terminated = threading.Event()
+        self.ready_since: float | None = None  # monotonic; None while not ready
+        self.last_ready_at: float | None = None  # the last time it was seen ready
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._supervise, name=f"pod-{name}", daemon=True)
@@ -149,6 +155,18 @@ class LocalPod:
             live = not self.terminating and not self.terminated.is_set()
             return live and all(c.ready for c in self.containers)
 
+    def available(self, min_ready_s: float, now: float) -> bool:
+        """Ready for ``min_ready_s`` without a break (the Deployment controller's available)."""
+        since = self.ready_since
+        return self.ready and since is not None and now - since >= min_ready_s
+
+    def routed(self, lag_s: float, now: float) -> bool:
+        """Whether a Service still sends it connections: while it is ready, and for ``lag_s``
+        after it stopped being ready or was deleted, which is how late endpoint controllers and
+        kube-proxy see the change on a cluster (the rendered preStop sleep covers that time)."""
+        last = self.last_ready_at
+        return self.ready or (last is not None and now - last < lag_s)
+
     def container(self, name: str) -> Container:
         return next(c for c in self.containers if c.name == name)
 
@@ -158,6 +176,7 @@ class LocalPod:
 
     def terminate(self, wait: bool = True) -> None:
         """preStop, SIGTERM, then SIGKILL after the grace period (as on pod deletion)."""
+        self._note_readiness(time.monotonic())  # what the endpoints last saw
         with self._lock:
             if self.terminating:
                 started = False
@@ -190,9 +209,20 @@ class LocalPod:
                 now = time.monotonic()
                 for container in self.containers:
                     self._tend(container, now)
+                self._note_readiness(now)
                 time.sleep(_TICK_S)
         except Exception:
             logger.exception("pod %s: supervisor failed", self.name)
+
+    def _note_readiness(self, now: float) -> None:
+        ready = self.ready
+        with self._lock:
+            if not ready:
+                self.ready_since = None
+                return
+            self.last_ready_at = now
+            if self.ready_since is None:
+                self.ready_since = now
 
     def _run_init(self) -> bool:
         for container in self.init:

@@ -3,6 +3,12 @@
 ``localize`` makes an InferenceService CPU-sized; the rest rewrites what a pod reads: config
 files, flags and paths, with each declared container port mapped to the pod's local port and
 each Service name resolved as cluster DNS would (``resolve``, from the cluster).
+
+Some port numbers are never listened on: the engine's loopback channels are Unix sockets and
+its KV cache a ``/dev/shm`` segment, all named after ``--engine-worker-queue-port`` and
+``--cache-queue-port`` (``LOOPBACK_PORTS``). In a pod those names are private (its own ``/tmp``
+and ``/dev/shm``); here every pod shares the machine's ``/dev/shm``, so each pod gets its own
+numbers for them too (``loopback_ports``), as for its container ports.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import yaml
 
 Obj = dict[str, Any]
 Resolve = Callable[[str], str]
+
+# Config keys (and their --flags) whose numbers only name a pod's sockets and segments.
+LOOPBACK_PORTS = ("engine_worker_queue_port", "cache_queue_port")
 
 
 def localize(isvc: Obj, swap_space: str = "64Mi", kv_cache_memory: str = "128MiB") -> Obj:
@@ -38,6 +47,29 @@ def localize(isvc: Obj, swap_space: str = "64Mi", kv_cache_memory: str = "128MiB
     if "cacheManager" in spec:
         spec["cacheManager"]["hostSwapSpace"] = swap_space
     return out
+
+
+def loopback_ports(files: dict[str, str], argvs: list[list[str]]) -> set[int]:
+    """The ``LOOPBACK_PORTS`` numbers a pod's config files (name -> text) and argv name."""
+    found: set[int] = set()
+    for key, text in files.items():
+        if key.endswith((".yaml", ".yml", ".json")):
+            data = yaml.safe_load(text)  # JSON is YAML
+            if isinstance(data, dict):
+                found |= {v for k, v in data.items() if k in LOOPBACK_PORTS and _is_port(v)}
+    flags = {"--" + key.replace("_", "-") for key in LOOPBACK_PORTS}
+    for argv in argvs:
+        for before, arg in zip(["", *argv], argv, strict=False):
+            flag, eq, value = arg.partition("=")
+            if eq and flag in flags and value.isdigit():
+                found.add(int(value))
+            elif before in flags and arg.isdigit():
+                found.add(int(arg))
+    return found
+
+
+def _is_port(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def localize_file(
