@@ -5,14 +5,18 @@ that ServiceAccount. An operator started with it has exactly the rights an insta
 a call outside them gets the apiserver's 403 (the emulator enforces RBAC, as a cluster does).
 
 `without=("apps", "deployments", "create")` drops one verb from the Role first, to show what
-the operator does when the manifests lack it.
+the operator does when the manifests lack it. `Refusals` collects the 403s the operator (or
+kopf under it) logs, so a test can fail naming them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +119,30 @@ def write_kubeconfig(kube: Any, path: Path, namespace: str, token: str) -> Path:
     context["user"], context["namespace"] = OPERATOR, namespace
     path.write_text(json.dumps(config, indent=2))
     return path
+
+
+class Refusals(logging.Handler):
+    """Warnings the operator and kopf log about calls the API refused (403). kopf replaces the
+    root logger's handlers when it starts, so pytest's caplog would miss them."""
+
+    LOGGERS = ("ketch.operator", "kopf")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "forbidden" in text.lower() and ("403" in text or "is forbidden:" in text):
+            self.messages.append(text)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[Refusals]:
+        loggers = [logging.getLogger(name) for name in self.LOGGERS]
+        for logger in loggers:
+            logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            for logger in loggers:
+                logger.removeHandler(self)

@@ -150,8 +150,13 @@ def operator(cluster, tmp_path_factory) -> Iterator[Controller]:
     (operator_rbac.py): what it cannot do installed, it cannot do here."""
     workdir = tmp_path_factory.mktemp("operator")
     kubeconfig = operator_rbac.install(cluster.kube, cluster.namespace, workdir)
-    with running_operator(cluster, kubeconfig) as controller:
+    refusals = operator_rbac.Refusals()
+    with refusals.watching(), running_operator(cluster, kubeconfig) as controller:
         yield controller
+    assert not refusals.messages, (
+        "the API refused the operator (is a verb missing from the RBAC?)\n"
+        + ("\n".join(refusals.messages))
+    )
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ removes one verb at a time from a copy of the Role."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -29,26 +28,10 @@ from ketch.operator import crd
 from kubeemu import start_emulator
 
 
-class Records(logging.Handler):
-    """What the operator logs (kopf replaces the root logger's handlers, so caplog misses it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def records() -> Iterator[Records]:
-    handler = Records()
-    logger = logging.getLogger("ketch.operator")
-    logger.addHandler(handler)
-    try:
+def refusals() -> Iterator[operator_rbac.Refusals]:
+    with operator_rbac.Refusals().watching() as handler:
         yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture
@@ -99,7 +82,7 @@ def test_the_operator_signs_in_as_its_service_account(cluster: Cluster, tmp_path
     ids=["create-deployments", "patch-configmaps", "patch-status"],
 )
 def test_a_verb_missing_from_the_role_fails_with_the_403_named(
-    cluster: Cluster, tmp_path: Path, records: Records, without, verb, resource, group, child
+    cluster: Cluster, tmp_path: Path, refusals, without, verb, resource, group, child
 ):
     kubeconfig = operator_rbac.install(cluster.kube, cluster.namespace, tmp_path, without=without)
     name = "denied"
@@ -112,7 +95,7 @@ def test_a_verb_missing_from_the_role_fails_with_the_403_named(
         )
         wait_for(
             lambda: any(
-                "reconcile failed (Forbidden)" in m and expected in m for m in records.messages
+                "reconcile failed (Forbidden)" in m and expected in m for m in refusals.messages
             ),
             "the operator's log line",
         )
