@@ -31,7 +31,7 @@ from ketch.engine.router.config import RouterConfig
 from ketch.engine.router.instances import Instance, Registry
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
-from ketch.engine.router.registration import registration_routes
+from ketch.engine.router.registration import check_listing_access, registration_routes
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PREFILL_HEADER
 
 logger = logging.getLogger("ketch.router")
@@ -130,7 +130,11 @@ def create_app(state: RouterState) -> FastAPI:
         return Response(body, media_type=kind)
 
     @app.get("/v1/ketch/instances")
-    async def instances() -> JSONResponse:
+    async def instances(request: Request) -> JSONResponse:
+        try:  # the backends' addresses and errors: for operators, not for every client
+            check_listing_access(request, state.registration_token)
+        except Refused as exc:
+            return refused_response(exc)
         listed = sorted(state.registry.instances.values(), key=lambda i: (i.role, i.url))
         return JSONResponse(
             {"policy": state.policy.name, "instances": [i.to_json() for i in listed]}

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from ketch.engine.router.admission import Refused, error_response, read_body, refused_response
 from ketch.engine.router.config import RouterConfig
 from ketch.engine.router.instances import Registry
+from ketch.engine.serving.admission import is_loopback
 
 TOKEN_ENV = "KETCH_ROUTER_REGISTRATION_TOKEN"
 _MAX_BYTES = 64 * 1024  # a registration is one small JSON object
@@ -129,3 +130,15 @@ def check_token(request: Request, token: str) -> None:
         raise Refused(401, message, "authentication_error")
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise Refused(403, "wrong registration token", "permission_error")
+
+
+def check_listing_access(request: Request, token: str | None) -> None:
+    """``GET /v1/ketch/instances``: loopback clients (``kubectl exec``/``port-forward``), or
+    the registration token when the router has one; 403 for anyone else."""
+    client = request.client.host if request.client else None
+    if is_loopback(client):
+        return
+    if token is None:
+        message = "/v1/ketch/instances answers loopback clients only (no registration token set)"
+        raise Refused(403, message, "permission_error")
+    check_token(request, token)

@@ -103,3 +103,36 @@ def test_registered_urls_must_be_plain_host_and_port() -> None:
         ok = httpx.post(register, json={"url": "127.0.0.1:1"}, headers=GOOD, timeout=10)
         assert ok.status_code == 200 and ok.json()["registered"]["url"] == "http://127.0.0.1:1"
         assert httpx.get(f"{r.url}/health", timeout=5).status_code == 200
+
+
+def _outside_address() -> str | None:
+    """An address of this machine that is not loopback (a client from it is 'remote')."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent; picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.timeout(60)
+def test_instance_listing_is_for_operators_only() -> None:
+    """GET /v1/ketch/instances shows backends' addresses and errors: loopback clients, or the
+    registration token when there is one; anyone else is refused."""
+    outside = _outside_address()
+    if outside is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    with running_router("--mixed", "127.0.0.1:1", "--host", "0.0.0.0") as r:
+        listing = f"http://{outside}:{r.port}/v1/ketch/instances"
+        refused = httpx.get(listing, timeout=10)
+        assert refused.status_code == 403 and "loopback" in refused.json()["error"]["message"]
+        assert httpx.get(f"{r.url}/v1/ketch/instances", timeout=10).status_code == 200
+    with running_router("--registration-only", "--host", "0.0.0.0", env={TOKEN_ENV: TOKEN}) as r:
+        listing = f"http://{outside}:{r.port}/v1/ketch/instances"
+        assert httpx.get(listing, timeout=10).status_code == 401
+        wrong = httpx.get(listing, headers={"Authorization": "Bearer nope"}, timeout=10)
+        assert wrong.status_code == 403
+        assert httpx.get(listing, headers=GOOD, timeout=10).json()["instances"] == []
