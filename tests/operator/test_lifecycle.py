@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import operator_rbac
 import pytest
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
@@ -39,14 +40,21 @@ ISVC_PATH = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
 
 class Operator:
-    """`ketch-operator run --standalone` as a process: the namespaces given, or cluster-wide."""
+    """`ketch-operator run --standalone` as a process, signed in as its ServiceAccount with the
+    manifests' RBAC: the single-namespace overlay for the namespaces given, or cluster-wide."""
 
     def __init__(self, kube: Any, namespaces: list[str], log: Path):
         (self.metrics_port,) = free_ports(1)
         self.log = log
+        kubeconfig = operator_rbac.install(
+            kube,
+            namespaces[0] if namespaces else "default",
+            log.with_suffix(".rbac"),
+            cluster_wide=not namespaces,
+        )
         args = [f"--namespace={ns}" for ns in namespaces]
         args += ["--metrics-port", str(self.metrics_port), "--log-level", "INFO"]
-        env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         self.proc = subprocess.Popen(
             [EXE, "run", "--standalone", *args],
             env=env,
@@ -389,9 +397,7 @@ def test_fixed_to_autoscaled_keeps_the_replica_count(cluster, operators, tmp_pat
     body["spec"]["engine"] = {**body["spec"].get("engine", {}), "maxNumSeqs": 9}
     cluster.apply(body)
     dep = wait_for(
-        lambda: (
-            (d := deployment(cluster, f"{name}-mixed")) and d["spec"]["replicas"] == 2 and d
-        ),
+        lambda: (d := deployment(cluster, f"{name}-mixed")) and d["spec"]["replicas"] == 2 and d,
         "fixed replicas again",
     )
     assert FIELD_MANAGER in replicas_owners(dep)
