@@ -1,7 +1,8 @@
 """The gate in front of every API request, in kube-apiserver's order: who sends it
 (authn.Tokens: 401 for a token it does not know), whether RBAC lets them (rbac.Authorizer: 403
 with the apiserver's message), then the handler. Also answers the TokenRequest subresource
-(`POST /api/v1/namespaces/NS/serviceaccounts/NAME/token`), which issues ServiceAccount tokens.
+(`POST /api/v1/namespaces/NS/serviceaccounts/NAME/token`), which issues ServiceAccount tokens,
+and SelfSubjectAccessReviews (`kubectl auth can-i`).
 
 A server-side apply that would create its object is authorized for `create` as well as `patch`,
 as the apiserver's patch handler does (a Role with `patch` but not `create` cannot create by
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kubeemu import protowire
-from kubeemu.authn import Tokens
+from kubeemu.authn import Tokens, User
 from kubeemu.errors import ApiError, bad_request
 from kubeemu.patches import APPLY_PATCH
 from kubeemu.rbac import Authorizer, RequestInfo, request_info
@@ -69,7 +70,40 @@ class Gate:
             body = await _token_request_body(request)
             issued = self.tokens.request(self.store, info.namespace, info.name, body)
             return _respond(issued, 201)
+        if _is_self_review(info):
+            return _respond(self._self_review(user, await _token_request_body(request)), 201)
         return None
+
+    def _self_review(self, user: User, body: Any) -> dict[str, Any]:
+        """A SelfSubjectAccessReview (`kubectl auth can-i`): may this user do that?"""
+        spec = (body.get("spec") if isinstance(body, dict) else None) or {}
+        resource = spec.get("resourceAttributes")
+        if isinstance(resource, dict):
+            asked = RequestInfo(
+                path="",
+                verb=str(resource.get("verb") or ""),
+                resource_request=True,
+                api_group=str(resource.get("group") or ""),
+                api_version=str(resource.get("version") or ""),
+                namespace=str(resource.get("namespace") or ""),
+                resource=str(resource.get("resource") or ""),
+                subresource=str(resource.get("subresource") or ""),
+                name=str(resource.get("name") or ""),
+            )
+        else:
+            other = spec.get("nonResourceAttributes") or {}
+            asked = RequestInfo(str(other.get("path") or ""), str(other.get("verb") or ""))
+        allowed, reason = self.authorizer.allowed(user, asked)
+        status: dict[str, Any] = {"allowed": allowed}
+        if reason:
+            status["reason"] = reason
+        return {
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
 
     def _creates_by_apply(self, info: RequestInfo, content_type: str) -> bool:
         if info.verb != "patch" or info.subresource or not info.name:
@@ -81,6 +115,15 @@ class Gate:
             return False
         namespace = info.namespace if rt.namespaced else None
         return self.store.peek(rt.key, namespace, info.name) is None
+
+
+def _is_self_review(info: RequestInfo) -> bool:
+    return (
+        info.verb == "create"
+        and info.api_group == "authorization.k8s.io"
+        and info.resource == "selfsubjectaccessreviews"
+        and not info.name
+    )
 
 
 def _is_token_request(info: RequestInfo) -> bool:

@@ -66,6 +66,32 @@ SCHEMAS: dict[tuple[str, str], dict[int, tuple[str, Any]]] = {
         3: ("imagePullSecrets", ("repeated", _LOCAL_REF)),
         4: ("automountServiceAccountToken", "bool"),
     },
+    # `kubectl create token` and `kubectl auth can-i` (access.py answers them)
+    ("authentication.k8s.io/v1", "TokenRequest"): {
+        1: ("metadata", _OBJECT_META),
+        2: ("spec", {1: ("audiences", "[string]"), 4: ("expirationSeconds", "int64")}),
+    },
+    ("authorization.k8s.io/v1", "SelfSubjectAccessReview"): {
+        1: ("metadata", _OBJECT_META),
+        2: (
+            "spec",
+            {
+                1: (
+                    "resourceAttributes",
+                    {
+                        1: ("namespace", "string"),
+                        2: ("verb", "string"),
+                        3: ("group", "string"),
+                        4: ("version", "string"),
+                        5: ("resource", "string"),
+                        6: ("subresource", "string"),
+                        7: ("name", "string"),
+                    },
+                ),
+                2: ("nonResourceAttributes", {1: ("path", "string"), 2: ("verb", "string")}),
+            },
+        ),
+    },
 }
 
 

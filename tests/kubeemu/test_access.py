@@ -322,3 +322,24 @@ def test_kubectl_runs_as_the_service_account(emu: Emulator, namespace: str, tmp_
         f'Error from server (Forbidden): services is forbidden: User "{user(namespace)}" cannot '
         f'list resource "services" in API group "" in the namespace "{namespace}"'
     ) in refused.stderr
+
+
+def test_kubectl_auth_can_i_answers_for_the_service_account(emu: Emulator, namespace, tmp_path):
+    emu.post(f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "robot"}})
+    issued = kubectl(
+        emu, "create", "token", "robot", "-n", namespace, "--duration", "2h", "-o", "json"
+    )
+    assert json.loads(issued.stdout)["spec"]["expirationSeconds"] == 7200
+    token = json.loads(issued.stdout)["status"]["token"]
+    grant(emu, namespace, [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}])
+    config = write_kubeconfig(tmp_path / "robot", emu.secure_url, namespace, token=token)
+
+    def can_i(*args: str) -> str:
+        command = ["kubectl", "--kubeconfig", str(config), "auth", "can-i", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert can_i("list", "pods") == "yes"
+    assert can_i("create", "pods") == "no"
+    assert can_i("list", "pods", "-n", "default") == "no"
+    assert can_i("get", "/version") == "yes"
+    assert can_i("get", "/metrics") == "no"

@@ -228,6 +228,12 @@ def test_what_the_operator_renders_meets_restricted():
                 )
 
 
+def test_the_operators_own_pod_meets_restricted():
+    deployment = yaml.safe_load((ROOT / "manifests" / "base" / "deployment.yaml").read_text())
+    template = deployment["spec"]["template"]
+    assert violations(template["spec"], meta=template["metadata"]) == ""
+
+
 # --------------------------------------------------------------------------- at the API
 
 
