@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
+from ketch.engine.serving import openapi
 from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     Slot,
@@ -105,6 +106,7 @@ def create_app(state: ServingState) -> FastAPI:
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/pause", _pause, methods=["POST"])
     app.add_api_route("/resume", _resume, methods=["POST"])
+    openapi.install(app)
     return app
 
 

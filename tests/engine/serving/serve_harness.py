@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs import free_ports, terminate, wait_for  # noqa: F401 (re-exported)
+from procs import free_ports, terminate, wait_for
 
 KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
 BASE_ARGS = ("--model", "tiny", "--host", "127.0.0.1", "--block-size", "16")
@@ -168,3 +168,22 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
         if line.startswith("data: "):
             data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
+
+
+# A plain greedy request; after hostile input the instance must still answer it exactly.
+GOOD = {"model": "tiny", "prompt": "Alice was", "max_tokens": 8, "temperature": 0}
+
+
+def assert_exact_and_idle(url: str, reference_llm) -> None:
+    """The instance is healthy, answers GOOD exactly as the offline engine does, and every KV
+    block comes back free."""
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    got = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=60).json()
+    want = greedy(reference_llm, [GOOD["prompt"]], GOOD["max_tokens"])[0]
+    assert got["choices"][0]["text"] == want.text
+
+    def idle() -> bool:
+        samples = scrape(url)
+        return metric(samples, "free_kv_block_num") == metric(samples, "max_kv_block_num")
+
+    wait_for(idle, 30, "every KV block to be free again")

@@ -19,25 +19,15 @@ import httpx
 import pytest
 import zmq
 from hostile import EXTREMES, frames
-from serve_harness import Server, greedy, metric, running_server, scrape, wait_for
+from serve_harness import (
+    GOOD,
+    Server,
+    assert_exact_and_idle,
+    running_server,
+    wait_for,
+)
 
 from ketch.engine.disagg import messages as pd
-
-GOOD = {"model": "tiny", "prompt": "Alice was", "max_tokens": 8, "temperature": 0}
-
-
-def _assert_exact_and_idle(url: str, reference_llm) -> None:
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    got = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=60).json()
-    want = greedy(reference_llm, [GOOD["prompt"]], GOOD["max_tokens"])[0]
-    assert got["choices"][0]["text"] == want.text
-
-    def idle() -> bool:
-        samples = scrape(url)
-        return metric(samples, "free_kv_block_num") == metric(samples, "max_kv_block_num")
-
-    wait_for(idle, 30, "every KV block to be free again")
-
 
 # ---- finding 1: one request must not kill the instance ----
 
@@ -61,7 +51,7 @@ def test_out_of_range_values_are_400_and_the_instance_serves_on(
     assert response.status_code == 400, response.text
     assert field in response.json()["error"]["message"] + str(response.json()["error"]["param"])
     assert server.proc.poll() is None
-    _assert_exact_and_idle(server.url, reference_llm)
+    assert_exact_and_idle(server.url, reference_llm)
 
 
 # ---- finding 5: bounded fan-out and per-token work ----
@@ -225,7 +215,7 @@ def test_fuzzed_bodies_get_4xx_and_leave_the_instance_exact(server, reference_ll
             if r.status_code >= 400:
                 assert r.json()["error"]["message"]
     assert statuses.get(400, 0) > 100, statuses
-    _assert_exact_and_idle(server.url, reference_llm)
+    assert_exact_and_idle(server.url, reference_llm)
 
 
 # ---- finding 2 and fuzzing pd-comm ----
