@@ -389,13 +389,16 @@ def test_pod_problems_degrade_with_a_reason(cluster, operator, mode, reason):
     cluster.apply(cpu_example(name))
     wait_for(lambda: ready(cluster, name), f"{name} Ready")
     cluster.kube.set_fault(cluster.namespace, f"{name}-mixed", mode)
+    # The pod's status says why before the Deployment's counts catch up (as on a cluster: the
+    # ReplicaSet and Deployment controllers sync after the kubelet), so wait for both.
     body = wait_for(
         lambda: (
             (b := cluster.get(crd.PLURAL, name))
             and condition(b, "Degraded").get("reason") == reason
+            and condition(b, "Ready").get("status") == "False"
             and b
         ),
-        f"Degraded/{reason}",
+        f"Degraded/{reason} and Ready False",
     )
     assert condition(body, "Degraded")["status"] == "True"
     assert condition(body, "Ready")["status"] == "False"
