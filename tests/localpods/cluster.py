@@ -4,7 +4,7 @@
 ``ketch-operator render`` prints), then for every Deployment starts ``replicas`` pods (see
 ``pod.py``) and for every ClusterIP Service a local proxy (see ``proxy.py``).
 
-What a pod gets, translated from its manifest:
+What a pod gets, translated from its manifest (``podtemplate.py``):
 - pod IP 127.0.0.1; every declared ``containerPort`` remapped to a free loopback port, the same
   way everywhere in the pod: ``*port`` keys of its mounted YAML/JSON config files, ``--*-port``
   flags, probes, and the Services that select it;
@@ -46,7 +46,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -54,15 +53,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ketch.engine import rundir
-from ketch.engine.lifecycle import ENV_WATCH_PID
 from ketch.operator.cli import render_object
-from localpods.pod import Container, LocalPod, _Probe
+from localpods.pod import LocalPod
+from localpods.podtemplate import CLUSTER_ENV, Placement, PodPorts, make_pod
 from localpods.proxy import ServiceProxies
 from localpods.rollout import PodView, Strategy, complete, next_step
 from localpods.sources import PodSources
-from localpods.translate import local_path, localize_args, loopback_ports
-from procs import free_ports, processes_with_env, wait_for
+from procs import processes_with_env, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +69,6 @@ Patch = Callable[[list[Obj]], None]
 TEMPLATE_HASH = "pod-template-hash"  # the label a ReplicaSet gives its pods
 _SYNC_S = 0.05  # how often a rollout looks again
 _SHM = Path("/dev/shm")
-_KETCH_BIN = Path(sys.executable).parent
-# Set on every container: the processes of one cluster (and all they start) can be found, and
-# killed, however they were left.
-CLUSTER_ENV = "KETCH_LOCALPODS_DIR"
 
 
 class LocalCluster:
@@ -94,7 +87,8 @@ class LocalCluster:
         ``time_scale`` shortens startup/readiness probe periods, preStop sleeps, restart
         back-off, ``minReadySeconds`` and ``endpoint_lag_s`` (how long a Service keeps sending
         to a pod that was deleted or stopped being ready; it stays in proportion to the
-        preStop sleep meant to cover it); liveness probes keep their periods."""
+        preStop sleep meant to cover it; a later change of the attribute holds for the
+        deletions after it); liveness probes keep their periods."""
         self.namespace = namespace
         self.secrets = secrets or {}
         self.time_scale = time_scale
@@ -105,8 +99,8 @@ class LocalCluster:
         self.pods: dict[str, list[LocalPod]] = {}  # Deployment name -> pods
         self._every_pod: list[LocalPod] = []  # retired ones too, for stop()
         self.proxy_ports: dict[tuple[str, int | str], int] = {}  # (Service, port) -> local port
-        self._ports: dict[str, dict[int, int]] = {}  # pod name -> containerPort -> local port
-        self._names: dict[str, dict[str, int]] = {}  # pod name -> port name -> containerPort
+        self._ports: dict[str, PodPorts] = {}  # pod name -> its ports
+        self._leaves: dict[str, float] = {}  # deleted pod -> when its Services stop sending
         self.leftover_segments: list[str] = []  # /dev/shm names removed with their pod
         self._counter = 0
         self._lock = threading.Lock()
@@ -174,8 +168,8 @@ class LocalCluster:
 
     def pod_port(self, pod: LocalPod, port: int | str) -> int:
         """The local port of one of a pod's container ports (by name or number)."""
-        number = self._names[pod.name][port] if isinstance(port, str) else port
-        return self._ports[pod.name][number]
+        ports = self._ports[pod.name]
+        return ports.local[ports.names[port] if isinstance(port, str) else port]
 
     def endpoints(self, service: str, port: int | str = "http") -> list[str]:
         """Names of the pods a ClusterIP Service's proxy sends new connections to, now."""
@@ -259,6 +253,11 @@ class LocalCluster:
         return False
 
     def _retire(self, deployment: str, pod: LocalPod) -> None:
+        now = time.monotonic()
+        # The Service sees the deletion endpoint_lag_s from now (as the lag is now).
+        leaves = now + self.endpoint_lag_s if pod.routed(self.endpoint_lag_s, now) else now
+        with self._lock:
+            self._leaves[pod.name] = leaves
         pod.terminate(wait=False)
 
         def forget() -> None:
@@ -275,93 +274,22 @@ class LocalCluster:
         return _of_kind(self.children, kind)
 
     def _new_pod(self, deployment: Obj) -> LocalPod:
-        template = deployment["spec"]["template"]
-        spec = template["spec"]
         with self._lock:
             self._counter += 1
             name = f"{deployment['metadata']['name']}-{self._counter}"
-        pod_dir = self.dir / name
-        pod_dir.mkdir(parents=True)
-        (pod_dir / "run").mkdir(mode=0o700)  # its $KETCH_RUN_DIR
-        containers = [*spec.get("initContainers", []), *spec["containers"]]
-        names = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
-        files = self._sources.config_files(spec)
-        argvs = [[*c.get("command", []), *c.get("args", [])] for c in containers]
-        numbers = sorted(set(names.values()) | loopback_ports(files, argvs))
-        ports = dict(zip(numbers, free_ports(len(numbers)), strict=True))
-        self._names[name], self._ports[name] = names, ports
-        volumes = {v["name"]: PodSources.volume_dir(v, pod_dir) for v in spec.get("volumes", [])}
-        # Paths under any mount, as the pod's containers see them (config files name them too).
-        mounts = sorted(
-            {
-                (m["mountPath"], volumes[m["name"]])
-                for c in containers
-                for m in c.get("volumeMounts", [])
-            },
-            key=lambda m: -len(m[0]),
+        where = Placement(
+            name, self.dir / name, self.dir, self.time_scale, self._sources, self._resolve_name
         )
-        for volume in spec.get("volumes", []):
-            path = volumes[volume["name"]]
-            self._sources.fill_volume(volume, path, ports, mounts, self._resolve_name)
-
-        def build(c: Obj) -> Container:
-            return self._container(c, name, pod_dir, volumes, ports)
-
-        pod = LocalPod(
-            name,
-            {**template["metadata"].get("labels", {}), TEMPLATE_HASH: _template_hash(deployment)},
-            [build(c) for c in spec.get("initContainers", [])],
-            [build(c) for c in spec["containers"]],
-            probe_port=lambda c, probe: self._probe_port(name, probe),
-            grace_s=spec.get("terminationGracePeriodSeconds", 30),
-            time_scale=self.time_scale,
-        )
+        template = deployment["spec"]["template"]
+        labels = {
+            **template["metadata"].get("labels", {}),
+            TEMPLATE_HASH: _template_hash(deployment),
+        }
+        pod, ports = make_pod(template, labels, where)
         with self._lock:
+            self._ports[name] = ports
             self._every_pod.append(pod)
         return pod
-
-    def _container(
-        self, c: Obj, pod: str, pod_dir: Path, volumes: dict[str, Path], ports: dict[int, int]
-    ) -> Container:
-        mounts = sorted(
-            ((m["mountPath"], volumes[m["name"]]) for m in c.get("volumeMounts", [])),
-            key=lambda m: -len(m[0]),
-        )
-
-        def local(value: str) -> str:
-            return self._resolve_name(local_path(value, mounts))
-
-        argv = localize_args([local(a) for a in [*c.get("command", []), *c.get("args", [])]], ports)
-        if argv and argv[0] == "ketch":  # the image's ketch is this checkout's (after the
-            argv[0] = str(_KETCH_BIN / "ketch")  # rewriting: it may live under a mount path)
-        env = {"PATH": f"{_KETCH_BIN}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-        # This harness plays the kubelet: if it dies, its pods stop by themselves.
-        env |= {ENV_WATCH_PID: str(os.getpid()), CLUSTER_ENV: str(self.dir)}
-        env[rundir.ENV] = str(pod_dir / "run")  # the pod's own /tmp/ketch-<uid>
-        for item in c.get("env", []):
-            env[item["name"]] = local(self._sources.env_value(item, pod))
-        # time_scale speeds up what only delays a test (startup/readiness polling); liveness
-        # keeps its real period, so a slow start on a busy machine is not killed for it.
-        probes = {
-            kind: _Probe(c[f"{kind}Probe"], 1.0 if kind == "liveness" else self.time_scale)
-            for kind in ("startup", "liveness", "readiness")
-            if f"{kind}Probe" in c
-        }
-        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
-        return Container(
-            name=c["name"],
-            argv=argv,
-            env=env,
-            log_path=pod_dir / f"{c['name']}.log",
-            cwd=pod_dir,
-            probes=probes,
-            pre_stop_s=pre_stop,
-        )
-
-    def _probe_port(self, pod: str, probe: Obj) -> int:
-        port = probe["httpGet"]["port"]
-        number = self._names[pod][port] if isinstance(port, str) else port
-        return self._ports[pod].get(number, number)
 
     # ---- names and ports ----
 
@@ -403,7 +331,7 @@ class LocalCluster:
             if any_state:
                 pods = [p for pods in self.pods.values() for p in pods]
             else:  # a deleted pod too, while the Service has not caught up
-                pods = [p for p in self._every_pod if p.routed(self.endpoint_lag_s, now)]
+                pods = [p for p in self._every_pod if self._routed(p, now)]
         for pod in pods:
             if any(pod.labels.get(k) != v for k, v in selector.items()):
                 continue
@@ -412,18 +340,25 @@ class LocalCluster:
                 out.append(address)
         return out
 
+    def _routed(self, pod: LocalPod, now: float) -> bool:
+        """Whether a Service's proxy still sends ``pod`` new connections (lock held)."""
+        if pod.name in self._leaves:  # deleted
+            return now < self._leaves[pod.name]
+        return pod.routed(self.endpoint_lag_s, now)
+
     def _address(self, pod: LocalPod, port: Obj) -> str | None:
         """``127.0.0.1:<local port>`` of a Service port's target on ``pod`` (None: not there)."""
         target = port.get("targetPort", port["port"])
-        number = self._names[pod.name].get(target) if isinstance(target, str) else target
-        if number in self._ports[pod.name]:
-            return f"127.0.0.1:{self._ports[pod.name][number]}"
+        ports = self._ports[pod.name]
+        number = ports.names.get(target) if isinstance(target, str) else target
+        if number in ports.local:
+            return f"127.0.0.1:{ports.local[number]}"
         return None
 
     def _remove_segments(self, pod: LocalPod) -> None:
         """Removes what the pod left in ``/dev/shm`` (``ketch-*-<one of its numbers>``), as
         the kubelet drops a pod's memory-backed volume; ``leftover_segments`` names them."""
-        for number in self._ports[pod.name].values():
+        for number in self._ports[pod.name].local.values():
             for path in _SHM.glob(f"ketch-*-{number}"):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

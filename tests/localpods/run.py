@@ -39,6 +39,13 @@ def main() -> int:
         help="a Secret the pods mount (repeatable)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for ready")
+    parser.add_argument(
+        "--endpoint-lag",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long a Service keeps sending to a deleted or unready pod (kube-proxy's lag)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     isvc = yaml.safe_load(Path(args.file).read_text())
@@ -48,7 +55,9 @@ def main() -> int:
     for item in args.secret:
         name, key, value = item.split("=", 2)
         secrets.setdefault(name, {})[key] = value
-    cluster = LocalCluster(isvc, namespace=args.namespace, secrets=secrets)
+    cluster = LocalCluster(
+        isvc, namespace=args.namespace, secrets=secrets, endpoint_lag_s=args.endpoint_lag
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         cluster.start().wait_ready(args.timeout)

@@ -43,6 +43,7 @@ def cluster() -> Iterator[LocalCluster]:
         yield local
     finally:
         local.stop()
+    assert not local.leftover_segments  # every engine removed its /dev/shm segments
 
 
 def _client(cluster: LocalCluster, key: str = API_KEY) -> openai.OpenAI:
