@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 HOST = "127.0.0.1"
 KETCH = str(Path(sys.executable).parent / "ketch")
-CORPUS = Path(__file__).resolve().parent.parent / "engine" / "models" / "tiny" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parent.parent / "engine/ketch/engine/models/tiny/corpus.txt"
 POLICIES = ("round-robin", "prefix-hash", "least-requests")
 
 

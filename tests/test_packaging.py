@@ -1,8 +1,11 @@
 """The package layout: ``ketch.*`` imports, no stdlib shadowing, and a complete package list.
 
-The repository maps ``engine/``, ``operator/`` and ``kernels/`` onto ``ketch.engine``,
-``ketch.operator`` and ``ketch.kernels``. pyproject lists the packages explicitly, so a new
-subpackage that is not listed would be missing from a wheel; these tests catch that.
+The design's top-level directories ``engine/``, ``operator/`` and ``kernels/`` hold the packages
+one level down (``engine/ketch/engine`` is ``ketch.engine``, and so on), and none of the
+top-level directories is itself a package: a ``python -m ...`` started in the repository root
+(a user's own tool, vLLM's server for a side-by-side benchmark) must import the standard
+library's ``operator``, not ours. pyproject lists the packages explicitly, so a new subpackage
+that is not listed would be missing from a wheel; these tests catch that.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import operator
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = {"ketch.engine": "engine", "ketch.operator": "operator", "ketch.kernels": "kernels"}
+TOP_LEVEL = ("engine", "operator", "kernels")
+
+
 # What the engine reads from a model directory at run time (train.py and the corpus are not).
 TINY_RUNTIME_FILES = (
     "config.json",
@@ -33,6 +40,9 @@ def pyproject() -> dict[str, Any]:
         return tomllib.load(file)
 
 
+ROOTS: dict[str, str] = pyproject()["tool"]["setuptools"]["package-dir"]
+
+
 @pytest.mark.parametrize("name", sorted(ROOTS))
 def test_top_level_packages_import(name: str) -> None:
     module = importlib.import_module(name)
@@ -44,6 +54,35 @@ def test_stdlib_operator_is_not_shadowed() -> None:
     assert not Path(operator.__file__ or "").resolve().is_relative_to(REPO)
     enum = importlib.import_module("enum")  # imports ``operator`` itself
     assert enum.Enum
+
+
+def test_no_top_level_directory_is_a_package() -> None:
+    assert {f"ketch.{name}": f"{name}/ketch/{name}" for name in TOP_LEVEL} == ROOTS
+    for name in TOP_LEVEL:
+        assert not (REPO / name / "__init__.py").exists(), name
+        assert not (REPO / name / "ketch" / "__init__.py").exists(), name  # ketch: a namespace
+
+
+def test_stdlib_module_runs_from_the_repository_root() -> None:
+    """``python -m json.tool`` (and ``import operator``) from the root, with the root first on
+    sys.path as ``-m`` puts it, use the standard library."""
+    done = subprocess.run(
+        [sys.executable, "-m", "json.tool"],
+        input='{"a": [1, 2]}', capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert '"a"' in done.stdout
+    # site may have imported the stdlib's operator already: forget it, so the path decides.
+    probe = (
+        "import sys; sys.modules.pop('operator', None); import operator, kernels, engine; "
+        "print(operator.add(2, 3), engine.__file__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    # engine/ and kernels/ are at most empty namespace directories, never our code.
+    assert done.returncode == 0 and done.stdout.split()[0] == "5", done.stderr
+    assert done.stdout.split()[1] == "None"
 
 
 def test_tiny_model_dir_is_inside_the_package() -> None:
