@@ -220,24 +220,18 @@ def summarise(label: str, created: dict[str, float], done: dict[str, float], cou
 
 
 def write_counts(before: Any, after: Any, count: int) -> str:
-    """Differences of the emulator's request counters, per InferenceService."""
-
-    def flat(node: Any, prefix: str = "") -> dict[str, float]:
-        if isinstance(node, dict):
-            out: dict[str, float] = {}
-            for k, v in node.items():
-                out.update(flat(v, f"{prefix}{k}."))
-            return out
-        return {prefix.rstrip("."): node} if isinstance(node, int | float) else {}
-
-    b, a = flat(before), flat(after)
-    diffs = {
-        k: (a[k] - b.get(k, 0)) / count
-        for k in a
-        if a[k] != b.get(k, 0) and (k.startswith("requests.") or k == "resourceVersion")
-    }
-    names = {"resourceVersion": "committed writes (operator + controllers)"}
-    return ", ".join(f"{names.get(k, k)} {v:.1f}" for k, v in sorted(diffs.items())) or "n/a"
+    """The operator's requests during the ketch run, per InferenceService, by verb and resource
+    (the emulator's counters), and the writes every client and controller committed."""
+    b = before.get("requests_by_resource") or {}
+    a = after.get("requests_by_resource") or {}
+    lines = []
+    for key in sorted(a):
+        agent, _, what = key.partition(" ")
+        if agent == "ketch-operator" and a[key] != b.get(key, 0):
+            lines.append(f"  {what:45} {(a[key] - b.get(key, 0)) / count:5.2f}")
+    commits = (after["resourceVersion"] - before["resourceVersion"]) / count
+    lines.append(f"  {'committed writes (operator + controllers)':45} {commits:5.2f}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -269,7 +263,7 @@ def main() -> int:
             f"{row['rate']:>8.1f} {row['p50']:>7.3f} {row['p99']:>7.3f} {ratio:>7.2f}"
         )
     counts = write_counts(before, after, args.count)
-    print(f"\nper InferenceService during the ketch run (emulator counters): {counts}")
+    print(f"\noperator requests per InferenceService (emulator counters):\n{counts}")
     ratio = ketch["rate"] / noop["rate"] if noop["rate"] else 0
     print(
         f"\ntargets: ratio >= 0.25 ({'met' if ratio >= 0.25 else 'MISSED'}), "

@@ -32,6 +32,8 @@ class Tracked:
     # from the watch; until the watch has shown it (a restarted operator whose Deployment watch
     # has not listed yet), from here, so that a restart never reports it missing.
     answers: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)
+    # When a status change that is progress only was first held back (``status_patch``).
+    held_since: float | None = None
 
     @property
     def last_status(self) -> Obj | None:

@@ -50,7 +50,10 @@ class Controller:
         *,
         resync_seconds: float = 300.0,
         max_backoff: float = 60.0,
+        status_hold: float = 0.0,
     ):
+        """``status_hold``: how long a status change that is progress only may wait for the
+        next one (``status_patch``); 0 writes every change at once."""
         self.client = client
         self.metrics = metrics or OperatorMetrics()
         self.resync_seconds = resync_seconds
@@ -60,7 +63,15 @@ class Controller:
         self.autoscaling = CoordinatedAutoscaling(client, self.cache, self._status_changed)
         self.applier = ChildApplier(client, self.cache, self.events, self.metrics)
         self.drift = DriftRepair(client, self.cache, self.events, self.metrics)
-        self.status = StatusWriter(client, self.cache, self.events, self.metrics, self.autoscaling)
+        self.status = StatusWriter(
+            client,
+            self.cache,
+            self.events,
+            self.metrics,
+            self.autoscaling,
+            hold=status_hold,
+            recheck=self._status_changed,
+        )
         self._resync_task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -153,6 +164,7 @@ class Controller:
 
     async def stop(self) -> None:
         self.autoscaling.stop_all()
+        self.status.stop()
         tasks = [t for t in (self._resync_task, *self.queue.tasks()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -160,12 +172,14 @@ class Controller:
 
     @property
     def busy(self) -> bool:
-        """True while work is queued or running."""
-        return self.queue.busy
+        """True while work is queued or running, or a status change is held back."""
+        return self.queue.busy or self.status.holding
 
     async def idle(self, timeout: float = 30.0) -> None:
         """Waits until no work is queued or running (for tests and the benchmark)."""
-        await self.queue.idle(timeout)
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ reconcile
 

@@ -36,6 +36,11 @@ CHILD_RESOURCES = (
 )
 
 
+# A status change that only moves a rollout along waits this long for the next one, so that a
+# new InferenceService whose pods start at once is written once, Ready (``status_patch``).
+STATUS_HOLD_SECONDS = 1.0
+
+
 class NoDiffBase(kopf.DiffBaseStorage):
     """kopf keeps a "last handled" copy of every object for change handlers. This operator has
     none (it is level-triggered), so it keeps nothing: no deep copy of every watched object on
@@ -68,10 +73,12 @@ def make_registry(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
     resync_seconds: float = 300.0,
+    status_hold_seconds: float = STATUS_HOLD_SECONDS,
     on_controller: Any = None,
 ) -> kopf.OperatorRegistry:
     """A kopf registry with the operator's handlers. ``on_controller(controller)`` is called once
-    the controller exists (tests and the benchmark use it to wait for idleness)."""
+    the controller exists (tests and the benchmark use it to wait for idleness).
+    ``status_hold_seconds``: see ``status_patch`` (progress waits, settled states do not)."""
     registry = kopf.OperatorRegistry()
     state: dict[str, Any] = {}
 
@@ -94,7 +101,9 @@ def make_registry(
         settings.networking.error_backoffs = [1, 2, 5]
         metrics = OperatorMetrics()
         client = KubeClient(connection_info(settings), relogin=lambda: connection_info(settings))
-        controller = Controller(client, metrics, resync_seconds=resync_seconds)
+        controller = Controller(
+            client, metrics, resync_seconds=resync_seconds, status_hold=status_hold_seconds
+        )
         controller.start()
         state["controller"] = controller
         if metrics_port is not None:

@@ -5,12 +5,22 @@ part; it is sent as a merge patch of the ``status`` subresource, and only when i
 what was last written, so a burst of pod events costs no write when nothing visible changed.
 A condition that turns Ready, or Degraded (other than InvalidSpec, which has its own), is also
 posted as an Event.
+
+Progress is not news: a change that only moves a rollout along (a new object's first status
+while its pods start, a message or a count while it stays Progressing) waits up to ``hold``
+seconds for the next, and only the latest is written — so a new InferenceService whose pods
+start quickly gets one status write, straight to Ready. Every other change is written at once:
+Ready or Degraded turning True, a condition's status or reason changing, a new
+observedGeneration, the autoscaler's part.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import time
+from collections.abc import Callable
 
 from ketch.operator import builders, crd
 from ketch.operator import status as status_mod
@@ -34,12 +44,20 @@ class StatusWriter:
         events: EventRecorder,
         metrics: OperatorMetrics,
         autoscaling: CoordinatedAutoscaling,
+        *,
+        hold: float = 0.0,
+        recheck: Callable[[Key], None] | None = None,
     ):
+        """``recheck(key)`` queues a status reconcile; it is called ``hold`` seconds after a
+        change was held back (0: nothing is held)."""
         self.client = client
         self.cache = cache
         self.events = events
         self.metrics = metrics
         self.autoscaling = autoscaling
+        self.hold = hold
+        self.recheck = recheck
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
 
     async def write(self, key: Key, tracked: Tracked) -> None:
         """Status from the observed children, written if it changed."""
@@ -84,10 +102,45 @@ class StatusWriter:
         old = tracked.last_status or {}
         if _comparable(old) == _comparable(new):
             tracked.written_status = new
+            tracked.held_since = None
+            return
+        if self._held(key, tracked, old, new):
             return
         await self.client.patch_status(crd.KIND, key[0], key[1], merge_patch(old, new))
         tracked.written_status = new
+        tracked.held_since = None
         await self._announce(tracked, old, new)
+
+    def _held(self, key: Key, tracked: Tracked, old: Obj, new: Obj) -> bool:
+        """True when ``new`` is progress only and waits (see the module docstring)."""
+        if self.hold <= 0 or self.recheck is None or not progress_only(old, new):
+            return False
+        now = time.monotonic()
+        if tracked.held_since is None:
+            tracked.held_since = now
+        due = tracked.held_since + self.hold
+        if now >= due:
+            return False
+        if key not in self._timers:
+            loop = asyncio.get_running_loop()
+            self._timers[key] = loop.call_at(loop.time() + due - now, self._wake, key)
+        return True
+
+    def _wake(self, key: Key) -> None:
+        self._timers.pop(key, None)
+        if self.recheck is not None:
+            self.recheck(key)
+
+    @property
+    def holding(self) -> bool:
+        """True while a status change waits to be written."""
+        return bool(self._timers)
+
+    def stop(self) -> None:
+        """Drops the pending rechecks (the controller stops)."""
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
 
     async def _announce(self, tracked: Tracked, old: Obj, new: Obj) -> None:
         before = {c["type"]: c for c in old.get("conditions") or []}
@@ -117,6 +170,26 @@ def merge_patch(old: Obj, new: Obj) -> Obj:
         roles = {**new_scaling, **dict.fromkeys(gone)}
         patch["autoscaling"] = {**new["autoscaling"], "roles": roles}
     return patch
+
+
+def progress_only(old: Obj, new: Obj) -> bool:
+    """True when ``new`` only moves a rollout along from ``old``: nothing turned Ready or
+    Degraded, no condition changed its status or reason, the generation and the autoscaler's
+    part are the same (a first status counts when it is still Progressing)."""
+    conditions = {c["type"]: c for c in new.get("conditions") or []}
+    if any(conditions.get(t, {}).get("status") == "True" for t in ("Ready", "Degraded")):
+        return False
+    if conditions.get("Progressing", {}).get("status") != "True":
+        return False
+    if not old:
+        return True
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    for kind, cond in conditions.items():
+        prev = before.get(kind) or {}
+        if (prev.get("status"), prev.get("reason")) != (cond["status"], cond["reason"]):
+            return False
+    same = ("observedGeneration", "autoscaling")
+    return all(old.get(name) == new.get(name) for name in same)
 
 
 def _comparable(status: Obj) -> Obj:

@@ -349,7 +349,9 @@ class EmulatorApp:
         method = request.method
         verb = self._verb(method, name, q, request.headers.get("Content-Type", ""))
         store.stats.requests[verb] += 1
-        store.stats.by_agent[_agent(request)][verb] += 1
+        agent = _agent(request)
+        store.stats.by_agent[agent][verb] += 1
+        store.stats.by_resource[f"{agent} {verb} {rt.plural}" + (f"/{sub}" if sub else "")] += 1
         await self.holds.wait(verb, rt, ns, name)
         dry_run = self._dry_run(q)
         field_validation = q.get("fieldValidation", "Warn")

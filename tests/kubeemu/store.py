@@ -87,6 +87,7 @@ class Stats:
     writes: Counter[str] = field(default_factory=Counter)
     noop_writes: Counter[str] = field(default_factory=Counter)
     by_agent: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    by_resource: Counter[str] = field(default_factory=Counter)  # "agent verb plural[/sub]"
     api_commits: int = 0  # commits (events) caused by API requests, cascades included
 
     def to_json(self, total_commits: int) -> dict[str, Any]:
@@ -95,6 +96,7 @@ class Stats:
             "writes": dict(self.writes),
             "noop_writes": dict(self.noop_writes),
             "requests_by_agent": {k: dict(v) for k, v in self.by_agent.items()},
+            "requests_by_resource": dict(self.by_resource),
             "api_commits": self.api_commits,
             "controller_commits": total_commits - self.api_commits,
         }
