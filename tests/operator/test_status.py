@@ -213,3 +213,24 @@ def test_drift_is_judged_against_what_the_server_stored():
         expected, {"spec": {"cpu": "500m", "ports": [{"port": 80}], "env": [{"name": "A"}]}}
     )
     assert not contains(expected, {"spec": {"cpu": "0.5", "ports": [{"port": 80}], "env": []}})
+
+
+def test_only_progress_waits_for_the_next_status():
+    """status_patch holds back a change that only moves a rollout along; settled states,
+    changed reasons and a new generation are written at once."""
+    from ketch.operator.status_patch import progress_only
+
+    starting = compute({"mixed": None})
+    halfway = compute({"mixed": deployment(ready=1, updated=1)}, old=starting)
+    ready = compute({"mixed": deployment()}, old=halfway)
+    assert progress_only({}, starting)  # a new object's first status, still starting
+    assert progress_only(starting, halfway)  # only the message and the counts moved
+    assert not progress_only(halfway, ready)  # Ready turned True
+    assert not progress_only({}, ready)
+    crashing = {"status": {"containerStatuses": [{"name": "engine", "state": {}}]}}
+    crashing["status"]["containerStatuses"][0]["state"]["waiting"] = {"reason": "CrashLoopBackOff"}
+    degraded = compute({"mixed": deployment(ready=0, updated=1)}, pods=[crashing], old=halfway)
+    assert not progress_only(halfway, degraded)  # Degraded turned True
+    assert not progress_only(ready, compute({"mixed": deployment(ready=1)}, old=ready))
+    newer = {**halfway, "observedGeneration": 4}
+    assert not progress_only(halfway, newer)
