@@ -1,0 +1,83 @@
+"""Ketch's C++ paddle custom ops (``csrc/``): built at first use, once per source hash.
+
+Why at run time and not at install: Ketch is one pure-Python distribution, installed editable in
+development, and a build at install would need paddle inside pip's isolated build environment and
+a platform wheel per CPU architecture. ``paddle.utils.cpp_extension.load`` instead compiles with
+the machine's g++ against the headers in the installed paddle wheel (~10 s, once), into
+``~/.cache/ketch/extensions/<name>-<hash>`` (``KETCH_EXTENSION_DIR`` to move it). The hash covers
+the sources, the compiler flags and the paddle and Python versions, so a changed source gets a new
+build and an unchanged one is only loaded (well under a second); a file lock keeps two processes
+(tensor-parallel workers starting together) from building the same library at once. An image can
+build it ahead: ``python -m ketch.kernels.cpp_ops``.
+
+The library is compiled for the x86-64 baseline: its AVX2 and AVX-512 kernels live in functions
+with their own ``target`` attribute and only run when the caller picked them from CpuFeatures.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import paddle
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention.cc",)
+HEADERS = ("simd.h", "attention_kernel.inc")
+# Baseline x86-64 code generation: no -march; the ISA-specific kernels carry their own targets.
+CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno")
+LD_FLAGS = ("-fopenmp",)
+ENV_DIR = "KETCH_EXTENSION_DIR"
+
+
+def build_key() -> str:
+    """What the built library depends on: sources, flags, paddle and Python versions."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    digest.update(repr((CXX_FLAGS, LD_FLAGS, paddle.__version__, sys.version_info[:2])).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "ketch" / "extensions")
+
+
+@functools.cache
+def ops() -> ModuleType:
+    """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``)."""
+    name = f"ketch_ops_{build_key()}"
+    root = build_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = root / name / f"{name}.so"
+        if built.exists():
+            return _import_built(name, built.parent)
+        from paddle.utils.cpp_extension import load
+
+        return load(
+            name=name,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cxx_cflags=list(CXX_FLAGS),
+            extra_ldflags=list(LD_FLAGS),
+            extra_include_paths=[str(SOURCE_DIR)],
+            build_directory=str(root),
+        )
+
+
+def _import_built(name: str, directory: Path) -> ModuleType:
+    # paddle's own loader for a built library (what `load` ends with), so a cached build is not
+    # handed to setuptools again; pinned paddle, checked by the tests.
+    from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+    return _import_module_from_library(name, str(directory))
+
+
+if __name__ == "__main__":
+    print(ops().__file__)
