@@ -6,8 +6,8 @@ current checkout runs from the installed venv. The two take turns (A B A B ...),
 fresh server on the same settings, streaming the same token-id prompts at one concurrency.
 Prints output tok/s per round, medians and the ratio current ÷ REV.
 
-Usage (from outside the repo root, whose ``operator/`` shadows the stdlib):
-    cd /tmp && python /path/to/benchmarks/bench_ab_serving.py [--rev a897936]
+Usage:
+    .venv/bin/python benchmarks/bench_ab_serving.py [--rev a897936]
         [--concurrency 32] [--num-requests 128] [--max-tokens 64] [--rounds 3]
 """
 

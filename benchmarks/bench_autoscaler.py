@@ -1,4 +1,4 @@
-"""Benchmark: coordinated autoscaling decisions (operator/autoscaling/decisions.py), load traces.
+"""Benchmark: coordinated autoscaling decisions (ketch.operator.autoscaling.decisions), load traces.
 
 Pure logic, no cluster: each trace is the total RequestsWaiting of one role per sync period
 (5 s); every pod reports an even share. Compared with
@@ -12,8 +12,7 @@ Columns: replica-seconds relative to the oracle, periods under-provisioned (fewe
 oracle), reversals (a change in the other direction than the last one: flapping), and the delay
 of the first scale-up after the first load step, in sync periods.
 
-Run: ``.venv/bin/python benchmarks/bench_autoscaler.py`` (never ``python -m`` from the
-repository root: its ``operator/`` shadows the standard library).
+Run: ``.venv/bin/python benchmarks/bench_autoscaler.py``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ histogram (prefill's end of prefill to the decode engine taking the request over
 its first decode step) gives the mean per prompt size, next to the time to first token of the
 same prompts on a mixed ``ketch serve`` (the baseline, measured in the same run).
 
-Run as a script, ``.venv/bin/python benchmarks/bench_kv_transfer.py [--pushes 20]`` (never
-``python -m`` from the repository root: its ``operator/`` would shadow the standard library).
+Run as a script, ``.venv/bin/python benchmarks/bench_kv_transfer.py [--pushes 20]``.
 Timings on a shared machine vary; compare rows of one run, and the ratio column.
 """
 

@@ -39,8 +39,7 @@ reconciles themselves. Latency is queueing behind that CPU: a single object is R
 0.3 s; in a burst p50 ≈ p99 because everything waits on the same two cores. The 0.25 target is
 out of reach while the emulator shares those cores and kopf decodes every child event.
 
-Run as a script: ``.venv/bin/python benchmarks/bench_operator.py [--count 200]`` (never
-``python -m`` from the repository root: its ``operator/`` shadows the standard library).
+Run as a script: ``.venv/bin/python benchmarks/bench_operator.py [--count 200]``.
 """
 
 from __future__ import annotations

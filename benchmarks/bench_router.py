@@ -10,8 +10,8 @@ Reported per policy: prefix-cache hit rate (the instances' ``ketch:prefix_cache_
 ``ketch:prompt_tokens_total`` deltas), requests/s and output tokens/s, each also as a ratio
 against round-robin measured in the same run. Target: prefix-hash hit rate >= 2x round-robin's.
 
-Usage (from outside the repo root, whose ``operator/`` shadows the stdlib):
-    cd /tmp && python /path/to/benchmarks/bench_router.py [--instances 4] [--requests 64]
+Usage:
+    .venv/bin/python benchmarks/bench_router.py [--instances 4] [--requests 64]
 All traffic goes to 127.0.0.1; every process is started and stopped (SIGTERM, then kill) here.
 """
 

@@ -11,9 +11,8 @@ plus ``Scheduler.update_from_output()``, including the block manager work they d
 Each is compared with a baseline measured in the same run: a plain loop doing the irreducible
 per-sequence work of a step (append the sampled token to a list, compare a counter).
 
-Run as a script, ``.venv/bin/python benchmarks/bench_scheduler.py [--steps 300] [--repeats 5]``
-(never ``python -m`` from the repository root: its ``operator/`` would shadow the standard
-library); ``--profile`` prints a cProfile of steady decode at N=256 instead. Timings on a shared
+Run as a script, ``.venv/bin/python benchmarks/bench_scheduler.py [--steps 300] [--repeats 5]``;
+``--profile`` prints a cProfile of steady decode at N=256 instead. Timings on a shared
 machine vary by up to 2x between runs; compare rows of one run, and the ratio column.
 """
 

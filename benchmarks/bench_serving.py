@@ -14,8 +14,8 @@ Two ratios against baselines measured in the same run, each in a process of its 
     endpoint streaming the same number of chunks, same client, same concurrency (target >= 0.8).
 Client, API server, engine and worker share this machine's cores, as they would on one node.
 
-Usage (run from outside the repo root, whose ``operator/`` shadows the stdlib):
-    cd /tmp && python /path/to/benchmarks/bench_serving.py [--model tiny|PATH]
+Usage:
+    .venv/bin/python benchmarks/bench_serving.py [--model tiny|PATH]
         [--num-requests 64] [--max-tokens 64] [--quick]
 All traffic goes to 127.0.0.1; every server is started and stopped (SIGTERM, then kill) here.
 """

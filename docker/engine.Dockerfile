@@ -15,15 +15,13 @@ ARG PADDLE_INDEX=https://www.paddlepaddle.org.cn/packages/stable/cu126/
 
 FROM ${BASE_IMAGE} AS build
 ARG PADDLE_INDEX
-# The venv is created before WORKDIR /src: with the source tree as the working directory,
-# `python -m` would import the repository's operator/ instead of the standard library's operator.
 RUN python -m venv /opt/ketch
 WORKDIR /src
 COPY . .
 # pyproject.toml is the one list of dependencies: paddlepaddle-gpu from the `gpu` extra instead
 # of the CPU paddlepaddle wheel, every other dependency, and the `fetch` extra for
-# `ketch fetch-model`. (`python -I` keeps the working directory off sys.path, see above.)
-RUN /opt/ketch/bin/python -I -c 'import tomllib; \
+# `ketch fetch-model`.
+RUN /opt/ketch/bin/python -c 'import tomllib; \
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
 open("/tmp/gpu.txt", "w").write("\n".join(p["optional-dependencies"]["gpu"])); \
 deps = [d for d in p["dependencies"] if not d.startswith("paddlepaddle")]; \

@@ -7,8 +7,6 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
-# The venv is created before WORKDIR /src: with the source tree as the working directory,
-# `python -m` would import the repository's operator/ instead of the standard library's operator.
 RUN python -m venv /opt/ketch
 WORKDIR /src
 COPY . .

@@ -1,6 +1,6 @@
 """A fake model runner for scheduler tests: simulated KV blocks, outputs fixed by token history.
 
-The fake behaves like ``engine/ketch/engine/worker/model_runner.py`` towards the scheduler: it keeps its own
+The fake behaves like ``ketch.engine.worker.model_runner`` towards the scheduler: it keeps its own
 copy of every request (tokens, block table, progress) from ``new_requests`` and
 ``cached_requests``, and appends each token it samples to its own token list. Instead of a model
 it simulates the KV cache: the entry written for position ``p`` is ``kv_entry(entry at p - 1,

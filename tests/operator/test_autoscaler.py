@@ -1,4 +1,4 @@
-"""Coordinated autoscaling decisions (operator/autoscaling/decisions.py), with a fake clock."""
+"""Coordinated autoscaling decisions (ketch.operator.autoscaling.decisions), with a fake clock."""
 
 from __future__ import annotations
 

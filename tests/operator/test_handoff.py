@@ -1,4 +1,4 @@
-"""The replica hand-over (operator/handoff.py) and where the applier does it, with a fake API."""
+"""The replica hand-over (ketch.operator.handoff) and where the applier does it, with a fake API."""
 
 from __future__ import annotations
 

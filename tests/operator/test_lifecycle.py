@@ -10,7 +10,7 @@ KETCH_TEST_KUBECONFIG is set, where the emulator-only faults skip).
 - cluster-wide (no --namespace): two InferenceServices of one name in two namespaces are
   reconciled independently, and deleting one leaves the other;
 - a role switched from fixed replicas to autoscaling keeps its replica count: the Deployment
-  never drops below it (server-side apply hand-over, operator/handoff.py).
+  never drops below it (server-side apply hand-over, operator/ketch/operator/handoff.py).
 """
 
 from __future__ import annotations

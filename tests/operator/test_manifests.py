@@ -37,7 +37,7 @@ Obj = dict[str, Any]
 
 # Server-side apply (patch; create when new), watches, deletes; never update (no PUT anywhere).
 ALL_WRITES = {"get", "list", "watch", "create", "patch", "delete"}
-# (apiGroup, resource) -> verbs: what the operator does (operator/handlers.py, controller.py,
+# (apiGroup, resource) -> verbs: what the operator does (ketch.operator.handlers, controller,
 # kube.py) and nothing else. No Secrets, no CRDs, no Namespaces. The e2e tests run the operator
 # with exactly these rights (operator_rbac.py), so one missing shows there as a 403.
 COMMON_GRANTS: dict[tuple[str, str], set[str]] = {
@@ -548,11 +548,11 @@ def test_engine_image_swaps_the_cpu_paddle_wheel_for_the_gpu_extra(tmp_path):
     steps = _instructions(ROOT / "docker" / "engine.Dockerfile")
     assert any(s.startswith("ARG BASE_IMAGE=") for s in steps)
     [step] = [s for s in steps if "tomllib" in s]
-    code = re.search(r"python -I -c '(.*?)'", step)
+    code = re.search(r"python -c '(.*?)'", step)
     assert code is not None
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     script = code.group(1).replace("/tmp/", f"{tmp_path}/")
-    subprocess.run([sys.executable, "-I", "-c", script], cwd=tmp_path, check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, timeout=60)
     gpu = (tmp_path / "gpu.txt").read_text().split()
     deps = (tmp_path / "deps.txt").read_text().split()
     project = _pyproject()

@@ -1,4 +1,4 @@
-"""Reading engine metrics out of a /metrics page (operator/autoscaling/scrape.py)."""
+"""Reading engine metrics out of a /metrics page (operator/ketch/operator/autoscaling/scrape.py)."""
 
 from __future__ import annotations
 
