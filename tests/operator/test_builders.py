@@ -14,7 +14,7 @@ import yaml
 from ketch.engine.cli_args import read_config_file
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, objects
+from ketch.operator import crd, crd_engine, objects
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, parse
@@ -263,7 +263,7 @@ def test_fetch_container_gets_no_engine_env():
     ("uri", "keys"),
     [
         ("hf://org/model", ["HF_TOKEN", "HF_ENDPOINT"]),
-        ("s3://bucket/prefix", list(crd.FETCH_CREDENTIAL_KEYS["s3"])),
+        ("s3://bucket/prefix", list(crd_engine.FETCH_CREDENTIAL_KEYS["s3"])),
     ],
 )
 def test_fetch_container_gets_its_credentials_from_the_named_secret_only(uri, keys):

@@ -26,7 +26,7 @@ import yaml
 from test_builders import INVALID, invalid_body
 
 import procs
-from ketch.operator import crd, objects
+from ketch.operator import crd, crd_engine, objects
 from ketch.operator.cli import render_documents, render_object
 from ketch.operator.controller import Controller
 from ketch.operator.handlers import make_registry
@@ -327,7 +327,7 @@ def test_children_edited_or_deleted_by_hand_are_put_back(cluster, operator):
             cluster.get("deployments", "gamma-mixed")["spec"]["template"]["spec"]["containers"][0][
                 "image"
             ]
-            == crd.DEFAULT_IMAGE
+            == crd_engine.DEFAULT_IMAGE
         ),
         "the edited image to be put back",
     )

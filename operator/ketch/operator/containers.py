@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ketch.operator.crd import FETCH_CREDENTIAL_KEYS
+from ketch.operator.crd_engine import FETCH_CREDENTIAL_KEYS
 from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH, ServiceSpec
 
 CONFIG_DIR = "/etc/ketch"

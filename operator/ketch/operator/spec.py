@@ -17,7 +17,7 @@ from typing import Any
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, engine_fields, runnable
+from ketch.operator import crd, crd_spec, engine_fields, runnable
 
 
 class InvalidSpec(ValueError):
@@ -129,7 +129,7 @@ class ServiceSpec:
 
     @property
     def roles(self) -> list[str]:
-        return [r for r in crd.ROLE_NAMES if r in self.spec["roles"]]
+        return [r for r in crd_spec.ROLE_NAMES if r in self.spec["roles"]]
 
     @property
     def disaggregated(self) -> bool:

@@ -1,0 +1,205 @@
+"""What runs in an engine pod, as the CRD's schema: ``spec.engine``, ``spec.ports``,
+``spec.model`` and ``spec.cacheManager``.
+
+The engine, port and model-name fields are generated from ``EngineConfig`` and ``ServerConfig``
+(``engine_fields.config_field_schemas``), so a CRD field and the ``ketch serve`` flag it sets
+share their name, type, default, bounds and description; the fields written here are the ones
+the operator handles itself (image, env, extraArgs, the model URI and its credentials, the
+sidecar).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.operator.crd_schema import (
+    ENV_VALUE_MAX_LENGTH,
+    MAX_ENV,
+    NAME_MAX_LENGTH,
+    QUANTITY_MAX_LENGTH,
+    QUANTITY_PATTERN,
+    TEXT_MAX_LENGTH,
+    boolean,
+    cel_rule,
+    free_form,
+    obj,
+    string,
+)
+from ketch.operator.engine_fields import config_field_schemas, owned_flags
+
+DEFAULT_IMAGE = "ghcr.io/ketch-dev/ketch-engine:0.1.0"
+
+# What the model-fetch init container reads, per URI scheme: the keys of
+# model.credentialsSecretRef it gets as environment variables. An endpoint comes from the same
+# Secret as the credentials it receives, so no spec field can send them elsewhere.
+FETCH_CREDENTIAL_KEYS = {
+    "hf": ("HF_TOKEN", "HF_ENDPOINT"),
+    "s3": (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL",
+    ),
+}
+
+# Units both Kubernetes (the sidecar's memory limit) and 'ketch cache-manager --swap-space' read
+# alike: a plain number is bytes to one and GiB to the other, 'm' milli to one, mega to the other.
+SWAP_SPACE_PATTERN = r"^(0|[0-9]+(\.[0-9]+)?(Ki|Mi|Gi))$"
+MODEL_URI_PATTERN = (
+    r"^(tiny|file:///.+|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/]+/.+|s3://[^/]+/.+)$"
+)
+
+
+def engine_schema() -> dict[str, Any]:
+    props = config_field_schemas("engine")
+    props.update(
+        {
+            "image": string(
+                "Engine container image.",
+                default=DEFAULT_IMAGE,
+                minLength=1,
+                maxLength=TEXT_MAX_LENGTH,
+            ),
+            "imagePullPolicy": string(
+                "When to pull the image.",
+                default="IfNotPresent",
+                enum=["Always", "IfNotPresent", "Never"],
+            ),
+            "shmSize": string(
+                "Size of the memory-backed /dev/shm shared by the engine, its workers and the "
+                "cache manager.",
+                default="2Gi",
+                pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
+            ),
+            "extraArgs": _extra_args(),
+            "env": {
+                "type": "array",
+                "description": "Extra environment variables of the engine container (not of "
+                "the model-fetch init container, which gets model.credentialsSecretRef only). "
+                "A valueFrom.secretKeyRef may name any Secret of the namespace: whoever may "
+                "create an InferenceService may read every Secret there, as with a Pod.",
+                "items": obj(
+                    "A core/v1 EnvVar.",
+                    {
+                        "name": string("Variable name.", minLength=1, maxLength=NAME_MAX_LENGTH),
+                        "value": string("Variable value.", maxLength=ENV_VALUE_MAX_LENGTH),
+                        "valueFrom": free_form("A core/v1 EnvVarSource."),
+                    },
+                    required=("name",),
+                ),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+                "maxItems": MAX_ENV,
+            },
+        }
+    )
+    return obj(
+        "Engine settings. Each field sets the 'ketch serve' flag named in its description.",
+        props,
+        default={},
+    )
+
+
+def _extra_args() -> dict[str, Any]:
+    """``engine.extraArgs``, with a CEL rule that refuses the flags the operator owns, as
+    written, as ``--flag=value`` or abbreviated (without ``=``). The operator's own check
+    (``spec.extra_args_problems``) refuses abbreviations with ``=`` too. Bounded items and
+    prefix tests keep the rule's estimated cost far below the API server's budget, which a
+    regex over unbounded strings exceeds."""
+    owned = "[" + ", ".join(f"'{flag}'" for flag in owned_flags()) + "]"
+    rule = (
+        "self.all(a, !a.startsWith('--') || a.size() < 3 || "
+        f"!{owned}.exists(f, f.startsWith(a) || a.startsWith(f + '=')))"
+    )
+    return {
+        "type": "array",
+        "description": "More 'ketch serve' flags, for settings this spec does not name. Flags "
+        "the operator sets (every engine setting, e.g. --port, --model, --pd-prefill-peers, "
+        "--config), also abbreviated or as --flag=value, are refused here.",
+        "items": {"type": "string", "description": "A flag or a flag's value.", "maxLength": 1024},
+        "maxItems": 64,
+        "x-kubernetes-validations": [
+            cel_rule(
+                rule,
+                "extraArgs may not set (or abbreviate) a flag that the operator sets; use the "
+                "spec field (e.g. spec.ports.http for --port, spec.model.uri for --model)",
+            )
+        ],
+    }
+
+
+def ports_schema() -> dict[str, Any]:
+    props = config_field_schemas("ports")
+    names = list(props)
+    required_ports = [n for n in names if "default" in props[n]]
+    optional_ports = [n for n in names if "default" not in props[n]]
+    listed = "[" + ", ".join(f"self.{n}" for n in required_ports) + "]"
+    for n in optional_ports:
+        listed += f" + (has(self.{n}) ? [self.{n}] : [])"
+    rule = f"({listed}).all(p, ({listed}).filter(q, q == p).size() == 1)"
+    return obj(
+        "Container ports of the engine pods; they must be distinct.",
+        props,
+        default={},
+        rules=((rule, "ports must be distinct"),),
+    )
+
+
+def model_schema() -> dict[str, Any]:
+    props = {
+        "uri": string(
+            "Where the weights are: 'tiny' (the built-in test model), file:///path/in/image, "
+            "pvc://claim-name/path, hf://org/name or s3://bucket/prefix.",
+            pattern=MODEL_URI_PATTERN,
+            maxLength=1024,
+        ),
+    }
+    props.update(config_field_schemas("model"))
+    keys = "; ".join(f"{s}://: {', '.join(k)}" for s, k in FETCH_CREDENTIAL_KEYS.items())
+    props["credentialsSecretRef"] = obj(
+        "A Secret with the model-fetch init container's credentials (hf:// and s3:// models), "
+        f"under these keys, each optional: {keys}. Only that container gets them, and it gets "
+        "nothing else (not engine.env): an endpoint comes from the same Secret as the "
+        "credentials sent to it.",
+        {"name": string("Secret name (same namespace).", minLength=1, maxLength=253)},
+        required=("name",),
+    )
+    return obj("The model to serve.", props, required=("uri",))
+
+
+def cache_manager_schema() -> dict[str, Any]:
+    return obj(
+        "The cache-manager sidecar ('ketch cache-manager') in every engine pod: host memory as "
+        "swap space for KV blocks evicted from the prefix cache, and the KV transfer from prefill "
+        "pods to decode pods (sidecar to sidecar). Disaggregated serving needs it.",
+        {
+            "enabled": boolean(
+                "Run the cache-manager sidecar in every engine pod (required with roles.prefill "
+                "and roles.decode).",
+                default=True,
+            ),
+            "hostSwapSpace": string(
+                "Host memory for KV blocks evicted from the GPU prefix cache (ketch "
+                "cache-manager --swap-space): a binary quantity such as 4Gi or 512Mi; 0 disables "
+                "swapping.",
+                default="4Gi",
+                pattern=SWAP_SPACE_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
+            ),
+            "cpu": string(
+                "CPU request and limit of the sidecar.",
+                default="1",
+                pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
+            ),
+            "memory": string(
+                "Memory request and limit of the sidecar; defaults to hostSwapSpace + 1Gi.",
+                pattern=QUANTITY_PATTERN,
+                maxLength=QUANTITY_MAX_LENGTH,
+            ),
+        },
+        default={},
+    )
