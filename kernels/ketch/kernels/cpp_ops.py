@@ -30,7 +30,9 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention.cc",)
 HEADERS = ("simd.h", "attention_kernel.inc")
 # Baseline x86-64 code generation: no -march; the ISA-specific kernels carry their own targets.
-CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno")
+CXX_FLAGS = (
+    "-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility-inlines-hidden",
+)  # fmt: skip
 LD_FLAGS = ("-fopenmp",)
 ENV_DIR = "KETCH_EXTENSION_DIR"
 
@@ -48,9 +50,24 @@ def build_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "ketch" / "extensions")
 
 
-@functools.cache
 def ops() -> ModuleType:
-    """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``)."""
+    """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``). A failed
+    build raises the same error on every later call without building again."""
+    loaded = _load()
+    if isinstance(loaded, Exception):
+        raise RuntimeError(f"Ketch's C++ ops could not be built: {loaded}") from loaded
+    return loaded
+
+
+@functools.cache
+def _load() -> ModuleType | Exception:
+    try:
+        return _build_or_import()
+    except Exception as exc:  # a compiler error, a missing toolchain: reported by ops()
+        return exc
+
+
+def _build_or_import() -> ModuleType:
     name = f"ketch_ops_{build_key()}"
     root = build_dir()
     root.mkdir(parents=True, exist_ok=True)

@@ -78,25 +78,31 @@ struct Scratch {
   std::vector<float*> out_rows;
 };
 
+#define KETCH_TARGET
 namespace generic {
 using V = VecScalar;
 #include "attention_kernel.inc"
 }  // namespace generic
+#undef KETCH_TARGET
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define KETCH_TARGET __attribute__((target("avx2,fma")))
 namespace avx2 {
 using V = VecAvx2;
 #include "attention_kernel.inc"
 }  // namespace avx2
+#undef KETCH_TARGET
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,avx2,fma")
+#define KETCH_TARGET __attribute__((target("avx512f,avx2,fma")))
 namespace avx512 {
 using V = VecAvx512;
 #include "attention_kernel.inc"
 }  // namespace avx512
+#undef KETCH_TARGET
 #pragma GCC pop_options
 
 // Query tokens per tile: about 32 score rows, so a tile's queries and scores stay in cache.

@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstring>
 
+// The vector primitives must melt into the kernels: a call per FMA would cost more than the FMA.
+#define KETCH_INLINE inline __attribute__((always_inline))
+
 namespace ketch {
 
 namespace expf_consts {
@@ -31,17 +34,22 @@ constexpr float kP5 = 5.0000001201e-1f;
 struct VecScalar {
   using T = float;
   static constexpr int W = 1;
-  static inline T zero() { return 0.0f; }
-  static inline T set1(float x) { return x; }
-  static inline T load(const float* p) { return *p; }
-  static inline void store(float* p, T v) { *p = v; }
-  static inline T add(T a, T b) { return a + b; }
-  static inline T mul(T a, T b) { return a * b; }
-  static inline T max(T a, T b) { return a > b ? a : b; }
-  static inline T fmadd(T a, T b, T c) { return a * b + c; }
-  static inline float hsum(T v) { return v; }
-  static inline float hmax(T v) { return v; }
-  static inline T exp(T x) {
+  KETCH_INLINE static T zero() { return 0.0f; }
+  KETCH_INLINE static T set1(float x) { return x; }
+  KETCH_INLINE static T load(const float* p) { return *p; }
+  KETCH_INLINE static void store(float* p, T v) { *p = v; }
+  KETCH_INLINE static T add(T a, T b) { return a + b; }
+  KETCH_INLINE static T mul(T a, T b) { return a * b; }
+  KETCH_INLINE static T max(T a, T b) { return a > b ? a : b; }
+  KETCH_INLINE static T fmadd(T a, T b, T c) { return a * b + c; }
+  static constexpr int kRows = 4;    // query rows per register block
+  static constexpr int kChunks = 4;  // vectors of a head per register block (value pass)
+  KETCH_INLINE static float hsum(T v) { return v; }
+  KETCH_INLINE static void hsum4(const T* v, float* out) {
+    for (int i = 0; i < 4; ++i) out[i] = v[i];
+  }
+  KETCH_INLINE static float hmax(T v) { return v; }
+  KETCH_INLINE static T exp(T x) {
     using namespace expf_consts;
     x = x < kLo ? kLo : (x > kHi ? kHi : x);
     float fx = std::floor(x * kLog2e + 0.5f);
@@ -60,27 +68,35 @@ struct VecScalar {
 struct VecAvx2 {
   using T = __m256;
   static constexpr int W = 8;
-  static inline T zero() { return _mm256_setzero_ps(); }
-  static inline T set1(float x) { return _mm256_set1_ps(x); }
-  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static inline T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline float hsum(T v) {
+  KETCH_INLINE static T zero() { return _mm256_setzero_ps(); }
+  KETCH_INLINE static T set1(float x) { return _mm256_set1_ps(x); }
+  KETCH_INLINE static T load(const float* p) { return _mm256_loadu_ps(p); }
+  KETCH_INLINE static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  KETCH_INLINE static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  KETCH_INLINE static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  KETCH_INLINE static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  KETCH_INLINE static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  // 16 registers: 2 rows x 4 keys of score accumulators, 4 rows x 2 vectors of outputs.
+  static constexpr int kRows = 2;
+  static constexpr int kChunks = 2;
+  // out[i] = sum of the lanes of v[i], for 4 registers at once.
+  KETCH_INLINE static void hsum4(const T* v, float* out) {
+    const T h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  KETCH_INLINE static float hsum(T v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static inline float hmax(T v) {
+  KETCH_INLINE static float hmax(T v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static inline T exp(T x) {
+  KETCH_INLINE static T exp(T x) {
     using namespace expf_consts;
     x = _mm256_min_ps(_mm256_max_ps(x, set1(kLo)), set1(kHi));
     T fx = _mm256_floor_ps(fmadd(x, set1(kLog2e), set1(0.5f)));
@@ -100,21 +116,30 @@ struct VecAvx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,avx2,fma")
 struct VecAvx512 {
   using T = __m512;
   static constexpr int W = 16;
-  static inline T zero() { return _mm512_setzero_ps(); }
-  static inline T set1(float x) { return _mm512_set1_ps(x); }
-  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-  static inline T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static inline T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline float hsum(T v) { return _mm512_reduce_add_ps(v); }
-  static inline float hmax(T v) { return _mm512_reduce_max_ps(v); }
-  static inline T exp(T x) {
+  KETCH_INLINE static T zero() { return _mm512_setzero_ps(); }
+  KETCH_INLINE static T set1(float x) { return _mm512_set1_ps(x); }
+  KETCH_INLINE static T load(const float* p) { return _mm512_loadu_ps(p); }
+  KETCH_INLINE static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  KETCH_INLINE static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  KETCH_INLINE static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  KETCH_INLINE static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  KETCH_INLINE static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static constexpr int kRows = 4;
+  static constexpr int kChunks = 4;
+  KETCH_INLINE static void hsum4(const T* v, float* out) {
+    __m256 half[4];
+    for (int i = 0; i < 4; ++i)
+      half[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+    VecAvx2::hsum4(half, out);
+  }
+  KETCH_INLINE static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+  KETCH_INLINE static float hmax(T v) { return _mm512_reduce_max_ps(v); }
+  KETCH_INLINE static T exp(T x) {
     using namespace expf_consts;
     x = _mm512_min_ps(_mm512_max_ps(x, set1(kLo)), set1(kHi));
     T fx = _mm512_roundscale_ps(fmadd(x, set1(kLog2e), set1(0.5f)),
