@@ -10,7 +10,8 @@ no-op on the server. Children, per InferenceService ``N``:
   memory-backed ``/dev/shm``; the containers come from ``containers``), Service ``N-<role>``
   (API), headless Service ``N-<role>-peers`` (peer discovery), PodDisruptionBudget ``N-<role>``.
 - Per autoscaled role: HorizontalPodAutoscaler ``N-<role>`` (mode ``hpa``, the default) or KEDA
-  ScaledObject ``N-<role>`` (mode ``keda``), targeting Deployment ``N-<role>``.
+  ScaledObject ``N-<role>`` (mode ``keda``), targeting Deployment ``N-<role>`` (built by
+  ``autoscaling.autoscalers``).
 - Disaggregated: Deployment, Service and PodDisruptionBudget ``N-router``.
 - NetworkPolicy ``N``: the API, metrics and sidecar HTTP ports open; pd-comm and kv-transfer
   only from the InferenceService's own pods; no other port.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ketch.operator.autoscaling import metric_table
+from ketch.operator.autoscaling.autoscalers import autoscaler
 from ketch.operator.containers import (
     CONFIG_DIR,
     PEER_KEY_VOLUME,
@@ -53,7 +54,6 @@ from ketch.operator.objects import (
 from ketch.operator.spec import API_KEY_PATH, PEER_KEY_PATH, ServiceSpec
 
 RUN_AS_USER = 1000
-SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
 
 
 # --------------------------------------------------------------------------- config
@@ -333,66 +333,6 @@ def network_policy(svc: ServiceSpec) -> Obj:
 
 def _policy_port(port: int) -> Obj:
     return {"port": port, "protocol": "TCP"}
-
-
-# --------------------------------------------------------------------------- autoscaling
-
-
-def _scale_target(svc: ServiceSpec, role: str) -> Obj:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{svc.name}-{role}"}
-
-
-def hpa(svc: ServiceSpec, role: str) -> Obj:
-    """An ``autoscaling/v2`` HorizontalPodAutoscaler on the role's Deployment; engine metrics are
-    ``Pods`` metrics under the names the prometheus-adapter rules (manifests/metrics) give them."""
-    spec = svc.role(role)["autoscaling"]
-    hpa_spec: Obj = {
-        "scaleTargetRef": _scale_target(svc, role),
-        "minReplicas": spec["minReplicas"],
-        "maxReplicas": spec["maxReplicas"],
-        "metrics": [metric_table.hpa_metric(m) for m in spec["metrics"]],
-    }
-    behavior = metric_table.behavior(spec)
-    if behavior:
-        hpa_spec["behavior"] = behavior
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": metadata(svc, f"{svc.name}-{role}", labels(svc, role)),
-        "spec": hpa_spec,
-    }
-
-
-def scaled_object(svc: ServiceSpec, role: str) -> Obj:
-    """A KEDA ``ScaledObject`` on the role's Deployment: KEDA runs the PromQL itself (no
-    prometheus-adapter) and manages an HPA of its own."""
-    spec = svc.role(role)["autoscaling"]
-    deployment_name = f"{svc.name}-{role}"
-    so_spec: Obj = {
-        "scaleTargetRef": _scale_target(svc, role),
-        "minReplicaCount": spec["minReplicas"],
-        "maxReplicaCount": spec["maxReplicas"],
-    }
-    behavior = metric_table.behavior(spec)
-    if behavior:
-        so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": behavior}}
-    so_spec["triggers"] = [
-        metric_table.keda_trigger(m, svc.namespace, deployment_name, spec.get("prometheusAddress"))
-        for m in spec["metrics"]
-    ]
-    return {
-        "apiVersion": SCALED_OBJECT_API_VERSION,
-        "kind": "ScaledObject",
-        "metadata": metadata(svc, deployment_name, labels(svc, role)),
-        "spec": so_spec,
-    }
-
-
-def autoscaler(svc: ServiceSpec, role: str) -> Obj | None:
-    spec = svc.role(role).get("autoscaling")
-    if not spec or spec["mode"] == "ketch":  # the operator scales it itself: no autoscaler object
-        return None
-    return scaled_object(svc, role) if spec["mode"] == "keda" else hpa(svc, role)
 
 
 # --------------------------------------------------------------------------- all of it
