@@ -26,9 +26,9 @@ import zmq
 from ketch.engine import rundir
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ketch.engine.lifecycle import exit_with_parent
+from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
-from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.shm import (
     ENGINE_HEARTBEAT,
