@@ -10,8 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ketch.kernels.cpu_features import CpuFeatures
+
+if TYPE_CHECKING:
+    from ketch.kernels.paged_attention import PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +28,9 @@ class CpuKernels:
 
     rms_norm: RmsNorm
     rms_norm_name: str
+    # The C++ paged-attention kernel for this CPU; None: the model's eager paddle path. Not yet
+    # called by the model (issue 15 wires it in with the predictor backend).
+    paged_attention: PagedAttention | None = None
 
     @classmethod
     def portable(cls) -> CpuKernels:
@@ -35,12 +42,18 @@ class CpuKernels:
     @classmethod
     def select(cls, features: CpuFeatures | None = None, log: bool = True) -> CpuKernels:
         """The fastest kernels ``features`` (default: this machine's) allow."""
+        from ketch.kernels.paged_attention import select_paged_attention
         from ketch.kernels.rms_norm import FUSED_OP, rms_norm_fused
 
         features = features or CpuFeatures.detect()
         kernels = cls.portable()
         if features.can_run(FUSED_OP):
             kernels = cls(rms_norm=rms_norm_fused, rms_norm_name="fused AVX-512 kernel")
+        attention = select_paged_attention(features)
+        kernels = cls(kernels.rms_norm, kernels.rms_norm_name, attention)
         if log:
             logger.info("rms_norm: %s (CPU flags from %s)", kernels.rms_norm_name, features.source)
+            logger.debug(
+                "paged_attention: %s C++ kernel (not used by the model yet)", attention.isa
+            )
         return kernels

@@ -22,13 +22,20 @@ ENV_FLAGS = "KETCH_CPU_FLAGS"
 
 # x86-64-v4: the AVX-512 subsets every AVX-512 CPU since Skylake-X (and Zen 4) has.
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+# x86-64-v3's vector part: what paddle's CPU wheel itself is built for.
+AVX2_FMA = frozenset({"avx", "avx2", "fma"})
 
-# Every paddle op the engine calls that is built for one instruction set on the CPU, with the
-# flags it needs. Ops not listed were run on an AVX2-only CPU (Zen 3) and under an emulated one.
+# Every paddle op the engine calls that is built for one instruction set on the CPU, and every
+# ISA-specific kernel of Ketch's own, with the flags it needs. Ops not listed were run on an
+# AVX2-only CPU (Zen 3) and under an emulated one.
 # A new fused/incubate op goes here before it is used, and is chosen through `CpuFeatures.has`.
 ISA_SPECIFIC_OPS: Mapping[str, frozenset[str]] = {
     # phi::fusion::RmsNormAvxKernel: AVX-512 code, no dispatch (SIGILL on Zen 3).
     "paddle.incubate.nn.functional.fused_rms_norm": AVX512,
+    # Ketch's own C++ kernels (csrc/paged_attention.cc), one per instruction set in a library
+    # built for the x86-64 baseline: these names are the callables that run them.
+    "ketch.kernels.paged_attention.paged_attention_avx512": AVX512,
+    "ketch.kernels.paged_attention.paged_attention_avx2": AVX2_FMA,
 }
 
 # Fused ops the engine calls that run on every x86-64 CPU paddle supports: seen on an AVX2-only

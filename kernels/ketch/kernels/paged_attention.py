@@ -24,6 +24,7 @@ import paddle
 import paddle.nn.functional as F
 
 from ketch.kernels import cpp_ops
+from ketch.kernels.cpu_features import CpuFeatures
 
 # Keys of ``cpu_features.ISA_SPECIFIC_OPS``: the kernels below that need an instruction set.
 AVX512_OP = "ketch.kernels.paged_attention.paged_attention_avx512"
@@ -121,6 +122,14 @@ class PagedAttention:
 paged_attention_avx512 = PagedAttention("avx512")
 paged_attention_avx2 = PagedAttention("avx2")
 paged_attention_generic = PagedAttention("generic")
+
+
+def select_paged_attention(features: CpuFeatures, num_threads: int = 1) -> PagedAttention:
+    """The fastest kernel ``features`` allow: AVX-512, else AVX2 + FMA, else the generic one."""
+    for isa, op in (("avx512", AVX512_OP), ("avx2", AVX2_OP)):
+        if features.can_run(op):
+            return PagedAttention(isa, num_threads)
+    return PagedAttention("generic", num_threads)
 
 
 def paged_attention_reference(
