@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kubeemu import builtin_schema, crd_budget, kinds
+from kubeemu import builtin_defaults, builtin_schema, crd_budget, crd_objects, object_names
+from kubeemu.builtin_validation import validate_builtin
 from kubeemu.errors import ApiError, bad_request, details_of, invalid, namespace_not_found
 from kubeemu.kinds import ResourceType
 from kubeemu.podsecurity import admit as pod_security
@@ -94,13 +95,13 @@ def admit(
         if unknown and field_validation == "Warn":
             warnings += [f'unknown field "{f}"' for f in unknown]
         if rt.key == ("", "services") and old is not None:
-            kinds.keep_allocated_service_fields(old, new)
-        kinds.apply_defaults(rt, new, store._alloc_ip)
-        causes += kinds.validate_builtin(rt, new, old)
+            builtin_defaults.keep_allocated_service_fields(old, new)
+        builtin_defaults.apply_defaults(rt, new, store._alloc_ip)
+        causes += validate_builtin(rt, new, old)
         if rt.key == ("apiextensions.k8s.io", "customresourcedefinitions"):
-            kinds.default_crd(new)
+            crd_objects.default_crd(new)
     if subresource != "status":
-        causes += kinds.validate_labels(new["metadata"].get("labels"), "metadata.labels")
+        causes += object_names.validate_labels(new["metadata"].get("labels"), "metadata.labels")
     if causes:
         raise invalid(rt, name, causes)
     warnings += pod_security(store, rt, new, old, subresource)  # a 403, or Warning headers
@@ -109,7 +110,7 @@ def admit(
         over_budget = crd_budget.crd_cost_causes(new, old)  # CEL cost limits, as the apiserver
         if over_budget:
             raise invalid(rt, name, over_budget)
-        new["status"] = kinds.crd_status(new, now_rfc3339(), (old or {}).get("status"))
+        new["status"] = crd_objects.crd_status(new, now_rfc3339(), (old or {}).get("status"))
     return new, warnings
 
 

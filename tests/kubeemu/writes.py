@@ -8,7 +8,7 @@ import random
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kubeemu import kinds
+from kubeemu import object_names
 from kubeemu.admission import check_identity
 from kubeemu.errors import already_exists, bad_request, conflict, invalid, not_found
 from kubeemu.fieldsets import (
@@ -83,7 +83,7 @@ def create(
     if meta.get("resourceVersion"):
         raise bad_request("resourceVersion should not be set on objects to be created")
     store._check_namespace(rt, ns, name)
-    name_errs = kinds.validate_name(rt, name)
+    name_errs = object_names.validate_name(rt, name)
     if name_errs:
         raise invalid(rt, name, name_errs)
     if store.peek(rt.key, ns, name) is not None:
