@@ -10,8 +10,9 @@ import yaml
 
 from kubeemu.admission import check_identity
 from kubeemu.errors import ApiError, bad_request, conflict, details_of, not_found
-from kubeemu.fieldsets import ApplyConflict, apply_config, merge_patch, strategic_merge
 from kubeemu.kinds import ResourceType
+from kubeemu.managed_fields import ApplyConflict, apply_config
+from kubeemu.patch_formats import merge_patch, strategic_merge
 from kubeemu.timefmt import now_rfc3339
 
 if TYPE_CHECKING:

@@ -11,16 +11,9 @@ from typing import TYPE_CHECKING, Any
 from kubeemu import object_names
 from kubeemu.admission import check_identity
 from kubeemu.errors import already_exists, bad_request, conflict, invalid, not_found
-from kubeemu.fieldsets import (
-    canon,
-    dcopy,
-    flatten,
-    parse_managed,
-    record_update,
-    serialize_managed,
-    tracked_view,
-)
+from kubeemu.fieldsets import canon, dcopy, flatten, tracked_view
 from kubeemu.kinds import ResourceType
+from kubeemu.managed_fields import parse_managed, record_update, serialize_managed
 from kubeemu.timefmt import now_rfc3339
 
 if TYPE_CHECKING:
