@@ -8,11 +8,14 @@ port it handed out, is left.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +30,11 @@ from ketch.engine.lifecycle import ENV_WATCH_PID
 from procs import describe, own_segments, processes_with_env
 
 os.environ[ENV_WATCH_PID] = str(os.getpid())
+# The predictor backend's exported programs go to a directory of this run, never the user's
+# ~/.cache/ketch (inherited by every process the run starts).
+if "KETCH_CACHE_DIR" not in os.environ:
+    os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KETCH_CACHE_DIR"], True)
 _LEAK_WAIT_S = 10.0
 
 # name -> (architecture, overrides). Every variant uses GQA (4 query heads, 2 KV heads).

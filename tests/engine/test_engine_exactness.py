@@ -30,9 +30,12 @@ def make_prompts(vocab: int, count: int = 36, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run_constrained(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], LLM]:
+def run_constrained(
+    path: Path, prompts: list[list[int]], backend: str = "auto"
+) -> tuple[list[list[int]], LLM]:
     llm = LLM(
         str(path),
+        backend=backend,
         block_size=16,
         max_num_batched_tokens=48,
         max_num_seqs=16,
@@ -45,12 +48,16 @@ def run_constrained(path: Path, prompts: list[list[int]]) -> tuple[list[list[int
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+@pytest.mark.parametrize("backend", ["eager", "predictor"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "tiny"])
-def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str) -> None:
+def test_greedy_matches_transformers_with_every_mechanism(
+    checkpoint, name: str, backend: str
+) -> None:
     path = TINY_MODEL_DIR if name == "tiny" else checkpoint(name)
     vocab = ModelConfig.from_dir(path).vocab_size
     prompts = make_prompts(vocab)
-    ours, llm = run_constrained(path, prompts)
+    ours, llm = run_constrained(path, prompts, backend)
+    assert llm.engine.runner.model.backend_name == backend
     stats = llm.engine.scheduler.stats
     assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
     assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
@@ -70,6 +77,6 @@ def test_greedy_matches_transformers_on_an_avx2_only_cpu(checkpoint, monkeypatch
     monkeypatch.setenv(ENV_FLAGS, "sse4_2 avx avx2 fma")
     path = checkpoint("qwen2")
     prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=20, seed=3)
-    ours, llm = run_constrained(path, prompts)
+    ours, llm = run_constrained(path, prompts, backend="eager")  # the eager kernels' choice
     assert llm.engine.runner.model.kernels.rms_norm_name == "portable"
     assert ours == hf_greedy(path, prompts, MAX_TOKENS)

@@ -15,8 +15,8 @@ import torch
 
 from hf_models import hf_model
 from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LlamaModel
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
@@ -27,14 +27,19 @@ TOLERANCE = 1e-4
 
 
 def engine_logits(
-    path: Path, sequences: list[list[int]], splits: list[int], kernels: CpuKernels
+    path: Path,
+    sequences: list[list[int]],
+    splits: list[int],
+    kernels: CpuKernels,
+    backend: str = "eager",
 ) -> list[np.ndarray]:
     """Logits at every position of every sequence, computed in two batched chunked steps."""
     import paddle
 
-    configure_paddle(None)
+    threads = configure_paddle(None)
     config = ModelConfig.from_dir(path)
-    model = LlamaModel(config, load_weights(path, config, "float32"), max_len=1024, kernels=kernels)
+    weights = load_weights(path, config, "float32")
+    model = build_model(backend, config, weights, 1024, threads, kernels)
     blocks_each = [-(-len(s) // BLOCK) for s in sequences]
     cache = KVCache(
         config.num_hidden_layers,
@@ -80,13 +85,15 @@ def reference_logits(path: Path, sequences: list[list[int]]) -> list[np.ndarray]
         return [model(torch.tensor([s])).logits[0].numpy() for s in sequences]
 
 
-def assert_close(path: Path, vocab: int, kernels: CpuKernels, seed: int = 0) -> None:
+def assert_close(
+    path: Path, vocab: int, kernels: CpuKernels, seed: int = 0, backend: str = "eager"
+) -> None:
     rng = np.random.default_rng(seed)
     lengths = [1, 2, 17, 40, 100, 250]
     sequences = [rng.integers(1, vocab, n).tolist() for n in lengths]
     splits = [0 if n == 1 else int(rng.integers(1, n)) for n in lengths]
     splits[-2] = lengths[-2] - 1  # a decode step after a 99-token prefix
-    ours = engine_logits(path, sequences, splits, kernels)
+    ours = engine_logits(path, sequences, splits, kernels, backend)
     theirs = reference_logits(path, sequences)
     for a, b, n in zip(ours, theirs, lengths, strict=True):
         rel = np.abs(a - b).max() / np.abs(b).max()
@@ -100,12 +107,27 @@ def kernels(request) -> CpuKernels:
     return CpuKernels.portable() if request.param == "portable" else CpuKernels.select()
 
 
-@pytest.mark.parametrize(
-    "name", ["llama", "llama-tied-llama3rope", "llama-linear-bias", "qwen2", "qwen2-untied"]
-)
+@pytest.fixture(params=["eager", "predictor"])
+def backend(request) -> str:
+    """The eager reference and the inference-predictor backend (its programs are exported into
+    the run's own cache directory, see conftest)."""
+    return request.param
+
+
+CHECKPOINT_NAMES = ["llama", "llama-tied-llama3rope", "llama-linear-bias", "qwen2", "qwen2-untied"]
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_NAMES)
 def test_random_checkpoints_match_transformers(checkpoint, name: str, kernels) -> None:
     path = checkpoint(name)
     assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels)
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_NAMES)
+def test_predictor_backend_matches_transformers(checkpoint, name: str, backend: str) -> None:
+    path = checkpoint(name)
+    kernels = CpuKernels.portable()
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels, backend=backend)
 
 
 def test_sharded_checkpoint_matches_transformers(checkpoint, kernels) -> None:
@@ -119,3 +141,8 @@ def test_tiny_model_matches_transformers(kernels) -> None:
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     assert config.num_key_value_heads < config.num_attention_heads  # GQA
     assert_close(TINY_MODEL_DIR, config.vocab_size, kernels, seed=2)
+
+
+def test_tiny_model_on_the_predictor_matches_transformers(backend: str) -> None:
+    config = ModelConfig.from_dir(TINY_MODEL_DIR)
+    assert_close(TINY_MODEL_DIR, config.vocab_size, CpuKernels.portable(), seed=2, backend=backend)

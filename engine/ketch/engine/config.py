@@ -104,6 +104,15 @@ class EngineConfig:
         "serving path without the model).",
         choices=("model", "null"),
     )
+    backend: str = _opt(
+        "auto",
+        "What executes the model: 'predictor' (dense layers as static programs on paddle's "
+        "inference predictor with oneDNN, exported once into $KETCH_CACHE_DIR, default "
+        "~/.cache/ketch), 'eager' (dygraph, the reference), or 'auto': the predictor, falling "
+        "back to eager with one log line where it cannot run.",
+        choices=("auto", "predictor", "eager"),
+        crd=False,
+    )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(
         None,
@@ -120,7 +129,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        for name in ("block_size", "dtype", "runner"):
+        for name in ("block_size", "dtype", "runner", "backend"):
             allowed = _field_choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(

@@ -71,6 +71,7 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
             dtype=dtype,
             num_threads=config.num_threads,
+            backend=config.backend,
         )
         self.runner_config = runner_config
         if config.runner == "null":

@@ -51,6 +51,8 @@ class LlamaModel:
 
     ``kernels``: the implementations to run with (default: the fastest this CPU can run)."""
 
+    backend_name = "eager"
+
     def __init__(
         self,
         config: ModelConfig,

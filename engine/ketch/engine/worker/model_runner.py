@@ -17,8 +17,8 @@ import paddle
 
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LlamaModel
 from ketch.engine.models.loader import load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.sampler import SamplingState, sample
@@ -39,6 +39,7 @@ class RunnerConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     num_threads: int | None = None
+    backend: str = "auto"
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ModelRunner:
         mc = config.model_config
         threads = configure_paddle(config.num_threads)
         weights = load_weights(config.model_path, mc, config.dtype)
-        self.model = LlamaModel(mc, weights, config.max_model_len)
+        self.model = build_model(config.backend, mc, weights, config.max_model_len, threads)
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
             config.num_blocks,
@@ -89,8 +90,9 @@ class ModelRunner:
         )
         self.requests: dict[str, RequestState] = {}
         logger.info(
-            "model runner ready: %s, %d KV blocks x %d tokens, %d threads",
+            "model runner ready: %s on the %s backend, %d KV blocks x %d tokens, %d threads",
             mc.architecture,
+            self.model.backend_name,
             config.num_blocks,
             config.block_size,
             threads,

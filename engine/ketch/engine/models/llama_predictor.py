@@ -1,0 +1,104 @@
+"""The Llama-family decoder with its dense layers on the paddle inference predictor.
+
+Same inputs and outputs as ``LlamaModel.forward`` (the eager reference); per layer, the
+predictor computes everything but attention, and ``paged_attention`` (dygraph) writes the new
+keys/values into the shared KV cache in place and attends over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import paddle
+
+from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import LayerWeights, ModelWeights
+from ketch.engine.models.rope import cos_sin_tables
+from ketch.kernels import CpuKernels
+from ketch.kernels.dense_graph import DenseShape
+from ketch.kernels.predictor_backend import DensePrograms
+
+
+def dense_shape(config: ModelConfig) -> DenseShape:
+    return DenseShape(
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        eps=float(config.rms_norm_eps),
+        qkv_bias=bool(config.qkv_bias),
+        o_bias=bool(config.o_bias),
+        mlp_bias=bool(config.mlp_bias),
+    )
+
+
+def _present(*tensors: paddle.Tensor | None) -> list[paddle.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def _qkv_weights(layer: LayerWeights) -> list[paddle.Tensor]:
+    return _present(layer.input_norm, layer.qkv, layer.qkv_bias)
+
+
+def _finish_weights(layer: LayerWeights) -> list[paddle.Tensor]:
+    return _present(
+        layer.o,
+        layer.o_bias,
+        layer.post_norm,
+        layer.gate_up,
+        layer.gate_up_bias,
+        layer.down,
+        layer.down_bias,
+    )
+
+
+class PredictorLlamaModel:
+    """Computes logits for the last token of each sampling request in a flattened batch."""
+
+    # The graph's RMSNorm is the portable formula whatever the CPU (see dense_graph).
+    kernels = CpuKernels.portable()
+    backend_name = "predictor"
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        max_len: int,
+        threads: int,
+        cache_dir: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.programs = DensePrograms(dense_shape(config), threads, cache_dir)
+        cos, sin = cos_sin_tables(config.rope, config.head_dim, max_len)
+        self._cos = paddle.to_tensor(cos)
+        self._sin = paddle.to_tensor(sin)
+        layers = weights.layers
+        self._first = [weights.embed, *_qkv_weights(layers[0])]
+        self._middle = [
+            _finish_weights(prev) + _qkv_weights(layer)
+            for prev, layer in itertools.pairwise(layers)
+        ]
+        self._last = [*_finish_weights(layers[-1]), weights.norm, weights.lm_head]
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        kv_caches: list[LayerCache],
+        meta: AttentionMetadata,
+        logit_rows: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        cos = paddle.gather(self._cos, positions)
+        sin = paddle.gather(self._sin, positions)
+        run = self.programs.run
+        h, q, k, v = run("first", [input_ids, cos, sin, *self._first])
+        attn = paged_attention(q, k, v, kv_caches[0], meta)
+        for weights, cache in zip(self._middle, kv_caches[1:], strict=True):
+            h, q, k, v = run("middle", [h, attn, cos, sin, *weights])
+            attn = paged_attention(q, k, v, cache, meta)
+        return run("last", [h, attn, logit_rows, *self._last])[0]
