@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 Obj = dict[str, Any]
 Version = tuple[int, int]
-MAX_VERSION: Version = (1, 32)  # the emulator's kube-apiserver (server.VERSION_INFO)
+MAX_VERSION: Version = (1, 32)  # the emulator's kube-apiserver (discovery.VERSION_INFO)
 PREFIX = "pod-security.kubernetes.io/"
 LEVELS = ("privileged", "baseline", "restricted")
 POD_CONTROLLERS = {
