@@ -10,7 +10,7 @@ Variants, on the same weights and the same paged KV cache:
                  predictor program; single attention group only, so a benchmark, not a backend
   static-full    that program through to_static, called from dygraph
 
-Cases: a decode step at batch 32 (context ~200 each) and one prefill chunk of 256 tokens.
+Cases: decode steps at batch 1, 8 and 32 (context ~200 each) and one prefill chunk of 256 tokens.
 Usage: benchmarks/bench_backend.py [--model PATH] [--threads 1] [--rounds 15]
 Without --model it writes a random 23M-parameter Qwen2 (hidden 512, 8 layers, 8/2 heads, head dim
 64, intermediate 1408, tied embeddings) with transformers (the test extra) to a temp dir.
@@ -118,7 +118,12 @@ def main() -> None:
     path = Path(args.model) if args.model else make_23m(Path(tmp.name) / "qwen2-23m")
     os.environ.setdefault("KETCH_CACHE_DIR", str(Path(tmp.name) / "cache"))
     bench = Bench(path, args.threads)
-    cases = {"decode b=32": bench.decode_case(32, 200), "prefill 256": bench.prefill_case(256)}
+    cases = {
+        "decode b=1": bench.decode_case(1, 200),
+        "decode b=8": bench.decode_case(8, 200),
+        "decode b=32": bench.decode_case(32, 200),
+        "prefill 256": bench.prefill_case(256),
+    }
     print(f"model {path.name}, {args.threads} thread(s), medians of {args.rounds} rounds")
     print(f"{'case':14s} {'variant':16s} {'ms':>8s} {'x eager':>8s} {'max rel err':>12s}")
     for name, case in cases.items():
@@ -146,8 +151,10 @@ class Bench:
         self.config = c = ModelConfig.from_dir(path)
         weights = load_weights(path, c, "float32")
         self.eager = LlamaModel(c, weights, max_len=2048)
-        self.pred = PredictorLlamaModel(c, weights, max_len=2048, threads=threads)
-        self.static = PredictorLlamaModel(c, weights, max_len=2048, threads=threads)
+        self.pred = PredictorLlamaModel(c, weights, self.eager, threads)
+        self.static = PredictorLlamaModel(c, weights, self.eager, threads)
+        # Measure the programs at every size (the backend runs steps under 6 tokens eagerly).
+        self.pred.eager_below_tokens = self.static.eager_below_tokens = 0
         shape = dense_shape(c)
         statics = {
             k: paddle.jit.to_static(

@@ -57,7 +57,10 @@ def test_greedy_matches_transformers_with_every_mechanism(
     vocab = ModelConfig.from_dir(path).vocab_size
     prompts = make_prompts(vocab)
     ours, llm = run_constrained(path, prompts, backend)
-    assert llm.engine.runner.model.backend_name == backend
+    model = llm.engine.runner.model
+    assert model.backend_name == backend
+    if backend == "predictor":
+        assert model.predictor_steps > 0
     stats = llm.engine.scheduler.stats
     assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
     assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"

@@ -40,6 +40,8 @@ def engine_logits(
     config = ModelConfig.from_dir(path)
     weights = load_weights(path, config, "float32")
     model = build_model(backend, config, weights, 1024, threads, kernels)
+    if backend == "predictor":
+        model.eager_below_tokens = 0  # every step on the predictor
     blocks_each = [-(-len(s) // BLOCK) for s in sequences]
     cache = KVCache(
         config.num_hidden_layers,

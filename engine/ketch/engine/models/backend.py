@@ -34,16 +34,17 @@ def build_model(
     ``kernels`` apply to the eager model only; ``cache_dir`` overrides ``$KETCH_CACHE_DIR``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    eager = LlamaModel(config, weights, max_len, kernels)
     if backend == "eager":
-        return LlamaModel(config, weights, max_len, kernels)
+        return eager
     from ketch.engine.models.llama_predictor import PredictorLlamaModel
 
     if backend == "predictor":
-        return PredictorLlamaModel(config, weights, max_len, threads, cache_dir)
+        return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
     try:
-        return PredictorLlamaModel(config, weights, max_len, threads, cache_dir)
+        return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
     except Exception as exc:  # any failure to export or load: the reference still runs
         logger.warning(
             "backend: eager (the predictor cannot run here: %s: %s)", type(exc).__name__, exc
         )
-        return LlamaModel(config, weights, max_len, kernels)
+        return eager

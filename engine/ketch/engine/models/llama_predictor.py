@@ -2,7 +2,9 @@
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference); per layer, the
 predictor computes everything but attention, and ``paged_attention`` (dygraph) writes the new
-keys/values into the shared KV cache in place and attends over it.
+keys/values into the shared KV cache in place and attends over it. Steps of very few tokens run
+eagerly on the same weights and cache: at 1-3 rows the predictor's matmuls are slower than
+dygraph's (measured, docs/backend.md).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import paddle
 
 from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, ModelWeights
-from ketch.engine.models.rope import cos_sin_tables
+from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
 from ketch.kernels import CpuKernels
 from ketch.kernels.dense_graph import DenseShape
 from ketch.kernels.predictor_backend import DensePrograms
@@ -57,25 +58,30 @@ def _finish_weights(layer: LayerWeights) -> list[paddle.Tensor]:
 
 
 class PredictorLlamaModel:
-    """Computes logits for the last token of each sampling request in a flattened batch."""
+    """Computes logits for the last token of each sampling request in a flattened batch.
 
-    # The graph's RMSNorm is the portable formula whatever the CPU (see dense_graph).
-    kernels = CpuKernels.portable()
+    ``eager``: the reference model on the same weights, which runs steps of fewer than
+    ``eager_below_tokens`` tokens (0: never)."""
+
     backend_name = "predictor"
+    # Crossover on the 23M Qwen2, 1 thread: eager wins at 1-3 tokens, ties at ~6, loses 1.3x
+    # at 8 (benchmarks/bench_backend.py).
+    eager_below_tokens = 6
 
     def __init__(
         self,
         config: ModelConfig,
         weights: ModelWeights,
-        max_len: int,
+        eager: LlamaModel,
         threads: int,
         cache_dir: Path | None = None,
     ) -> None:
         self.config = config
+        self.eager = eager
+        self.kernels: CpuKernels = eager.kernels  # what the eager steps run with
         self.programs = DensePrograms(dense_shape(config), threads, cache_dir)
-        cos, sin = cos_sin_tables(config.rope, config.head_dim, max_len)
-        self._cos = paddle.to_tensor(cos)
-        self._sin = paddle.to_tensor(sin)
+        self.predictor_steps = 0
+        self._cos, self._sin = eager._cos, eager._sin
         layers = weights.layers
         self._first = [weights.embed, *_qkv_weights(layers[0])]
         self._middle = [
@@ -93,6 +99,9 @@ class PredictorLlamaModel:
         logit_rows: paddle.Tensor,
     ) -> paddle.Tensor:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        if input_ids.shape[0] < self.eager_below_tokens:
+            return self.eager.forward(input_ids, positions, kv_caches, meta, logit_rows)
+        self.predictor_steps += 1
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
         run = self.programs.run
