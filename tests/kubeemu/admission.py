@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kubeemu import builtin_defaults, builtin_schema, crd_budget, crd_objects, object_names
+from kubeemu import (
+    builtin_defaults,
+    builtin_schema,
+    crd_budget,
+    crd_objects,
+    object_names,
+    quantity,
+)
 from kubeemu.builtin_validation import validate_builtin
 from kubeemu.errors import ApiError, bad_request, details_of, invalid, namespace_not_found
 from kubeemu.kinds import ResourceType
@@ -86,6 +93,7 @@ def admit(
             new = dict(result.obj)
             new["metadata"] = meta
     else:
+        quantity.canonicalize(rt, new)  # decoding: bad quantities fail before anything else
         unknown = builtin_schema.prune_unknown(rt.group, rt.version, rt.kind, new)
         if unknown and field_validation == "Strict":
             raise bad_request(
