@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_models import hf_model
-from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
@@ -57,8 +57,7 @@ def engine_logits(
     pieces: list[list[np.ndarray]] = [[] for _ in sequences]
 
     def meta(spans: list[SequenceSpan]):
-        kv = config.num_key_value_heads
-        return build_metadata(spans, BLOCK, cache.num_blocks, kv, config.num_attention_heads // kv)
+        return model.metadata(spans, BLOCK, cache.num_blocks)
 
     for chunk in range(2):
         ids, pos, spans = [], [], []
@@ -109,13 +108,6 @@ def kernels(request) -> CpuKernels:
     return CpuKernels.portable() if request.param == "portable" else CpuKernels.select()
 
 
-@pytest.fixture(params=["eager", "predictor"])
-def backend(request) -> str:
-    """The eager reference and the inference-predictor backend (its programs are exported into
-    the run's own cache directory, see conftest)."""
-    return request.param
-
-
 CHECKPOINT_NAMES = ["llama", "llama-tied-llama3rope", "llama-linear-bias", "qwen2", "qwen2-untied"]
 
 
@@ -126,10 +118,11 @@ def test_random_checkpoints_match_transformers(checkpoint, name: str, kernels) -
 
 
 @pytest.mark.parametrize("name", CHECKPOINT_NAMES)
-def test_predictor_backend_matches_transformers(checkpoint, name: str, backend: str) -> None:
+def test_predictor_backend_matches_transformers(checkpoint, name: str, kernels) -> None:
+    """Dense layers on the predictor, attention in dygraph (portable kernels) or in the C++
+    paged-attention kernel this CPU selects."""
     path = checkpoint(name)
-    kernels = CpuKernels.portable()
-    assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels, backend=backend)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, kernels, backend="predictor")
 
 
 def test_sharded_checkpoint_matches_transformers(checkpoint, kernels) -> None:
@@ -145,6 +138,6 @@ def test_tiny_model_matches_transformers(kernels) -> None:
     assert_close(TINY_MODEL_DIR, config.vocab_size, kernels, seed=2)
 
 
-def test_tiny_model_on_the_predictor_matches_transformers(backend: str) -> None:
+def test_tiny_model_on_the_predictor_matches_transformers(kernels) -> None:
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
-    assert_close(TINY_MODEL_DIR, config.vocab_size, CpuKernels.portable(), seed=2, backend=backend)
+    assert_close(TINY_MODEL_DIR, config.vocab_size, kernels, seed=2, backend="predictor")

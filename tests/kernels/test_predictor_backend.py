@@ -14,14 +14,14 @@ import numpy as np
 import paddle
 import pytest
 
-from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LlamaModel
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
-from ketch.kernels import dense_graph, predictor_backend
+from ketch.kernels import CpuKernels, dense_graph, predictor_backend
 from ketch.kernels.dense_graph import DenseShape
 from ketch.kernels.predictor_backend import DensePrograms, export_programs, program_key
 
@@ -100,9 +100,7 @@ def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch) -> None:
 
 def _tiny_step(model, cache: KVCache, config: ModelConfig) -> np.ndarray:
     tokens = 9
-    kv = config.num_key_value_heads
-    spans = [SequenceSpan(0, tokens, tokens, [1])]
-    meta = build_metadata(spans, 16, cache.num_blocks, kv, config.num_attention_heads // kv)
+    meta = model.metadata([SequenceSpan(0, tokens, tokens, [1])], 16, cache.num_blocks)
     with paddle.no_grad():
         return model.forward(
             paddle.to_tensor(np.arange(1, tokens + 1, dtype=np.int64)),
@@ -113,12 +111,16 @@ def _tiny_step(model, cache: KVCache, config: ModelConfig) -> np.ndarray:
         ).numpy()
 
 
-def test_the_predictor_writes_the_shared_kv_buffer_in_place() -> None:
+@pytest.mark.parametrize("kernels", ["selected", "portable"])
+def test_the_predictor_writes_the_shared_kv_buffer_in_place(kernels: str) -> None:
+    """With the C++ attention kernel this CPU selects (KV write included) and with dygraph's."""
     threads = configure_paddle(1)
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     weights = load_weights(TINY_MODEL_DIR, config, "float32")
-    model = build_model("predictor", config, weights, 64, threads)
+    chosen = CpuKernels.select() if kernels == "selected" else CpuKernels.portable()
+    model = build_model("predictor", config, weights, 64, threads, chosen)
     assert model.backend_name == "predictor"
+    assert (model.attention is not None) == (kernels == "selected")
     shape = (config.num_hidden_layers, 2, config.num_key_value_heads, 2, 16, config.head_dim)
     buffer = bytearray(int(np.prod(shape)) * 4)  # stands in for the shared-memory segment
     cache = KVCache(shape[0], 2, 16, shape[2], shape[5], buffer=memoryview(buffer))

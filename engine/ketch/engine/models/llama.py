@@ -13,7 +13,13 @@ import paddle
 import paddle.nn.functional as F
 from paddle.nn.functional import swiglu
 
-from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
+from ketch.engine.models.attention import (
+    AttentionMetadata,
+    LayerCache,
+    SequenceSpan,
+    build_metadata,
+    paged_attention,
+)
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.kernels import CpuKernels
@@ -68,6 +74,14 @@ class LlamaModel:
         self._sin = paddle.to_tensor(sin)
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
+
+    def metadata(
+        self, spans: list[SequenceSpan], block_size: int, num_blocks: int
+    ) -> AttentionMetadata:
+        """The attention inputs ``forward`` needs for a step of ``spans``."""
+        kv = self.config.num_key_value_heads
+        group = self.config.num_attention_heads // kv
+        return build_metadata(spans, block_size, num_blocks, kv, group)
 
     def forward(
         self,

@@ -2,24 +2,35 @@
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference); per layer, the
 predictor computes everything but attention, and ``paged_attention`` (dygraph) writes the new
-keys/values into the shared KV cache in place and attends over it. Steps of very few tokens run
-eagerly on the same weights and cache: at 1-3 rows the predictor's matmuls are slower than
-dygraph's (measured, docs/backend.md).
+keys/values into the shared KV cache in place and attends over it: with the C++ paged-attention
+kernel of ``ketch.kernels`` where the kernels have one (the KV write too), else with the eager
+model's dygraph ``paged_attention``. Steps of very few tokens run eagerly on the same weights
+and cache: at 1-3 rows the predictor's matmuls are slower than dygraph's (docs/backend.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from pathlib import Path
 
 import paddle
 
-from ketch.engine.models.attention import AttentionMetadata, LayerCache, paged_attention
+from ketch.engine.models.attention import (
+    AttentionMetadata,
+    LayerCache,
+    SequenceSpan,
+    paged_attention,
+)
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
 from ketch.kernels import CpuKernels
 from ketch.kernels.dense_graph import DenseShape
+from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 from ketch.kernels.predictor_backend import DensePrograms
+
+logger = logging.getLogger(__name__)
 
 
 def dense_shape(config: ModelConfig) -> DenseShape:
@@ -81,6 +92,7 @@ class PredictorLlamaModel:
         self.kernels: CpuKernels = eager.kernels  # what the eager steps run with
         self.programs = DensePrograms(dense_shape(config), threads, cache_dir)
         self.predictor_steps = 0
+        self.attention = _attention_kernel(eager.kernels, config.head_dim, threads)
         self._cos, self._sin = eager._cos, eager._sin
         layers = weights.layers
         self._first = [weights.embed, *_qkv_weights(layers[0])]
@@ -90,24 +102,72 @@ class PredictorLlamaModel:
         ]
         self._last = [*_finish_weights(layers[-1]), weights.norm, weights.lm_head]
 
+    def metadata(
+        self, spans: list[SequenceSpan], block_size: int, num_blocks: int
+    ) -> AttentionMetadata | PagedAttentionMetadata:
+        """What ``forward`` needs for a step of ``spans`` (in flat token order): block tables
+        for the C++ kernel, or the eager path's gather indices and masks."""
+        tokens = sum(s.query_len for s in spans)
+        if self.attention is None or tokens < self.eager_below_tokens:
+            return self.eager.metadata(spans, block_size, num_blocks)
+        return PagedAttentionMetadata.build(
+            [s.query_len for s in spans],
+            [s.context_len for s in spans],
+            [s.block_ids for s in spans],
+            block_size,
+        )
+
     def forward(
         self,
         input_ids: paddle.Tensor,
         positions: paddle.Tensor,
         kv_caches: list[LayerCache],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | PagedAttentionMetadata,
         logit_rows: paddle.Tensor,
     ) -> paddle.Tensor:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
-        if input_ids.shape[0] < self.eager_below_tokens:
+        if isinstance(meta, PagedAttentionMetadata):
+            attend = self._kernel_attention
+        elif input_ids.shape[0] < self.eager_below_tokens:
             return self.eager.forward(input_ids, positions, kv_caches, meta, logit_rows)
+        else:
+            attend = paged_attention
         self.predictor_steps += 1
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
         run = self.programs.run
         h, q, k, v = run("first", [input_ids, cos, sin, *self._first])
-        attn = paged_attention(q, k, v, kv_caches[0], meta)
+        attn = attend(q, k, v, kv_caches[0], meta)
         for weights, cache in zip(self._middle, kv_caches[1:], strict=True):
             h, q, k, v = run("middle", [h, attn, cos, sin, *weights])
-            attn = paged_attention(q, k, v, cache, meta)
+            attn = attend(q, k, v, cache, meta)
         return run("last", [h, attn, logit_rows, *self._last])[0]
+
+    def _kernel_attention(
+        self,
+        q: paddle.Tensor,
+        k: paddle.Tensor,
+        v: paddle.Tensor,
+        cache: LayerCache,
+        meta: PagedAttentionMetadata,
+    ) -> paddle.Tensor:
+        kernel = self.attention
+        kernel.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
+        out = kernel(q, cache.k_blocks, cache.v_blocks, meta, self.config.head_dim**-0.5)
+        return out.reshape([0, self.config.num_attention_heads * self.config.head_dim])
+
+
+def _attention_kernel(kernels: CpuKernels, head_dim: int, threads: int) -> PagedAttention | None:
+    """The C++ kernel the kernels chose, on ``threads`` threads, if it can run this model;
+    None: dygraph attention (logged once when the library cannot be built)."""
+    kernel = kernels.paged_attention
+    if kernel is None or not kernel.supports(head_dim):
+        return None
+    from ketch.kernels import cpp_ops
+
+    try:
+        cpp_ops.ops()
+    except RuntimeError as exc:
+        logger.warning("paged attention: dygraph (%s)", exc)
+        return None
+    return dataclasses.replace(kernel, num_threads=threads)

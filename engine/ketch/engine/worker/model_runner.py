@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from ketch.engine.models.attention import SequenceSpan, build_metadata
+from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
@@ -120,15 +120,7 @@ class ModelRunner:
         )
 
     def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
-        mc = self.config.model_config
-        group = mc.num_attention_heads // mc.num_key_value_heads
-        meta = build_metadata(
-            batch.spans,
-            self.config.block_size,
-            self.config.num_blocks,
-            mc.num_key_value_heads,
-            group,
-        )
+        meta = self.model.metadata(batch.spans, self.config.block_size, self.config.num_blocks)
         with paddle.no_grad():
             logits = self.model.forward(
                 paddle.to_tensor(batch.input_ids),
