@@ -84,11 +84,6 @@ def test_non_canonical_quantities_settle(cluster, operator):  # noqa: F811
     assert target["averageValue"] == "800m"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the operator re-applies '0.5' over the stored '500m'; server-side apply takes the "
-    "different spelling for a change and rewrites managedFields (a new resourceVersion)",
-)
 def test_full_reconcile_of_non_canonical_quantities_writes_nothing(cluster, operator):  # noqa: F811
     wait_for(lambda: ready(cluster, "quant"), "quant Ready")
     settle(operator)

@@ -51,6 +51,7 @@ from ketch.operator.objects import (
     metadata,
     selector,
 )
+from ketch.operator.quantity import canonical
 from ketch.operator.spec import API_KEY_PATH, PEER_KEY_PATH, ServiceSpec
 
 RUN_AS_USER = 1000
@@ -119,7 +120,7 @@ def engine_pod(svc: ServiceSpec, role: str, config_text: str) -> Obj:
         {"name": "config", "configMap": {"name": f"{svc.name}-config"}},
         {
             "name": "dshm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": svc.spec["engine"]["shmSize"]},
+            "emptyDir": {"medium": "Memory", "sizeLimit": canonical(svc.spec["engine"]["shmSize"])},
         },
         {"name": "tmp", "emptyDir": {}},
     ]

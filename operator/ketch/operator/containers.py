@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.operator.crd_engine import FETCH_CREDENTIAL_KEYS
+from ketch.operator.quantity import canonical, plus_gi
 from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH, ServiceSpec
 
 CONFIG_DIR = "/etc/ketch"
@@ -73,26 +74,6 @@ def _port(name: str, number: int) -> Obj:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-_BINARY_UNITS = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
-
-
-def quantity_plus_gi(quantity: str, extra_gi: int) -> str:
-    """A binary quantity plus ``extra_gi`` GiB: '4Gi' + 1 -> '5Gi', '512Mi' + 1 -> '1536Mi',
-    '0' + 1 -> '1Gi'. Anything else comes back unchanged."""
-    number, unit = quantity[:-2], quantity[-2:]
-    if quantity == "0":
-        size = 0
-    elif unit in _BINARY_UNITS and number.replace(".", "", 1).isdigit():
-        size = int(float(number) * _BINARY_UNITS[unit])
-    else:
-        return quantity
-    size += extra_gi * _BINARY_UNITS["Gi"]
-    for name in ("Gi", "Mi", "Ki"):
-        if size % _BINARY_UNITS[name] == 0:
-            return f"{size // _BINARY_UNITS[name]}{name}"
-    return str(size)
-
-
 def needs_model_volume(svc: ServiceSpec) -> bool:
     return svc.spec["model"]["uri"].split("://", 1)[0] in ("pvc", "hf", "s3")
 
@@ -112,7 +93,7 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
     requests: dict[str, str] = {}
     for key in ("cpu", "memory"):
         if res.get(key):
-            limits[key] = requests[key] = res[key]
+            limits[key] = requests[key] = canonical(res[key])
     if res["gpus"] > 0:
         limits[res["gpuResourceName"]] = requests[res["gpuResourceName"]] = str(res["gpus"])
     mounts = [
@@ -169,7 +150,7 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
     """
     cm = svc.spec["cacheManager"]
     ports = svc.ports
-    memory = cm.get("memory") or quantity_plus_gi(cm["hostSwapSpace"], 1)
+    memory = canonical(cm["memory"]) if cm.get("memory") else plus_gi(cm["hostSwapSpace"], 1)
     return {
         "name": "cache-manager",
         "image": svc.spec["engine"]["image"],
@@ -182,8 +163,8 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
         ],
         "env": [home_env()],
         "resources": {
-            "limits": {"cpu": cm["cpu"], "memory": memory},
-            "requests": {"cpu": cm["cpu"], "memory": memory},
+            "limits": {"cpu": canonical(cm["cpu"]), "memory": memory},
+            "requests": {"cpu": canonical(cm["cpu"]), "memory": memory},
         },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

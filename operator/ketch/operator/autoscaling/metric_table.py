@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from ketch.engine.metrics import PREFIX
+from ketch.operator.quantity import canonical
 
 MODES = ("hpa", "keda", "ketch")  # ketch: the operator scales the roles itself (loop.py)
 DEFAULT_MODE = "hpa"
@@ -101,7 +102,9 @@ def target(value: Any) -> str:
 def hpa_metric(entry: dict[str, Any]) -> dict[str, Any]:
     """One spec metric as an ``autoscaling/v2`` MetricSpec (per-pod average value)."""
     metric = BY_TYPE[entry["type"]]
-    goal = {"type": "AverageValue", "averageValue": target(entry["target"])}
+    # A Quantity field of a built-in object: written as the API server stores it (KEDA's
+    # threshold and value below are plain strings its scalers parse, so they stay as given).
+    goal = {"type": "AverageValue", "averageValue": canonical(target(entry["target"]))}
     if metric.resource is not None:
         return {"type": "Resource", "resource": {"name": metric.resource, "target": goal}}
     return {"type": "Pods", "pods": {"metric": {"name": metric.custom_name}, "target": goal}}
