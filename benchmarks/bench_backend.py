@@ -4,8 +4,10 @@ Variants, on the same weights and the same paged KV cache:
   eager          LlamaModel in dygraph (the reference)
   static-split   the dense programs of ketch.kernels.dense_graph through paddle.jit.to_static,
                  called from dygraph; attention in dygraph between them
-  predictor-split the same programs on the paddle inference predictor with oneDNN (the backend
-                 ``--backend predictor`` runs)
+  predictor-split the same programs on the paddle inference predictor with oneDNN
+  predictor+kernel the same, attention and KV write in the C++ paged-attention op (what
+                 ``--backend predictor``/``auto`` runs for steps of >= 6 tokens; smaller ones
+                 run eagerly)
   predictor-full the whole step, attention and in-place KV writes included (index_put_), as one
                  predictor program; single attention group only, so a benchmark, not a backend
   static-full    that program through to_static, called from dygraph
@@ -151,11 +153,19 @@ class Bench:
         self.config = c = ModelConfig.from_dir(path)
         weights = load_weights(path, c, "float32")
         self.eager = LlamaModel(c, weights, max_len=2048)
+        shape = dense_shape(c)
         self.pred = PredictorLlamaModel(c, weights, self.eager, threads)
         self.static = PredictorLlamaModel(c, weights, self.eager, threads)
-        # Measure the programs at every size (the backend runs steps under 6 tokens eagerly).
-        self.pred.eager_below_tokens = self.static.eager_below_tokens = 0
-        shape = dense_shape(c)
+        self.kernel = PredictorLlamaModel(c, weights, self.eager, threads)
+        self.eager_kernel = PredictorLlamaModel(c, weights, self.eager, threads)
+        self.eager_kernel.programs = _StaticPrograms(
+            {k: dense_graph.PROGRAMS[k](shape) for k in ("first", "middle", "last")}
+        )
+        # Measure the programs at every size (the backend runs steps under 6 tokens eagerly);
+        # pred/static attend in dygraph, kernel in the C++ paged-attention op.
+        for net in (self.pred, self.static, self.kernel, self.eager_kernel):
+            net.eager_below_tokens = 0
+        self.pred.attention = self.static.attention = None
         statics = {
             k: paddle.jit.to_static(
                 dense_graph.PROGRAMS[k](shape), dense_graph.input_specs(shape, k), full_graph=True
@@ -231,6 +241,7 @@ class Bench:
             ids=paddle.to_tensor(ids.astype(np.int64)),
             pos=paddle.to_tensor(np.array(positions, dtype=np.int64)),
             meta=meta,
+            kernel_meta=self.kernel.metadata(spans, BLOCK, self.cache.num_blocks),
             rows=paddle.to_tensor(rows),
         )
 
@@ -261,9 +272,9 @@ class Bench:
     def measure(self, case, rounds: int):
         import paddle
 
-        def model(net):
+        def model(net, meta="meta"):
             return lambda: net.forward(
-                case["ids"], case["pos"], self.cache.layers, case["meta"], case["rows"]
+                case["ids"], case["pos"], self.cache.layers, case[meta], case["rows"]
             )
 
         full = self._full_inputs(case)
@@ -272,6 +283,8 @@ class Bench:
             "eager": model(self.eager),
             "static-split": model(self.static),
             "predictor-split": model(self.pred),
+            "predictor+kernel": model(self.kernel, "kernel_meta"),
+            "dygraph+kernel": model(self.eager_kernel, "kernel_meta"),
             "predictor-full": lambda: self.full_pred.run(flat_inputs)[0],
             "static-full": lambda: self.static_full(*full)[0],
         }

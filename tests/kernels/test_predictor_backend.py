@@ -98,8 +98,7 @@ def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch) -> None:
     assert export_programs(SHAPE).parent == tmp_path / "programs"
 
 
-def _tiny_step(model, cache: KVCache, config: ModelConfig) -> np.ndarray:
-    tokens = 9
+def _tiny_step(model, cache: KVCache, config: ModelConfig, tokens: int = 9) -> np.ndarray:
     meta = model.metadata([SequenceSpan(0, tokens, tokens, [1])], 16, cache.num_blocks)
     with paddle.no_grad():
         return model.forward(
@@ -121,6 +120,11 @@ def test_the_predictor_writes_the_shared_kv_buffer_in_place(kernels: str) -> Non
     model = build_model("predictor", config, weights, 64, threads, chosen)
     assert model.backend_name == "predictor"
     assert (model.attention is not None) == (kernels == "selected")
+    small = KVCache(config.num_hidden_layers, 2, 16, config.num_key_value_heads, config.head_dim)
+    few = _tiny_step(model, small, config, tokens=3)  # in dygraph: below eager_below_tokens
+    assert model.predictor_steps == 0
+    want = _tiny_step(model.eager, KVCache(*small_args(config)), config, tokens=3)
+    assert np.abs(few - want).max() <= 1e-5 * np.abs(want).max()
     shape = (config.num_hidden_layers, 2, config.num_key_value_heads, 2, 16, config.head_dim)
     buffer = bytearray(int(np.prod(shape)) * 4)  # stands in for the shared-memory segment
     cache = KVCache(shape[0], 2, 16, shape[2], shape[5], buffer=memoryview(buffer))
@@ -133,6 +137,10 @@ def test_the_predictor_writes_the_shared_kv_buffer_in_place(kernels: str) -> Non
     eager = _tiny_step(model.eager, eager_cache, config)
     assert np.abs(logits - eager).max() <= 1e-5 * np.abs(eager).max()
     np.testing.assert_allclose(cache.array, eager_cache.array, rtol=1e-5, atol=1e-5)
+
+
+def small_args(config: ModelConfig) -> tuple[int, ...]:
+    return config.num_hidden_layers, 2, 16, config.num_key_value_heads, config.head_dim
 
 
 def test_auto_falls_back_to_eager_with_one_log_line(monkeypatch, caplog) -> None:

@@ -4,8 +4,9 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference); per lay
 predictor computes everything but attention, and ``paged_attention`` (dygraph) writes the new
 keys/values into the shared KV cache in place and attends over it: with the C++ paged-attention
 kernel of ``ketch.kernels`` where the kernels have one (the KV write too), else with the eager
-model's dygraph ``paged_attention``. Steps of very few tokens run eagerly on the same weights
-and cache: at 1-3 rows the predictor's matmuls are slower than dygraph's (docs/backend.md).
+model's dygraph ``paged_attention``. Steps of very few tokens run in dygraph on the same weights
+and cache (at 1-3 rows the predictor's matmuls are slower than dygraph's, docs/backend.md): the
+programs' own functions called eagerly, around the C++ kernel, or without it the eager model.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ketch.engine.models.attention import (
 )
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
-from ketch.kernels import CpuKernels
+from ketch.kernels import CpuKernels, dense_graph
 from ketch.kernels.dense_graph import DenseShape
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 from ketch.kernels.predictor_backend import DensePrograms
@@ -71,8 +72,8 @@ def _finish_weights(layer: LayerWeights) -> list[paddle.Tensor]:
 class PredictorLlamaModel:
     """Computes logits for the last token of each sampling request in a flattened batch.
 
-    ``eager``: the reference model on the same weights, which runs steps of fewer than
-    ``eager_below_tokens`` tokens (0: never)."""
+    ``eager``: the reference model on the same weights; steps of fewer than
+    ``eager_below_tokens`` tokens (0: none) run in dygraph (see the module's docstring)."""
 
     backend_name = "predictor"
     # Crossover on the 23M Qwen2, 1 thread: eager wins at 1-3 tokens, ties at ~6, loses 1.3x
@@ -90,7 +91,9 @@ class PredictorLlamaModel:
         self.config = config
         self.eager = eager
         self.kernels: CpuKernels = eager.kernels  # what the eager steps run with
-        self.programs = DensePrograms(dense_shape(config), threads, cache_dir)
+        shape = dense_shape(config)
+        self.programs = DensePrograms(shape, threads, cache_dir)
+        self._dygraph = {kind: make(shape) for kind, make in dense_graph.PROGRAMS.items()}
         self.predictor_steps = 0
         self.attention = _attention_kernel(eager.kernels, config.head_dim, threads)
         self._cos, self._sin = eager._cos, eager._sin
@@ -107,8 +110,7 @@ class PredictorLlamaModel:
     ) -> AttentionMetadata | PagedAttentionMetadata:
         """What ``forward`` needs for a step of ``spans`` (in flat token order): block tables
         for the C++ kernel, or the eager path's gather indices and masks."""
-        tokens = sum(s.query_len for s in spans)
-        if self.attention is None or tokens < self.eager_below_tokens:
+        if self.attention is None:
             return self.eager.metadata(spans, block_size, num_blocks)
         return PagedAttentionMetadata.build(
             [s.query_len for s in spans],
@@ -126,22 +128,28 @@ class PredictorLlamaModel:
         logit_rows: paddle.Tensor,
     ) -> paddle.Tensor:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        small = input_ids.shape[0] < self.eager_below_tokens
         if isinstance(meta, PagedAttentionMetadata):
             attend = self._kernel_attention
-        elif input_ids.shape[0] < self.eager_below_tokens:
+        elif small:
             return self.eager.forward(input_ids, positions, kv_caches, meta, logit_rows)
         else:
             attend = paged_attention
-        self.predictor_steps += 1
+        run = self._run_dygraph if small else self.programs.run
+        self.predictor_steps += not small
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
-        run = self.programs.run
         h, q, k, v = run("first", [input_ids, cos, sin, *self._first])
         attn = attend(q, k, v, kv_caches[0], meta)
         for weights, cache in zip(self._middle, kv_caches[1:], strict=True):
             h, q, k, v = run("middle", [h, attn, cos, sin, *weights])
             attn = attend(q, k, v, cache, meta)
         return run("last", [h, attn, logit_rows, *self._last])[0]
+
+    def _run_dygraph(self, kind: str, inputs: list[paddle.Tensor]) -> list[paddle.Tensor]:
+        split = 4 if kind == "middle" else 3  # the programs' leading token inputs
+        out = self._dygraph[kind](*inputs[:split], inputs[split:])
+        return list(out) if isinstance(out, tuple) else [out]
 
     def _kernel_attention(
         self,
