@@ -95,7 +95,7 @@ class PredictorLlamaModel:
         self.programs = DensePrograms(shape, threads, cache_dir)
         self._dygraph = {kind: make(shape) for kind, make in dense_graph.PROGRAMS.items()}
         self.predictor_steps = 0
-        self.attention = _attention_kernel(eager.kernels, config.head_dim, threads)
+        self.attention = _attention_kernel(eager.kernels, config.head_dim)
         self._cos, self._sin = eager._cos, eager._sin
         layers = weights.layers
         self._first = [weights.embed, *_qkv_weights(layers[0])]
@@ -165,9 +165,13 @@ class PredictorLlamaModel:
         return out.reshape([0, self.config.num_attention_heads * self.config.head_dim])
 
 
-def _attention_kernel(kernels: CpuKernels, head_dim: int, threads: int) -> PagedAttention | None:
-    """The C++ kernel the kernels chose, on ``threads`` threads, if it can run this model;
-    None: dygraph attention (logged once when the library cannot be built)."""
+def _attention_kernel(kernels: CpuKernels, head_dim: int) -> PagedAttention | None:
+    """The C++ kernel the kernels chose, if it can run this model; None: dygraph attention
+    (logged once when the library cannot be built).
+
+    Always on one thread: its OpenMP runtime (libgomp) is not the predictor's, and the two
+    pools spin against each other (2 threads on 2 cores, decode b=32: 101 ms with 2 kernel
+    threads, 38 ms with 1)."""
     kernel = kernels.paged_attention
     if kernel is None or not kernel.supports(head_dim):
         return None
@@ -178,4 +182,4 @@ def _attention_kernel(kernels: CpuKernels, head_dim: int, threads: int) -> Paged
     except RuntimeError as exc:
         logger.warning("paged attention: dygraph (%s)", exc)
         return None
-    return dataclasses.replace(kernel, num_threads=threads)
+    return dataclasses.replace(kernel, num_threads=1)
