@@ -6,7 +6,7 @@ Variants, on the same weights and the same paged KV cache:
                  called from dygraph; attention in dygraph between them
   predictor-split the same programs on the paddle inference predictor with oneDNN
   predictor+kernel the same, attention and KV write in the C++ paged-attention op (what
-                 ``--backend predictor``/``auto`` runs for steps of >= 6 tokens; smaller ones
+                 ``--backend predictor``/``auto`` runs for steps of >= 7 tokens; smaller ones
                  run eagerly)
   predictor-full the whole step, attention and in-place KV writes included (index_put_), as one
                  predictor program; single attention group only, so a benchmark, not a backend
@@ -161,7 +161,7 @@ class Bench:
         self.eager_kernel.programs = _StaticPrograms(
             {k: dense_graph.PROGRAMS[k](shape) for k in ("first", "middle", "last")}
         )
-        # Measure the programs at every size (the backend runs steps under 6 tokens eagerly);
+        # Measure the programs at every size (the backend runs steps under 7 tokens in dygraph);
         # pred/static attend in dygraph, kernel in the C++ paged-attention op.
         for net in (self.pred, self.static, self.kernel, self.eager_kernel):
             net.eager_below_tokens = 0

@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import paddle
@@ -82,6 +81,7 @@ def export_programs(shape: DenseShape, root: Path | None = None) -> Path:
 
 
 def create_predictor(directory: Path, kind: str, threads: int) -> paddle.inference.Predictor:
+    """A predictor for program ``kind`` of ``directory``: oneDNN, ``threads`` math threads."""
     from paddle import inference
 
     model = directory / f"{kind}.json"
@@ -98,9 +98,6 @@ def create_predictor(directory: Path, kind: str, threads: int) -> paddle.inferen
     return inference.create_predictor(config)
 
 
-Program = Callable[[list[paddle.Tensor]], list[paddle.Tensor]]
-
-
 class DensePrograms:
     """The three loaded predictors, called with paddle tensors (no host copies)."""
 
@@ -110,4 +107,5 @@ class DensePrograms:
         self._predictors = {kind: create_predictor(directory, kind, threads) for kind in _KINDS}
 
     def run(self, kind: str, inputs: list[paddle.Tensor]) -> list[paddle.Tensor]:
+        """Inputs in ``dense_graph.input_specs`` order, weights flattened after the tokens'."""
         return self._predictors[kind].run(inputs)
