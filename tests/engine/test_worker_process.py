@@ -36,10 +36,13 @@ def run(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-def test_remote_worker_matches_in_process_runner() -> None:
-    expected = LLM("tiny", **CONFIG).generate(PROMPTS, GREEDY)
+@pytest.mark.parametrize("backend", ["eager", "predictor"])
+def test_remote_worker_matches_in_process_runner(backend: str) -> None:
+    """The worker runs either backend over the shared-memory KV cache (``predictor`` is not
+    allowed to fall back), token for token as the in-process eager reference."""
+    expected = LLM("tiny", backend="eager", **CONFIG).generate(PROMPTS, GREEDY)
     port = free_port()
-    engine = LLMEngine(EngineConfig(model="tiny", **CONFIG), worker_port=port)
+    engine = LLMEngine(EngineConfig(model="tiny", backend=backend, **CONFIG), worker_port=port)
     try:
         assert all((Path("/dev/shm") / name).exists() for name in shm_names(port))
         done = run(engine)
