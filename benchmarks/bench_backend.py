@@ -11,6 +11,8 @@ Variants, on the same weights and the same paged KV cache:
   predictor-full the whole step, attention and in-place KV writes included (index_put_), as one
                  predictor program; single attention group only, so a benchmark, not a backend
   static-full    that program through to_static, called from dygraph
+  predictor-full+kernel the whole step as one predictor program around the C++ ops (KV write
+                 and varlen paged attention in the program, caches written in place)
 
 Cases: decode steps at batch 1, 8 and 32 (context ~200 each) and one prefill chunk of 256 tokens.
 Usage: benchmarks/bench_backend.py [--model PATH] [--threads 1] [--rounds 15]
@@ -109,6 +111,40 @@ def full_program(shape, layers: int):
     return step
 
 
+def kernel_program(shape, layers: int, isa: str):
+    """The whole step as one static function around the C++ ops: dense layers, KV writes
+    (ketch_reshape_and_cache, in place on the cache inputs) and varlen paged attention, so a
+    mixed batch is one call. The caches are returned too: in-place results that are not
+    fetched are pruned from the saved program."""
+    import paddle
+
+    from ketch.kernels import cpp_ops
+    from ketch.kernels import dense_graph as g
+
+    ops = cpp_ops.ops()
+    s = shape
+
+    def step(input_ids, cos, sin, tables, starts, lens, slots, rows, caches, ws):
+        w = g._Weights(list(ws))
+        h = paddle.nn.functional.embedding(input_ids, w.take())
+        new_caches, attn = [], None
+        for i in range(layers):
+            if i:
+                h = g._finish_layer(s, h, attn, w)
+            q, k, v = g._project_qkv(s, h, cos, sin, w)
+            kc, vc = ops.ketch_reshape_and_cache(k, v, caches[2 * i], caches[2 * i + 1], slots)
+            out = ops.ketch_paged_attention(
+                q, kc, vc, tables, starts, lens, s.head_dim**-0.5, 1, isa
+            )
+            attn = out.reshape([0, s.heads * s.head_dim])
+            new_caches += [kc, vc]
+        h = g._finish_layer(s, h, attn, w)
+        x = g._rms_norm(paddle.gather(h, rows), w.take(), s.eps)
+        return [paddle.matmul(x, w.take()), *new_caches]
+
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
@@ -127,12 +163,12 @@ def main() -> None:
         "prefill 256": bench.prefill_case(256),
     }
     print(f"model {path.name}, {args.threads} thread(s), medians of {args.rounds} rounds")
-    print(f"{'case':14s} {'variant':16s} {'ms':>8s} {'x eager':>8s} {'max rel err':>12s}")
+    print(f"{'case':14s} {'variant':22s} {'ms':>8s} {'x eager':>8s} {'max rel err':>12s}")
     for name, case in cases.items():
         times, errors = bench.measure(case, args.rounds)
         for variant, t in times.items():
             ratio = times["eager"] / t
-            print(f"{name:14s} {variant:16s} {t * 1e3:8.2f} {ratio:8.2f} {errors[variant]:12.1e}")
+            print(f"{name:14s} {variant:22s} {t * 1e3:8.2f} {ratio:8.2f} {errors[variant]:12.1e}")
 
 
 class Bench:
@@ -206,6 +242,25 @@ class Bench:
         paddle.jit.save(self.static_full, str(out))
         self.full_dir = out.parent
         self.full_pred = create_predictor(out.parent, "bench_full", threads)
+        isa = self.kernel.attention.isa
+        kv_block = [c.num_key_value_heads, None, BLOCK, c.head_dim]
+        kspecs = [
+            *specs[:3],
+            InputSpec([None, None], "int32"),
+            InputSpec([None], "int32"),
+            InputSpec([None], "int32"),
+            i64([None]),
+            i64([None]),
+            # one spec per cache: a shared spec object names them all alike, and the predictor
+            # then binds every cache input to the same tensor
+            [InputSpec(kv_block, "float32", f"cache_{i}") for i in range(2 * c.num_hidden_layers)],
+            specs[-1],
+        ]
+        kfn = paddle.jit.to_static(
+            kernel_program(shape, c.num_hidden_layers, isa), input_spec=kspecs, full_graph=True
+        )
+        paddle.jit.save(kfn, str(out.parent / "bench_kernel_full"))
+        self.kernel_full = create_predictor(out.parent, "bench_kernel_full", threads)
 
     def _spans(self, q_lens: list[int], ctx_lens: list[int]):
         from ketch.engine.models.attention import SequenceSpan
@@ -279,6 +334,12 @@ class Bench:
 
         full = self._full_inputs(case)
         flat_inputs = full[:8] + full[8] + full[9]
+        km = case["kernel_meta"]
+        blocks = [t for layer in self.cache.layers for t in (layer.k_blocks, layer.v_blocks)]
+        kernel_inputs = [
+            *full[:3], km.block_tables, km.query_start, km.context_lens, km.slot_mapping,
+            case["rows"], *blocks, *self.flat_weights,
+        ]  # fmt: skip
         variants = {
             "eager": model(self.eager),
             "static-split": model(self.static),
@@ -286,6 +347,7 @@ class Bench:
             "predictor+kernel": model(self.kernel, "kernel_meta"),
             "dygraph+kernel": model(self.eager_kernel, "kernel_meta"),
             "predictor-full": lambda: self.full_pred.run(flat_inputs)[0],
+            "predictor-full+kernel": lambda: self.kernel_full.run(kernel_inputs)[0],
             "static-full": lambda: self.static_full(*full)[0],
         }
         with paddle.no_grad():
