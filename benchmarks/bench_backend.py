@@ -242,6 +242,8 @@ class Bench:
         paddle.jit.save(self.static_full, str(out))
         self.full_dir = out.parent
         self.full_pred = create_predictor(out.parent, "bench_full", threads)
+        if self.kernel.attention is None:
+            sys.exit("bench_backend needs Ketch's C++ ops (ketch.kernels.cpp_ops), not built here")
         isa = self.kernel.attention.isa
         kv_block = [c.num_key_value_heads, None, BLOCK, c.head_dim]
         kspecs = [
