@@ -401,3 +401,34 @@ def test_fixed_to_autoscaled_keeps_the_replica_count(cluster, operators, tmp_pat
         "fixed replicas again",
     )
     assert FIELD_MANAGER in replicas_owners(dep)
+
+
+def test_new_autoscaled_role_starts_at_min_replicas(cluster, operators, tmp_path):
+    """A Deployment born autoscaled is created with its autoscaler's minReplicas, never the
+    API server's default of 1; the count is then handed over like any other."""
+    kube, ns = cluster.kube, cluster.namespace
+    operators.append(Operator(kube, [ns], tmp_path / "operator.log"))
+    name = "born-scaled"
+    body = cpu_example(name)
+    body["spec"]["roles"]["mixed"].pop("replicas", None)
+    body["spec"]["roles"]["mixed"]["autoscaling"] = {
+        "mode": "hpa",
+        "minReplicas": 2,
+        "maxReplicas": 4,
+    }
+    since = list_version(kube, f"/apis/apps/v1/namespaces/{ns}/deployments")
+    cluster.apply(body)
+    wait_for(lambda: ready(cluster, name), f"{name} Ready")
+    if kube.is_emulator:
+        path = f"/apis/apps/v1/namespaces/{ns}/deployments"
+        counts = [d["spec"]["replicas"] for d in history(kube, path, since, f"{name}-mixed")]
+        assert counts and min(counts) == 2, counts
+    # A later generation (applied without replicas) hands the count over; it stays 2.
+    merge_patch(cluster, name, {"spec": {"engine": {"maxNumSeqs": 9}}})
+    wait_for(
+        lambda: (b := ready(cluster, name)) and b["status"]["observedGeneration"] == 2,
+        "generation 2 applied",
+    )
+    dep = deployment(cluster, f"{name}-mixed")
+    assert dep["spec"]["replicas"] == 2
+    assert FIELD_MANAGER not in replicas_owners(dep)

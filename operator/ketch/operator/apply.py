@@ -88,16 +88,23 @@ class ChildApplier:
     ) -> tuple[Obj | None, Obj | None]:
         """(the child as cached before, the server's answer) for one child."""
         before = self.cache.live(key).get((child["kind"], child["metadata"]["name"]))
-        await self._hand_over_replicas(child, before)
+        child = await self._hand_over_replicas(tracked, child, before)
         return before, await self._apply(key, tracked, child)
 
-    async def _hand_over_replicas(self, child: Obj, cached: Obj | None) -> None:
-        """Before a Deployment is applied without ``replicas`` (its role is now autoscaled),
-        the count it has is handed over, so that it does not fall to 1 (see ``handoff``)."""
+    async def _hand_over_replicas(self, tracked: Tracked, child: Obj, cached: Obj | None) -> Obj:
+        """Before a Deployment is applied without ``replicas`` (its role is autoscaled), the
+        count it has is handed over, so that it does not fall to 1 (see ``handoff``). A new
+        one is created with its autoscaler's ``minReplicas``, handed over the same way on the
+        next apply (or taken by the autoscaler's first scale). Returns the child to apply."""
         if child["kind"] != "Deployment" or "replicas" in child["spec"]:
-            return
+            return child
         meta = child["metadata"]
         live = cached or await self.client.get("Deployment", meta["namespace"], meta["name"])
+        if live is None:
+            initial = _initial_replicas(tracked, meta["name"])
+            if initial is None:
+                return child
+            return {**child, "spec": {**child["spec"], "replicas": initial}}
         if handoff.needs_handoff(child, live):
             assert live is not None
             if await handoff.hand_over(self.client, child, live):
@@ -107,6 +114,7 @@ class ChildApplier:
                     meta["name"],
                     live["spec"].get("replicas", 1),
                 )
+        return child
 
     async def _apply(self, key: Key, tracked: Tracked, child: Obj) -> Obj | None:
         """The server's answer, or None when the child's kind is not served (KEDA missing)."""
@@ -153,3 +161,14 @@ def stages(children: list[Obj]) -> list[list[Obj]]:
 
 def _rv(obj: Obj | None) -> str | None:
     return ((obj or {}).get("metadata") or {}).get("resourceVersion")
+
+
+def _initial_replicas(tracked: Tracked, name: str) -> int | None:
+    """``minReplicas`` of the autoscaled role whose Deployment is ``name``; None otherwise."""
+    svc = tracked.svc
+    assert svc is not None
+    for role in svc.roles:
+        autoscaling = svc.role(role).get("autoscaling")
+        if autoscaling and name == f"{svc.name}-{role}":
+            return int(autoscaling.get("minReplicas", 1))
+    return None
