@@ -1,0 +1,169 @@
+"""The floor of ``bench_operator.py``: the operator's writes with no operator logic.
+
+For every InferenceService of the burst, the children are rendered *before* the clock starts
+(``ketch-operator render``'s code, with a placeholder owner uid). Timed: create the
+InferenceService, server-side apply its pre-serialised children (the uid substituted into the
+text), post one Event; one watch on the namespace's Deployments; when an InferenceService's
+Deployment reports a ready replica, patch a fixed ``Ready=True`` status and post a second Event.
+That is every request the real operator makes for one object (6 applies, 2 events, 1 status
+patch) and the least it must watch, so what the emulator's controllers add on top (ReplicaSets,
+pods, kubelet, status writes) is the same as in the ketch run. No operator can be faster
+against this emulator on this machine: ketch ÷ floor is the operator's own efficiency, floor ÷
+no-op is what the API side costs per object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import kopf
+
+from ketch.operator import crd, objects
+from ketch.operator.cli import PLACEHOLDER_UID, render_object
+from ketch.operator.kube import KubeClient, resource_path
+
+
+def prerender(bodies: list[dict[str, Any]]) -> dict[str, list[tuple[str, str, str]]]:
+    """name -> [(kind, child name, JSON text with the placeholder uid)] for each body."""
+    out = {}
+    for body in bodies:
+        children = render_object(body)
+        out[body["metadata"]["name"]] = [
+            (c["kind"], c["metadata"]["name"], json.dumps(c, separators=(",", ":")))
+            for c in children
+        ]
+    return out
+
+
+def ready_status(generation: int) -> dict[str, Any]:
+    stamp = "2026-01-01T00:00:00Z"
+    return {
+        "observedGeneration": generation,
+        "replicas": "1/1",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "AllReplicasReady",
+                "message": "1/1 pods ready",
+                "lastTransitionTime": stamp,
+                "observedGeneration": generation,
+            },
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "Complete",
+                "message": "rollout complete",
+                "lastTransitionTime": stamp,
+                "observedGeneration": generation,
+            },
+        ],
+    }
+
+
+def event(body: dict[str, Any], reason: str) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": crd.API_VERSION,
+            "kind": crd.KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "reason": reason,
+        "message": reason,
+        "type": "Normal",
+        "source": {"component": "ketch-operator"},
+        "count": 1,
+    }
+
+
+async def floor_burst(
+    namespace: str,
+    bodies: list[dict[str, Any]],
+    rendered: dict[str, list[tuple[str, str, str]]],
+    created: dict[str, float],
+    concurrency: int = 16,
+) -> None:
+    """Runs the writes above until every InferenceService has its Ready status."""
+    loop = asyncio.get_running_loop()
+    client = KubeClient(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))
+    stored: dict[str, dict[str, Any]] = {}
+    done: set[str] = set()
+    patches: list[asyncio.Task[None]] = []
+    finished = asyncio.Event()
+
+    async def mark_ready(name: str) -> None:
+        body = stored[name]
+        await client.patch_status(
+            crd.KIND, namespace, name, ready_status(body["metadata"]["generation"])
+        )
+        await client.post("Event", namespace, event(body, "Ready"))
+        if len(done) == len(bodies):
+            finished.set()
+
+    async def watch_deployments() -> None:
+        url = client.server + resource_path("Deployment", namespace)
+        params = {
+            "watch": "true",
+            "labelSelector": f"{objects.LABEL_MANAGED_BY}={objects.MANAGER}",
+            "timeoutSeconds": "300",
+        }
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+        headers = client._authorization
+        async with client._session.get(
+            url, params=params, timeout=timeout, headers=headers
+        ) as response:
+            if response.status != 200:
+                raise RuntimeError(f"watch {url}: {response.status} {await response.text()}")
+            async for line in response.content:
+                obj = json.loads(line).get("object") or {}
+                owner = (obj["metadata"].get("labels") or {}).get(objects.LABEL_INSTANCE)
+                ready = (obj.get("status") or {}).get("readyReplicas") or 0
+                if owner in stored and owner not in done and ready >= 1:
+                    done.add(owner)
+                    patches.append(loop.create_task(mark_ready(owner)))
+
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+
+    async def worker() -> None:
+        while not queue.empty():
+            body = queue.get_nowait()
+            name = body["metadata"]["name"]
+            created[name] = loop.time()
+            obj = await client.post(crd.KIND, namespace, body)
+            stored[name] = obj
+            uid = obj["metadata"]["uid"]
+            await asyncio.gather(
+                *(
+                    client.request(
+                        "PATCH",
+                        resource_path(kind, namespace, child),
+                        params={"fieldManager": "ketch-operator", "force": "true"},
+                        body=json.loads(text.replace(PLACEHOLDER_UID, uid)),
+                        content_type="application/apply-patch+yaml",
+                    )
+                    for kind, child, text in rendered[name]
+                )
+            )
+            await client.post("Event", namespace, event(obj, "Reconciled"))
+
+    watcher = loop.create_task(watch_deployments())
+    try:
+        await asyncio.sleep(0.3)  # the watch is up
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.wait_for(finished.wait(), timeout=300)
+        await asyncio.gather(*patches)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await client.close()
