@@ -199,6 +199,78 @@ def test_logprobs_zero_returns_only_the_chosen_token() -> None:
     assert top == [] and chosen == pytest.approx(float(np.log(softmax(row[0])[3])), abs=1e-6)
 
 
+# ---- logit bias ----
+
+
+def test_logit_bias_moves_the_greedy_pick_and_leaves_the_other_rows_alone() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0.0, 3.0, (4, 40)).astype(np.float32)
+    argmax = logits.argmax(axis=-1)
+    up = int(np.argsort(logits[0])[0])  # the least likely token of row 0
+    down = int(argmax[2])
+    states = [
+        make_state(SamplingParams(temperature=0.0, logit_bias={up: 100.0})),
+        make_state(SamplingParams(temperature=0.0)),
+        make_state(SamplingParams(temperature=0.0, logit_bias={down: -100.0})),
+        make_state(SamplingParams(temperature=0.0)),
+    ]
+    assert not states[0].plain_greedy and states[1].plain_greedy  # the fast path is not taken
+    before = logits.copy()
+    tokens, _ = sample(logits, states)
+    assert tokens[0] == up
+    assert tokens[1] == argmax[1] and tokens[3] == argmax[3]
+    assert tokens[2] == int(np.argsort(logits[2])[-2])  # the runner-up
+    np.testing.assert_array_equal(logits, before)  # the batch's logits are not written to
+
+
+def test_logit_bias_shifts_sampling_and_keeps_logprobs_the_models_own() -> None:
+    row = logits_row({1: 2.0, 2: 1.0})
+    params = SamplingParams(temperature=1.0, logit_bias={5: 100.0}, logprobs=1)
+    state = make_state(params, seed=3)
+    for _ in range(50):
+        tokens, logprobs = sample(row, [state])
+        assert tokens == [5]
+        assert logprobs is not None and logprobs[0] is not None
+        chosen, top = logprobs[0]
+        assert chosen == pytest.approx(float(np.log(softmax(row[0].astype(np.float64))[5])))
+        assert top[0][0] == 1  # the most likely token without the bias
+    small = SamplingParams(temperature=1.0, logit_bias={2: 1.0})
+    counts = np.bincount(draws(row, small, 4000, seed=2), minlength=8) / 4000
+    expected = softmax(row[0].astype(np.float64) + np.eye(8)[2])
+    np.testing.assert_allclose(counts, expected, atol=0.03)
+
+
+def test_logit_bias_ids_past_the_row_are_ignored_by_the_sampler() -> None:
+    # The worker's step check refuses them; the sampler must still not index past the row.
+    row = logits_row({3: 4.0})
+    params = SamplingParams(temperature=0.0, logit_bias={100: 100.0, 1: 50.0})
+    assert pick(row, make_state(params)) == 1
+
+
+@pytest.mark.parametrize(
+    ("bias", "word"),
+    [
+        ({1: 100.5}, "[-100, 100]"),
+        ({1: float("nan")}, "numbers"),
+        ({1: True}, "numbers"),
+        ({-1: 1.0}, "non-negative"),
+        ({"1": 1.0}, "token ids"),
+        ([(1, 2.0, 3.0)], "map"),
+        (5, "map"),
+    ],
+)
+def test_logit_bias_is_validated(bias: object, word: str) -> None:
+    with pytest.raises(ValueError, match="logit_bias") as info:
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    assert word in str(info.value)
+
+
+def test_logit_bias_is_kept_as_sorted_pairs() -> None:
+    params = SamplingParams(logit_bias={9: 1, 2: -3.5})
+    assert params.logit_bias == [(2, -3.5), (9, 1.0)]
+    assert SamplingParams(logit_bias=[(9, 1.0), (2, -3.5)]).logit_bias == params.logit_bias
+
+
 # ---- through the engine ----
 
 

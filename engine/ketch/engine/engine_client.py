@@ -241,6 +241,7 @@ def _coalesce(delta: RequestDelta, queue: asyncio.Queue[RequestDelta]) -> Reques
             num_prompt_tokens=nxt.num_prompt_tokens,
             num_cached_tokens=nxt.num_cached_tokens,
             logprobs=logprobs,
+            prompt_logprobs=delta.prompt_logprobs or nxt.prompt_logprobs,
             metrics=nxt.metrics,
         )
     return delta

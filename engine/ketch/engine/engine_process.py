@@ -304,6 +304,9 @@ def _delta(output: RequestOutput) -> RequestDelta:
     logprobs = None
     if completion.logprobs is not None and new:
         logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in completion.logprobs[-len(new) :]]
+    prompt_logprobs = None
+    if output.prompt_logprobs is not None and len(new) == len(completion.token_ids):  # first
+        prompt_logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in output.prompt_logprobs]
     return RequestDelta(
         request_id=output.request_id,
         new_token_ids=new,
@@ -313,5 +316,6 @@ def _delta(output: RequestOutput) -> RequestDelta:
         num_prompt_tokens=len(output.prompt_token_ids),
         num_cached_tokens=output.num_cached_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         metrics=output.metrics,
     )

@@ -112,4 +112,5 @@ def _merge(ids: list[str], finished: dict[str, RequestOutput]) -> RequestOutput:
         finished=True,
         num_cached_tokens=first.num_cached_tokens,
         metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,
     )

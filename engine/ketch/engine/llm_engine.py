@@ -35,6 +35,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
     final_only: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = None
     emitted_tokens: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -75,7 +76,9 @@ class LLMEngine:
         )
         self.runner_config = runner_config
         if config.runner == "null":
-            self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner(_null_token(self))
+            self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner.for_model(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
         elif worker_port is None:
             self.runner = ModelRunner(runner_config)
         else:
@@ -131,9 +134,15 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
         text, token_ids = self.tokenize_prompt(prompt)
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and not queue:
+            raise ValueError("prompt_logprobs need the prompt computed on this instance")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if seed is not None:
@@ -155,6 +164,7 @@ class LLMEngine:
             ),
             logprobs=[] if params.logprobs is not None else None,
             final_only=final_only,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         return request
 
@@ -252,6 +262,7 @@ class LLMEngine:
         runner_output = self.runner.execute(sched)
         if runner_output.failed:  # before any progress is recorded: nothing of theirs is cached
             self._fail(runner_output.failed)
+        self._take_prompt_logprobs(runner_output.prompt_logprobs)
         updated = self.scheduler.update_from_output(sched, runner_output)
         if runner_output.logprobs:
             for request_id, lp in zip(
@@ -271,6 +282,19 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _take_prompt_logprobs(self, scored: dict[str, list]) -> None:
+        """Appends what a step scored of each prompt (the tokens after those scored before)."""
+        for request_id, entries in scored.items():
+            tracked = self._tracked.get(request_id)
+            request = self.scheduler.requests.get(request_id)
+            if tracked is None or request is None or tracked.prompt_logprobs is None:
+                continue
+            first = len(tracked.prompt_logprobs) + 1
+            tokens = request.token_ids[first : first + len(entries)]
+            tracked.prompt_logprobs += [
+                TokenLogprob(t, lp, top) for t, (lp, top) in zip(tokens, entries, strict=True)
+            ]
 
     def _fail(self, failed: dict[str, str]) -> None:
         """Ends these requests with an error (their blocks go back); see ``take_failures``."""
@@ -334,6 +358,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
             metrics=self._request_metrics(request, tracked) if finished else None,
+            prompt_logprobs=tracked.prompt_logprobs,
         )
 
     @staticmethod
@@ -368,12 +393,3 @@ class LLMEngine:
             prefix_query_tokens=stats.prefix_query_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
         )
-
-
-def _null_token(engine: LLMEngine) -> int:
-    """A token that is neither EOS nor special, so null-runner requests run to max_tokens."""
-    for candidate in range(engine.model_config.vocab_size):
-        text = engine.tokenizer.decode([candidate])
-        if candidate not in engine.eos_token_ids and text.strip():
-            return candidate
-    raise ValueError("the tokenizer has no printable token for the null runner")

@@ -9,6 +9,8 @@ from ketch.engine.stats import RequestMetrics
 
 @dataclass
 class TokenLogprob:
+    """One position's log-probability: of the token there, and of the most likely ones."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
@@ -41,3 +43,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set when finished
+    # With SamplingParams.prompt_logprobs: one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None

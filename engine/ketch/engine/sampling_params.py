@@ -6,7 +6,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
+"""The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for per position."""
+LOGIT_BIAS_LIMIT = 100.0
+"""``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as in OpenAI's API."""
 
 
 @dataclass
@@ -16,7 +19,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible whatever else is in
     the batch. ``stop`` strings are matched on the detokenised text and are not included in it.
     ``logprobs`` asks for that many most likely tokens per position (0 returns only the chosen
-    token's log-probability).
+    token's log-probability); ``prompt_logprobs`` the same for every prompt token after the
+    first. Both are the model's own log-softmax, before any penalty or bias.
+    ``logit_bias`` adds a number in [-100, 100] to a token's logit before each draw (greedy
+    included); given as ``{token id: bias}`` or ``[(token id, bias), ...]``, it is kept as a
+    list of pairs sorted by token id (so it travels between processes as it is).
     """
 
     n: int = 1
@@ -34,6 +41,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -41,6 +50,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _bias_pairs(self.logit_bias)
         self._validate()
 
     def for_choice(self, i: int) -> SamplingParams:
@@ -71,12 +81,36 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", low=0, high=_MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, low=0, high=MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
+
+
+def _bias_pairs(value: object) -> list[tuple[int, float]]:
+    """``logit_bias`` as sorted (token id, bias) pairs; ValueError naming what is wrong."""
+    if isinstance(value, dict):
+        value = list(value.items())
+    if not isinstance(value, list | tuple):
+        raise ValueError("logit_bias must map token ids to numbers")
+    pairs: dict[int, float] = {}
+    for item in value:
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise ValueError("logit_bias must map token ids to numbers")
+        token, bias = item
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+        number = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not number or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                f"{LOGIT_BIAS_LIMIT:g}], got {bias!r} for token {token}"
+            )
+        pairs[token] = float(bias)
+    return sorted(pairs.items())
 
 
 def _is_int(value: object) -> bool:

@@ -45,6 +45,8 @@ class RequestDelta:
     num_cached_tokens: int = 0
     # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # The same per prompt token after the first (prompt_logprobs), on the first delta only.
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
     error_code: int = 400  # the HTTP status ``error`` maps to (503: the engine failed)
     metrics: RequestMetrics | None = None  # on the finishing delta

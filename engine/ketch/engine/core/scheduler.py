@@ -145,7 +145,9 @@ class Scheduler:
         bs = self.block_size
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = waiting[0]
-            if request.block_ids:  # handed over by a prefill peer: its prompt KV is here
+            # Handed over by a prefill peer: its prompt KV is here. Asking for prompt_logprobs:
+            # every prompt position is computed, for its logits.
+            if request.block_ids or request.sampling_params.prompt_logprobs is not None:
                 hits: list[int] = []
                 host: list[int] = []
             else:

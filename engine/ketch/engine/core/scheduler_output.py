@@ -69,6 +69,11 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled request: (chosen token logprob, [(token id, logprob), ...]) when asked for.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # Requests that asked for prompt_logprobs: the same per prompt token this step computed the
+    # logits for, continuing from where the last step left off (the first prompt token has none).
+    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(
+        default_factory=dict
+    )
     # Requests the runner could not take (request id -> why); nothing of theirs was computed.
     failed: dict[str, str] = field(default_factory=dict)
     # The whole step was refused (a frame the worker could not decode): why. Nothing was applied.

@@ -21,7 +21,7 @@ from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.worker.kv_cache import KVCache
-from ketch.engine.worker.sampler import SamplingState, sample
+from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
 from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ class StepInputs:
     spans: list[SequenceSpan] = field(default_factory=list)
     sampling_ids: list[str] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
+    # prompt_logprobs: the rows whose logits score prompt tokens, and per request
+    # (request id, index of the first prompt token scored, how many), in row order.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingState
+    next_prompt_logprob: int = 1  # the next prompt token to score (prompt_logprobs)
 
 
 def configure_paddle(num_threads: int | None) -> int:
@@ -105,11 +110,13 @@ class ModelRunner:
         batch = self._prepare_inputs(sched, failed)
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
         # one throwaway logits row.
-        logits = self._forward(batch, batch.logit_rows or [0])
+        rows = batch.logit_rows + batch.prompt_rows
+        logits = self._forward(batch, rows or [0])
+        scored = self._score_prompts(batch, logits[len(batch.logit_rows) :])
         if not batch.sampling_ids:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
+            return ModelRunnerOutput([], [], failed=failed, prompt_logprobs=scored)
         states = [self.requests[rid].sampling for rid in batch.sampling_ids]
-        tokens, logprobs = sample(logits, states)
+        tokens, logprobs = sample(logits[: len(batch.logit_rows)], states)
         for state, token in zip(states, tokens, strict=True):
             state.token_ids.append(token)
         return ModelRunnerOutput(
@@ -117,7 +124,20 @@ class ModelRunner:
             sampled_token_ids=tokens,
             logprobs=logprobs,
             failed=failed,
+            prompt_logprobs=scored,
         )
+
+    def _score_prompts(self, batch: StepInputs, logits: np.ndarray) -> dict[str, list]:
+        """prompt_logprobs: each scored row against the prompt token that follows it."""
+        scored = {}
+        start = 0
+        for request_id, first, count in batch.prompt_spans:
+            sampling = self.requests[request_id].sampling
+            targets = sampling.token_ids[first : first + count]
+            top_n = sampling.params.prompt_logprobs or 0
+            scored[request_id] = prompt_logprobs(logits[start : start + count], targets, top_n)
+            start += count
+        return scored
 
     def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
         meta = self.model.metadata(batch.spans, self.config.block_size, self.config.num_blocks)
@@ -223,6 +243,24 @@ class ModelRunner:
             if begin + n == len(tokens):
                 batch.sampling_ids.append(request_id)
                 batch.logit_rows.append(start + n - 1)
+            if state.sampling.params.prompt_logprobs is not None:
+                _add_prompt_rows(batch, request_id, state, start, n)
             state.num_computed_tokens = begin + n
             start += n
         return batch
+
+
+def _add_prompt_rows(
+    batch: StepInputs, request_id: str, state: RequestState, start: int, n: int
+) -> None:
+    """Rows of this chunk (positions begin..begin+n-1, from row ``start``) whose logits score a
+    prompt token not scored yet: position j scores token j + 1. A request resumed after a
+    preemption recomputes its prompt without scoring it twice."""
+    begin = state.num_computed_tokens
+    first = max(state.next_prompt_logprob, begin + 1)
+    last = min(state.sampling.num_prompt_tokens - 1, begin + n)  # inclusive
+    if first > last:
+        return
+    batch.prompt_rows.extend(range(start + first - 1 - begin, start + last - begin))
+    batch.prompt_spans.append((request_id, first, last - first + 1))
+    state.next_prompt_logprob = last + 1

@@ -7,7 +7,10 @@ requests sample in a step: each request's token count.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ketch.engine.tokenizer import Tokenizer
 
 
 class NullRunner:
@@ -17,6 +20,16 @@ class NullRunner:
         self.token_id = token_id
         self._num_tokens: dict[str, int] = {}
         self._computed: dict[str, int] = {}
+
+    @classmethod
+    def for_model(
+        cls, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int]
+    ) -> NullRunner:
+        """Samples a token that is neither EOS nor special, so requests run to max_tokens."""
+        for candidate in range(vocab_size):
+            if candidate not in eos_token_ids and tokenizer.decode([candidate]).strip():
+                return cls(candidate)
+        raise ValueError("the tokenizer has no printable token for the null runner")
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:

@@ -1,8 +1,10 @@
-"""Turns logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Turns logits into next tokens: logit bias, penalties, temperature, top-k/top-p/min-p, seeded
+draws; and the log-probabilities a request asks for (of sampled and of prompt tokens).
 
 Each request owns a random generator seeded from its seed and draws exactly one number per
 sampled token, so what it samples does not depend on which other requests share the batch.
-Rows that need no processing (greedy, no penalties) are decided by one batched argmax.
+Rows that need no processing (greedy, no penalties, no bias) are decided by one batched argmax.
+Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SamplingState:
     num_prompt_tokens: int
     generator: np.random.Generator
     stop_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    bias_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    bias_values: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
 
     @classmethod
     def create(
@@ -44,6 +48,8 @@ class SamplingState:
             num_prompt_tokens=num_prompt_tokens,
             generator=np.random.Generator(np.random.PCG64(seed & _MASK64)),
             stop_ids=np.fromiter(sorted(stop), dtype=np.int64),
+            bias_ids=np.array([t for t, _ in params.logit_bias], dtype=np.int64),
+            bias_values=np.array([b for _, b in params.logit_bias], dtype=np.float64),
         )
 
     def skip_draws(self, num_tokens: int) -> None:
@@ -60,6 +66,7 @@ class SamplingState:
             and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
+            and not self.bias_ids.size
             and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens
         )
 
@@ -89,7 +96,10 @@ def sample(
 
 def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
     p = state.params
-    row = raw.astype(np.float64)
+    row = raw.astype(np.float64)  # a copy: what one request does to it stays its own
+    if state.bias_ids.size:
+        inside = state.bias_ids < row.size
+        row[state.bias_ids[inside]] += state.bias_values[inside]
     _apply_penalties(row, state)
     if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens and state.stop_ids.size:
         row[state.stop_ids[state.stop_ids < row.size]] = -np.inf
@@ -132,9 +142,24 @@ def _logprobs(raw: np.ndarray, chosen: int, top_n: int) -> Logprobs:
     row = raw.astype(np.float64)
     shifted = row - row.max()
     logp = shifted - np.log(np.exp(shifted).sum())
-    top: list[tuple[int, float]] = []
-    if top_n:
-        ids = np.argpartition(-logp, top_n - 1)[:top_n]
-        ids = ids[np.argsort(-logp[ids], kind="stable")]
-        top = [(int(t), float(logp[t])) for t in ids]
-    return float(logp[chosen]), top
+    return float(logp[chosen]), _top(logp, top_n)
+
+
+def _top(logp: np.ndarray, top_n: int) -> list[tuple[int, float]]:
+    """The ``top_n`` most likely (token id, logprob) of one row, most likely first."""
+    top_n = min(top_n, logp.size)
+    if not top_n:
+        return []
+    ids = np.argpartition(-logp, top_n - 1)[:top_n]
+    ids = ids[np.argsort(-logp[ids], kind="stable")]
+    return [(int(t), float(logp[t])) for t in ids]
+
+
+def prompt_logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[Logprobs]:
+    """Per row of ``logits`` [rows, vocab]: the log-probability of ``token_ids[row]`` (the token
+    that followed that position) and the ``top_n`` most likely tokens there."""
+    rows = logits.astype(np.float64)
+    rows -= rows.max(axis=-1, keepdims=True)
+    rows -= np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+    chosen = rows[np.arange(len(token_ids)), np.asarray(token_ids, dtype=np.int64)]
+    return [(float(lp), _top(row, top_n)) for lp, row in zip(chosen, rows, strict=True)]

@@ -27,6 +27,12 @@ def check_new(new: NewRequestData, vocab_size: int, num_blocks: int, max_model_l
         raise StepError(f"num_prompt_tokens {new.num_prompt_tokens} of {len(tokens)} tokens")
     if not 0 <= new.num_computed_tokens <= len(tokens):
         raise StepError(f"num_computed_tokens {new.num_computed_tokens} of {len(tokens)} tokens")
+    params = new.sampling_params
+    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+        raise StepError(f"logit_bias token ids must be in [0, {vocab_size})")
+    if params.prompt_logprobs is not None and new.num_computed_tokens > 0:
+        # Positions computed elsewhere (a prefix-cache hit, a prefill peer) have no logits here.
+        raise StepError("prompt_logprobs need the prompt computed here, from its start")
     check_blocks(new.block_ids, num_blocks)
 
 
