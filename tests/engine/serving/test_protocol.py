@@ -79,15 +79,19 @@ COMMON_FIELDS: list[tuple[str, list[Any], list[Any]]] = [
     ("stream", [True, False, None], ["true", 1]),
     ("user", ["alice", None], [5]),
     ("model", ["tiny"], [5, None]),
-    ("logit_bias", [{}, None], [{"5": 1.0}, [1]]),
+    ("logit_bias", [{}, None, {"5": 1.0}, {"0": -100, "7": 100}], [
+        [1], {"5": 100.5}, {"5": -101}, {"x": 1.0}, {"-1": 1.0}, {"5": "1"}, {"5": True},
+        {"1" * 5000: 1.0}, {"\u0665": 1.0},
+    ]),
+    ("prompt_logprobs", [0, 5, 20, None], [21, -1, True, "1"]),
 ]
 COMPLETION_FIELDS = [
     *COMMON_FIELDS,
     ("max_tokens", [1, 50, None], [0, -5, "10", 2.0]),
     ("logprobs", [0, 5, 20, None], [21, -1, True, "1"]),
-    ("echo", [False, None], [True, "no"]),
+    ("echo", [False, None, True], ["no", 1]),
     ("suffix", [None, ""], ["tail"]),
-    ("best_of", [None, 1], [2]),
+    ("best_of", [None, 1], [2, 0, "1"]),
 ]
 CHAT_FIELDS = [
     *COMMON_FIELDS,
@@ -97,6 +101,7 @@ CHAT_FIELDS = [
     ("add_generation_prompt", [True, False], [None, 1]),
     ("tools", [None, []], [[{"type": "function"}]]),
     ("response_format", [None, {"type": "text"}], [{"type": "json_object"}]),
+    ("echo", [False, None], [True]),
 ]
 
 

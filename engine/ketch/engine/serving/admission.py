@@ -4,18 +4,23 @@
   (so slow senders count) until its last byte is sent; once parsed, the slot grows to one unit
   per sequence it asks for (prompts x n). The check and the count happen with no ``await``
   between them, so a burst cannot slip past the limit.
+- A body is read up to ``--max-request-bytes`` (413 past it) within ``--request-read-timeout``
+  (408 after), whatever the client declares in Content-Length.
 - Credentials are compared as bytes in constant time: a header with non-ASCII characters is a
   wrong credential (401), not a server error.
-- Limits on what one request may carry (sequences, stop strings, stop token ids), and token ids
-  within the model's vocabulary, as the engine announced it.
+- Limits on what one request may carry (sequences, stop strings, stop token ids, logit bias),
+  and token ids within the model's vocabulary, as the engine announced it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import weakref
 from typing import Protocol
+
+from fastapi import Request
 
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
@@ -61,6 +66,25 @@ class Slot:
     def release_with(self, owner: object) -> None:
         """Also release when ``owner`` (a response body not yet iterated) is collected."""
         weakref.finalize(owner, self.release)
+
+
+async def read_body(config: ServerConfig, request: Request) -> bytes:
+    """The request body, bounded in size and in the time it may take to arrive."""
+    limit = config.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(config.request_read_timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ProtocolError(413, f"request body is larger than {limit} bytes")
+    except TimeoutError:
+        seconds = config.request_read_timeout
+        raise ProtocolError(408, f"the request body did not arrive within {seconds:g} s") from None
+    return bytes(body)
 
 
 def credential_ok(header: str, key: str) -> bool:
@@ -116,6 +140,20 @@ def check_limits(config: ServerConfig, params: SamplingParams, num_prompts: int)
             f"at most {config.max_stop_token_ids} stop token ids are allowed",
             param="stop_token_ids",
         )
+    if len(params.logit_bias) > config.max_logit_bias:
+        raise ProtocolError(
+            400,
+            f"logit_bias has {len(params.logit_bias)} entries; at most {config.max_logit_bias} "
+            "are allowed (--max-logit-bias)",
+            param="logit_bias",
+        )
+    if params.prompt_logprobs is not None and config.role == "decode":
+        raise ProtocolError(
+            400,
+            "prompt_logprobs (and echo with logprobs) are not available on a decode instance: "
+            "its prompts are computed by a prefill instance",
+            param="prompt_logprobs",
+        )
 
 
 def check_token_ids(vocab: int, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -128,8 +166,12 @@ def check_token_ids(vocab: int, prompts: list[list[int]], params: SamplingParams
             raise ProtocolError(
                 400, f"prompt {i} has token ids {bad[:5]} outside [0, {vocab})", param="prompt"
             )
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ProtocolError(
-            400, f"stop_token_ids {bad[:5]} are outside [0, {vocab})", param="stop_token_ids"
-        )
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ProtocolError(
+                400, f"{name} has token ids {bad[:5]} outside [0, {vocab})", param=name
+            )

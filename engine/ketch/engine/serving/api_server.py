@@ -25,6 +25,7 @@ from ketch.engine.serving.admission import (
     check_limits,
     check_token_ids,
     credential_ok,
+    read_body,
 )
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.generation import (
@@ -134,24 +135,6 @@ def _check_access(state: ServingState, request: Request) -> None:
         raise ProtocolError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 
-async def _read_body(state: ServingState, request: Request) -> bytes:
-    limit = state.config.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(413, f"request body is larger than {limit} bytes")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(state.config.request_read_timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise ProtocolError(413, f"request body is larger than {limit} bytes")
-    except TimeoutError:
-        seconds = state.config.request_read_timeout
-        raise ProtocolError(408, f"the request body did not arrive within {seconds:g} s") from None
-    return bytes(body)
-
-
 def _admit(state: ServingState) -> Slot:
     """The request's slot, if the server takes requests now (503 or 429 otherwise)."""
     if state.draining:
@@ -169,33 +152,45 @@ async def _completions(request: Request) -> Response:
     state = _state(request)
     slot = _admit(state)
     try:
-        body = parse_request(CompletionRequest, await _read_body(state, request))
+        body = parse_request(CompletionRequest, await read_body(state.config, request))
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, len(body.prompt))
         prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
+        echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
         paired = await pairing(state.config, state.prefill_peers, request)
         choices = make_choices(prompts, params, state.max_model_len, paired)
         slot.resize(len(choices))
         meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
         if body.stream:
-            return _sse(slot, _completion_events(state, meta, choices, len(prompts)))
+            return _sse(slot, _completion_events(state, meta, choices, len(prompts), echoes))
         done = await run_to_end(state.engine, choices)
     except BaseException:
         slot.release()
         raise
     slot.release()
-    return JSONResponse(
-        R.completion_response(meta, request_outputs(done, len(prompts)), state.tokenizer)
-    )
+    outputs = request_outputs(done, len(prompts))
+    return JSONResponse(R.completion_response(meta, outputs, state.tokenizer, echoes))
+
+
+def _echo_texts(
+    state: ServingState, body: CompletionRequest, prompts: list[list[int]], skip_special: bool
+) -> list[str] | None:
+    """With ``echo``: each prompt's text (as sent, or decoded from its token ids)."""
+    if not body.echo:
+        return None
+    return [
+        given if isinstance(given, str) else state.tokenizer.decode(ids, skip_special)
+        for given, ids in zip(body.prompt, prompts, strict=True)
+    ]
 
 
 async def _chat_completions(request: Request) -> Response:
     state = _state(request)
     slot = _admit(state)
     try:
-        body = parse_request(ChatCompletionRequest, await _read_body(state, request))
+        body = parse_request(ChatCompletionRequest, await read_body(state.config, request))
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, 1)
@@ -241,10 +236,19 @@ def _sse(slot: Slot, events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _completion_events(
-    state: ServingState, meta: R.ResponseMeta, choices: list[Choice], num_prompts: int
+    state: ServingState,
+    meta: R.ResponseMeta,
+    choices: list[Choice],
+    num_prompts: int,
+    echoes: list[str] | None,
 ) -> AsyncIterator[str]:
     async for choice in merge_streams(state.engine, choices):
-        yield R.sse(R.completion_chunk(meta, choice.index, choice.output, state.tokenizer))
+        echo = None
+        if echoes is not None:
+            text = echoes[choice.prompt_index]
+            echo = R.Echo(text, choice.prompt_token_ids[0], choice.prompt_logprobs)
+        chunk = R.completion_chunk(meta, choice.index, choice.output, state.tokenizer, echo)
+        yield R.sse(chunk)
     if meta.include_usage:
         usage = R.usage_of(request_outputs(choices, num_prompts))
         yield R.sse(R.completion_usage_chunk(meta, usage))

@@ -111,6 +111,7 @@ class ServerConfig:
     max_stop_strings: int = _opt(16, "Most stop strings one request may give.", minimum=1)
     max_stop_length: int = _opt(256, "Longest stop string, in characters.", minimum=1)
     max_stop_token_ids: int = _opt(256, "Most stop token ids one request may give.", minimum=1)
+    max_logit_bias: int = _opt(1024, "Most logit_bias entries one request may give.", minimum=1)
     drain_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
@@ -166,6 +167,7 @@ class ServerConfig:
             "max_stop_strings",
             "max_stop_length",
             "max_stop_token_ids",
+            "max_logit_bias",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -30,6 +30,7 @@ class Choice:
     output: CompletionOutput = field(init=False)
     num_cached_tokens: int = 0
     prefill: str | None = None  # decode role: the paired prefill peer's pd-comm host:port
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the first delta, when asked for
 
     def __post_init__(self) -> None:
         self.output = CompletionOutput(index=self.index, text="", token_ids=[])
@@ -70,6 +71,10 @@ def _apply(choice: Choice, delta: RequestDelta) -> None:
     out.finish_reason = delta.finish_reason
     out.stop_reason = delta.stop_reason
     choice.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        choice.prompt_logprobs = [
+            TokenLogprob(t, lp, list(top)) for t, lp, top in delta.prompt_logprobs
+        ]
     if delta.logprobs is not None:
         entries = [TokenLogprob(t, lp, list(top)) for t, lp, top in delta.logprobs]
         out.logprobs = [*(out.logprobs or []), *entries]
@@ -153,6 +158,7 @@ def request_outputs(choices: list[Choice], num_prompts: int) -> list[RequestOutp
                 outputs=[c.output for c in mine],
                 finished=True,
                 num_cached_tokens=mine[0].num_cached_tokens,
+                prompt_logprobs=mine[0].prompt_logprobs,
             )
         )
     return outputs

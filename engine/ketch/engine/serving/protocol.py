@@ -197,7 +197,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored
     # Extensions that vLLM and FastDeploy also accept.
     top_k: int | None = None
     min_p: float | None = None
@@ -206,12 +206,15 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                shown = repr(key) if len(key) <= 20 else repr(key[:20]) + "..."
+                raise ValueError(f"keys must be token ids (decimal integers), got {shown}")
         return value
 
     @property
@@ -223,6 +226,10 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 400, "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ProtocolError(
+                400, "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
 
     def _common_params(self) -> dict[str, Any]:
@@ -242,6 +249,8 @@ class _Request(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": None if self.logit_bias is None else _bias_pairs(self.logit_bias),
         }
         # None means "OpenAI's default", which is SamplingParams' default (temperature 1.0 ...).
         return {k: v for k, v in given.items() if v is not None}
@@ -259,13 +268,6 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("echo=true is not supported by this server")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -275,12 +277,12 @@ class CompletionRequest(_Request):
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """SamplingParams for each prompt; ``default_max_tokens`` applies to max_tokens=null."""
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise ProtocolError(400, "best_of is not supported (leave it unset)", "best_of")
+        _check_best_of(self.best_of, self.n or 1)
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return _sampling_params(
-            **self._common_params(), max_tokens=max_tokens, logprobs=self.logprobs
-        )
+        params = self._common_params()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get logprobs
+            params.setdefault("prompt_logprobs", self.logprobs)
+        return _sampling_params(**params, max_tokens=max_tokens, logprobs=self.logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -303,6 +305,14 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool | None = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is supported on /v1/completions only")
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -337,6 +347,20 @@ class ChatCompletionRequest(_Request):
                 exc.param = "top_logprobs"
                 exc.message = exc.message.replace("logprobs", "top_logprobs", 1)
             raise
+
+
+def _bias_pairs(bias: dict[str, float]) -> list[tuple[int, float]]:
+    return [(int(token), value) for token, value in bias.items()]
+
+
+def _check_best_of(best_of: int | None, n: int) -> None:
+    """vLLM's rule: best_of >= n; generating more than n to return the best is not done here."""
+    if best_of is None or best_of == n:
+        return
+    if best_of < n:
+        raise ProtocolError(400, f"best_of ({best_of}) must be >= n ({n})", "best_of")
+    message = f"best_of > n is not supported (got best_of={best_of}, n={n}); leave it unset"
+    raise ProtocolError(400, message, "best_of")
 
 
 def _sampling_params(**kwargs: Any) -> SamplingParams:

@@ -4,6 +4,12 @@ Non-streaming: ``completion_response`` / ``chat_completion_response``. Streaming
 ``completion_chunk`` / ``chat_chunk`` per engine output (a chat stream starts with
 ``chat_role_chunk``), then ``*_usage_chunk`` when ``stream_options.include_usage``, each wrapped
 by ``sse``, and finally ``SSE_DONE``. Everything returned is a plain JSON-serialisable dict.
+
+Completions with ``echo`` put the prompt's text (and, with logprobs, its tokens: the first one
+without a log-probability) before the output, in a stream in each choice's first chunk.
+``prompt_logprobs`` (vLLM's extension) is a list with ``null`` for the first prompt token, then
+per token ``{token id: {logprob, rank, decoded_token}}`` for the token and the top ones; a rank
+is given where it is known (the top ones'), else ``null``.
 """
 
 from __future__ import annotations
@@ -91,26 +97,77 @@ def usage_of(outputs: Sequence[RequestOutput]) -> Json:
 # ---- logprobs ----
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What ``echo`` puts before a completion: the prompt's text, its first token (which has no
+    log-probability) and the prompt_logprobs of the others (None without logprobs)."""
+
+    text: str
+    first_token: int
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, text: str, output: RequestOutput) -> Echo:
+        return cls(text, output.prompt_token_ids[0], output.prompt_logprobs)
+
+
 def _token_text(tokenizer: TokenDecoder, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], tokenizer: TokenDecoder, text_offset: int = 0
+    entries: Sequence[TokenLogprob],
+    tokenizer: TokenDecoder,
+    text_offset: int = 0,
+    echo: Echo | None = None,
 ) -> Json:
-    """Completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
-    tokens = [_token_text(tokenizer, e.token_id) for e in entries]
-    top: list[dict[str, float]] = []
-    for entry, token in zip(entries, tokens, strict=True):
+    """Completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``; with ``echo`` (and
+    its logprobs) the prompt's tokens come first, the first one with null logprobs."""
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    if echo is not None and echo.logprobs is not None:
+        tokens.append(_token_text(tokenizer, echo.first_token))
+        logprobs.append(None)
+        top.append(None)
+        entries = [*echo.logprobs, *entries]
+    for entry in entries:
+        token = _token_text(tokenizer, entry.token_id)
         alternatives = {_token_text(tokenizer, t): lp for t, lp in entry.top}
+        tokens.append(token)
+        logprobs.append(entry.logprob)
         top.append({token: entry.logprob, **alternatives})
     starts = accumulate((len(t) for t in tokens[:-1]), initial=text_offset)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
+        "token_logprobs": logprobs,
         "top_logprobs": top,
         "text_offset": list(starts) if tokens else [],
     }
+
+
+def prompt_logprobs(
+    entries: Sequence[TokenLogprob] | None, tokenizer: TokenDecoder
+) -> list[Json | None] | None:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token
+    ``{"<token id>": {logprob, rank, decoded_token}}`` for it and the most likely ones."""
+    if entries is None:
+        return None
+    out: list[Json | None] = [None]
+    for entry in entries:
+        ranks = {t: rank for rank, (t, _) in enumerate(entry.top, 1)}
+        scores = {entry.token_id: entry.logprob, **dict(entry.top)}
+        out.append(
+            {
+                str(t): {
+                    "logprob": lp,
+                    "rank": ranks.get(t),
+                    "decoded_token": _token_text(tokenizer, t),
+                }
+                for t, lp in scores.items()
+            }
+        )
+    return out
 
 
 def _chat_token(tokenizer: TokenDecoder, token_id: int, logprob: float) -> Json:
@@ -139,18 +196,30 @@ def _delta_logprobs(output: CompletionOutput) -> list[TokenLogprob] | None:
 
 
 def completion_response(
-    meta: ResponseMeta, outputs: Sequence[RequestOutput], tokenizer: TokenDecoder
+    meta: ResponseMeta,
+    outputs: Sequence[RequestOutput],
+    tokenizer: TokenDecoder,
+    echo_texts: Sequence[str] | None = None,
 ) -> Json:
-    """``text_completion`` for finished outputs, one RequestOutput per prompt, in prompt order.
+    """``text_completion`` for finished outputs, one RequestOutput per prompt, in prompt order;
+    with ``echo_texts`` (one per prompt) each choice starts with its prompt.
 
     Choice index = (choices of the prompts before) + ``CompletionOutput.index``.
     """
     choices = []
     base = 0
-    for request_output in outputs:
+    for p, request_output in enumerate(outputs):
+        echo = None if echo_texts is None else Echo.of(echo_texts[p], request_output)
+        scored = prompt_logprobs(request_output.prompt_logprobs, tokenizer)
         for c in request_output.outputs:
-            logprobs = None if c.logprobs is None else completion_logprobs(c.logprobs, tokenizer)
-            choices.append(_completion_choice(base + c.index, c.text, c.finish_reason, logprobs))
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = completion_logprobs(c.logprobs, tokenizer, echo=echo)
+            text = c.text if echo is None else echo.text + c.text
+            choice = _completion_choice(base + c.index, text, c.finish_reason, logprobs)
+            if scored is not None:
+                choice["prompt_logprobs"] = scored
+            choices.append(choice)
         base += len(request_output.outputs)
     return _envelope(meta, "text_completion", choices) | {"usage": usage_of(outputs)}
 
@@ -169,7 +238,11 @@ def chat_completion_response(
                 "finish_reason": c.finish_reason,
             }
         )
-    return _envelope(meta, "chat.completion", choices) | {"usage": usage_of([output])}
+    body = _envelope(meta, "chat.completion", choices) | {"usage": usage_of([output])}
+    scored = prompt_logprobs(output.prompt_logprobs, tokenizer)
+    if scored is not None:
+        body["prompt_logprobs"] = scored
+    return body
 
 
 def _envelope(meta: ResponseMeta, object_name: str, choices: list[Json]) -> Json:
@@ -200,15 +273,28 @@ def _chunk(meta: ResponseMeta, object_name: str, choices: list[Json]) -> Json:
 
 
 def completion_chunk(
-    meta: ResponseMeta, index: int, output: CompletionOutput, tokenizer: TokenDecoder
+    meta: ResponseMeta,
+    index: int,
+    output: CompletionOutput,
+    tokenizer: TokenDecoder,
+    echo: Echo | None = None,
 ) -> Json:
-    """A streamed ``text_completion`` with what ``output`` added (its delta) as choice ``index``."""
+    """A streamed ``text_completion`` with what ``output`` added (its delta) as choice ``index``;
+    with ``echo``, the choice's first chunk starts with the prompt."""
+    first = len(output.delta_token_ids) == len(output.token_ids)
+    text = output.delta_text
+    offset = len(output.text) - len(output.delta_text)
+    if echo is not None:
+        text = echo.text + text if first else text
+        offset += len(echo.text)
     entries = _delta_logprobs(output)
     logprobs = None
     if entries is not None:
-        offset = len(output.text) - len(output.delta_text)
-        logprobs = completion_logprobs(entries, tokenizer, offset)
-    choice = _completion_choice(index, output.delta_text, output.finish_reason, logprobs)
+        if first and echo is not None and echo.logprobs is not None:
+            logprobs = completion_logprobs(entries, tokenizer, echo=echo)
+        else:
+            logprobs = completion_logprobs(entries, tokenizer, offset)
+    choice = _completion_choice(index, text, output.finish_reason, logprobs)
     return _chunk(meta, "text_completion", [choice])
 
 
