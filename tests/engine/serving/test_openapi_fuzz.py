@@ -1,10 +1,10 @@
 """The HTTP API fuzzed from its own OpenAPI schema (issue 13, acceptance 2).
 
-Bodies for ``POST /v1/completions`` and ``POST /v1/chat/completions`` are drawn by hypothesis
-from the request schemas the server publishes at ``/openapi.json`` (every declared field, of
-its type or broken with an extreme value), derandomized and bounded. Each gets a 200 or a clear
-4xx, never a 5xx; afterwards the instance answers a plain request exactly as ``LLM.generate``
-does and every KV block is free.
+Bodies for ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize`` and
+``POST /detokenize`` are drawn by hypothesis from the request schemas the server publishes at
+``/openapi.json`` (every declared field, of its type or broken with an extreme value),
+derandomized and bounded. Each gets a 200 or a clear 4xx, never a 5xx; afterwards the instance
+answers a plain request exactly as ``LLM.generate`` does and every KV block is free.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from openapi_strategies import body_strategy
 from serve_harness import assert_exact_and_idle
 
-EXAMPLES = 150
-PATHS = ["/v1/completions", "/v1/chat/completions"]
+EXAMPLES = 300  # 75 per path
+GENERATION_PATHS = ["/v1/completions", "/v1/chat/completions"]
+PATHS = [*GENERATION_PATHS, "/tokenize", "/detokenize"]
 # Fields that only decide how long a valid request runs: kept small so the run stays bounded.
 CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "min_tokens": 2}
 
@@ -34,17 +35,26 @@ def _bounded(body: dict) -> dict:
 
 def test_published_schema_describes_the_bodies(server) -> None:
     document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
-    for path in PATHS:
+
+    def properties(path: str) -> set[str]:
         schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         name = schema["schema"]["$ref"].rsplit("/", 1)[1]
-        properties = document["components"]["schemas"][name]["properties"]
-        assert {"model", "max_tokens", "temperature", "stop", "seed"} <= set(properties)
-    assert "prompt" in properties or "messages" in properties
+        return set(document["components"]["schemas"][name]["properties"])
+
+    for path in GENERATION_PATHS:
+        assert {"model", "max_tokens", "temperature", "stop", "seed", "logit_bias"} <= set(
+            properties(path)
+        )
+    assert {"prompt", "echo", "prompt_logprobs"} <= properties("/v1/completions")
+    assert "messages" in properties("/v1/chat/completions")
+    assert {"prompt", "messages", "add_special_tokens"} <= properties("/tokenize")
+    assert properties("/detokenize") >= {"tokens"}
+    assert "get" in document["paths"]["/version"]
 
 
 def test_schema_fuzz_gets_4xx_or_200_and_leaves_the_instance_exact(server, reference_llm) -> None:
     document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
-    statuses: Counter[int] = Counter()
+    statuses: Counter[tuple[str, int]] = Counter()
     client = httpx.Client(base_url=server.url, timeout=60)
 
     @settings(
@@ -63,7 +73,7 @@ def test_schema_fuzz_gets_4xx_or_200_and_leaves_the_instance_exact(server, refer
         except (ValueError, UnicodeEncodeError):
             content = json.dumps(body, ensure_ascii=True).encode("utf-8", "surrogatepass")
         reply = client.post(path, content=content, headers={"content-type": "application/json"})
-        statuses[reply.status_code] += 1
+        statuses[path, reply.status_code] += 1
         assert reply.status_code < 500, (path, content[:300], reply.text[:300])
         if reply.status_code >= 400:
             assert reply.json()["error"]["message"]
@@ -73,5 +83,6 @@ def test_schema_fuzz_gets_4xx_or_200_and_leaves_the_instance_exact(server, refer
     finally:
         client.close()
     assert sum(statuses.values()) >= EXAMPLES
-    assert statuses[200] > 0 and statuses[400] > 0, statuses  # both sides were exercised
+    for path in PATHS:  # both sides were exercised on every endpoint
+        assert statuses[path, 200] > 0 and statuses[path, 400] > 0, statuses
     assert_exact_and_idle(server.url, reference_llm)

@@ -181,11 +181,25 @@ def test_api_key_required_on_v1(guarded, headers):
         ("GET", "/v1/models", None),
         ("POST", "/v1/completions", GOOD),
         ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []}),
+        *KEYED_UTILITIES,
     ]:
         response = httpx.request(method, f"{guarded.url}{path}", json=body, headers=headers)
         error = _assert_error(response, 401, "key")
         assert error["type"] == "authentication_error"
     _assert_serving(guarded.url, AUTH)
+
+
+KEYED_UTILITIES = [
+    ("POST", "/tokenize", {"prompt": "Hello"}),
+    ("POST", "/detokenize", {"tokens": [5]}),
+    ("GET", "/version", None),
+]
+
+
+def test_tokenize_detokenize_and_version_answer_with_the_key(guarded):
+    for method, path, body in KEYED_UTILITIES:
+        response = httpx.request(method, f"{guarded.url}{path}", json=body, headers=AUTH)
+        assert response.status_code == 200, (path, response.text)
 
 
 def test_open_paths_need_no_key(guarded):

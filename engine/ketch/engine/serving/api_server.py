@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
-from ketch.engine.serving import openapi
+from ketch.engine.serving import openapi, tokenization
 from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     Slot,
@@ -102,6 +102,9 @@ def create_app(state: ServingState) -> FastAPI:
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route("/version", tokenization.version, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])

@@ -1,9 +1,10 @@
 """The API server's OpenAPI document, with the request bodies the handlers actually accept.
 
 The handlers read raw bodies (for the size limit, the read timeout and OpenAI-shaped errors),
-so FastAPI cannot see their body models; this adds them: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` carry the JSON schema of the pydantic models that
-``protocol.parse_request`` validates with. Clients and fuzzers (the test suite's) read it.
+so FastAPI cannot see their body models; this adds them: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` carry the JSON schema
+of the pydantic models that ``protocol.parse_request`` validates with. Clients and fuzzers (the
+test suite's) read it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from ketch.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from ketch.engine.serving.tokenization import DetokenizeRequest, TokenizeRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 _REF = "#/components/schemas/{model}"
 
