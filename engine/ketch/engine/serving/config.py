@@ -117,7 +117,8 @@ class ServerConfig:
     )
     api_key_file: str | None = _opt(
         None,
-        "File holding the API key; or set KETCH_API_KEY. Then /v1/* needs 'Bearer <key>'.",
+        "File holding the API key; or set KETCH_API_KEY. Then every endpoint but /health, "
+        "/ready and /metrics needs 'Bearer <key>'.",
         crd=False,
     )
     admin_key_file: str | None = _opt(
