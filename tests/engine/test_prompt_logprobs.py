@@ -104,8 +104,3 @@ def test_a_repeated_prompt_is_scored_whole_again(path) -> None:
     )
     assert all(e.top == [] for e in second.prompt_logprobs)
 
-
-def test_prompt_logprobs_are_refused_for_a_prompt_computed_elsewhere(path) -> None:
-    llm = LLM(str(path), block_size=16, kv_cache_memory="16MiB")
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        llm.engine.add_request("r", [5, 6, 7], SamplingParams(prompt_logprobs=1), queue=False)

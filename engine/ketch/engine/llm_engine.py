@@ -141,15 +141,11 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if params.prompt_logprobs is not None and not queue:
-            raise ValueError("prompt_logprobs need the prompt computed on this instance")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if seed is not None:
-            pass
-        elif params.seed is not None:
+        if seed is None and params.seed is not None:
             seed = params.seed
-        else:
+        elif seed is None:
             seed = hash((self.config.seed, self._num_seeded)) & ((1 << 63) - 1)
             self._num_seeded += 1
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids, seed)
@@ -169,12 +165,19 @@ class LLMEngine:
         return request
 
     def accept_first_token(
-        self, request: Request, logprob: TokenLogprob | None, handover_seconds: float | None
+        self,
+        request: Request,
+        logprob: TokenLogprob | None,
+        handover_seconds: float | None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput | None:
         """A request whose prompt a prefill peer computed (its KV is in ``request.block_ids``,
-        its first token appended): emits that token, then decodes it here unless it is done."""
+        its first token appended, its prompt scored if asked): emits that token, then decodes
+        it here unless it is done."""
         tracked = self._tracked[request.request_id]
         tracked.kv_handover_seconds = handover_seconds
+        if prompt_logprobs is not None and tracked.prompt_logprobs is not None:
+            tracked.prompt_logprobs = prompt_logprobs
         if logprob is not None and tracked.logprobs is not None:
             tracked.logprobs.append(logprob)
         token_id = request.token_ids[-1]

@@ -13,6 +13,7 @@ import pytest
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.disagg.messages import (
+    MAX_PD_PROMPT_SCORES,
     PD_PROTOCOL_VERSION,
     PrefillFailed,
     PrefillRequest,
@@ -84,6 +85,15 @@ def test_mismatches_are_refused_clearly(engine, changes: dict, expected: str | N
     else:
         assert isinstance(answer, PrefillFailed) and answer.status_code == 400
         assert expected in answer.error
+
+
+def test_prompt_logprobs_that_could_not_come_back_in_one_frame_are_refused(engine) -> None:
+    scored = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=20)
+    assert _answer(engine, _request(engine, params=scored)) is None
+    long = list(range(5, 5 + MAX_PD_PROMPT_SCORES // 21 + 1))
+    answer = _answer(engine, _request(engine, params=scored, prompt_token_ids=long))
+    assert isinstance(answer, PrefillFailed) and answer.status_code == 400
+    assert "prompt_logprobs=20" in answer.error and str(MAX_PD_PROMPT_SCORES) in answer.error
 
 
 def test_kv_layout_mismatch_names_the_field(engine) -> None:

@@ -130,6 +130,41 @@ def test_chat_and_logprobs_through_the_router(cluster: dict) -> None:
     assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
 
+def test_logit_bias_echo_and_prompt_logprobs_through_the_router(cluster: dict) -> None:
+    """The prefill peer samples the first token with the request's bias and scores its prompt;
+    the decode instance continues with the bias and returns the prefill peer's scores."""
+    prompt = "Alice was beginning to get very tired of sitting"
+    token = 500  # "Alice" in the tiny model's vocabulary: never its greedy pick here
+    requests = [
+        {"logit_bias": {str(token): 100}},
+        {"logit_bias": {str(token): 5}, "temperature": 0.9, "seed": 7},
+        {"echo": True, "logprobs": 2},
+        {"extra_body": {"prompt_logprobs": 3}},
+    ]
+    for extra in requests:
+        args = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+        want = _client(cluster["mixed"].url).completions.create(**args).choices[0]
+        got = _client(cluster["router"].url).completions.create(**args).choices[0]
+        assert got.text == want.text, extra
+        if "logit_bias" in extra and "seed" not in extra:
+            assert got.text == "Alice" * 6
+        if "echo" in extra:
+            assert got.text.startswith(prompt)
+            assert got.logprobs.tokens == want.logprobs.tokens
+            assert got.logprobs.token_logprobs[0] is None
+            assert got.logprobs.token_logprobs[1:] == pytest.approx(
+                want.logprobs.token_logprobs[1:], abs=1e-4
+            )
+        if "extra_body" in extra:
+            got_scored = got.model_extra["prompt_logprobs"]
+            want_scored = want.model_extra["prompt_logprobs"]
+            assert got_scored[0] is None and len(got_scored) == len(want_scored)
+            for mine, theirs in zip(got_scored[1:], want_scored[1:], strict=True):
+                assert mine.keys() == theirs.keys()
+                for key in mine:
+                    assert mine[key]["logprob"] == pytest.approx(theirs[key]["logprob"], abs=1e-4)
+
+
 def test_decode_instance_refuses_unpaired_requests(cluster: dict) -> None:
     with pytest.raises(openai.BadRequestError, match="ketch router"):
         _complete(cluster["decode"].url, "Hello", stream=False)

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from ketch.engine.disagg.messages import MAX_PD_PROMPT_SCORES
 from ketch.engine.models.loader import TINY_MODEL_DIR
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import MAX_LOGPROBS
+from ketch.engine.serving.generation import make_choices
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -108,6 +110,16 @@ def test_suffix_is_refused_and_user_ignored() -> None:
     assert error.param == "suffix" and "not supported" in error.message
     assert completion(user="alice").to_sampling_params(9) == completion().to_sampling_params(9)
     assert chat(user="alice").to_sampling_params(9) == chat().to_sampling_params(9)
+
+
+def test_a_decode_instance_refuses_prompt_scores_its_prefill_peer_could_not_send() -> None:
+    params = completion(prompt_logprobs=20).to_sampling_params(9)
+    long = [[5] * (MAX_PD_PROMPT_SCORES // 21 + 1)]
+    with pytest.raises(ProtocolError) as info:
+        make_choices(long, params, max_model_len=1 << 20, prefill="10.0.0.1:8004")
+    assert info.value.param == "prompt_logprobs" and "prefill/decode" in info.value.message
+    assert len(make_choices(long, params, max_model_len=1 << 20)) == 1  # mixed: computed here
+    assert make_choices([[5] * 100], params, max_model_len=200, prefill="10.0.0.1:8004")
 
 
 def test_chat_echo_is_refused() -> None:

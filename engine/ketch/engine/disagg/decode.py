@@ -23,7 +23,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ketch.engine.cache_manager.client import CacheManagerClient
 from ketch.engine.core.messages import RequestDelta
@@ -318,8 +318,13 @@ class DecodeSide:
         logprob = None
         if done.logprob is not None:
             logprob = TokenLogprob(done.token_id, done.logprob[0], list(done.logprob[1]))
+        scored = None
+        if done.prompt_logprobs is not None:
+            scored = [TokenLogprob(t, lp, list(top)) for t, lp, top in done.prompt_logprobs]
+        # The prompt was scored by the prefill peer: this worker has nothing more to score.
+        request.sampling_params = replace(request.sampling_params, prompt_logprobs=None)
         handover = max(0.0, time.time() - done.finished_at) if done.finished_at else None
-        output = engine.accept_first_token(request, logprob, handover)
+        output = engine.accept_first_token(request, logprob, handover, scored)
         if output is not None:
             self.outputs.append(output)
 

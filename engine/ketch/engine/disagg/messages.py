@@ -23,6 +23,23 @@ from ketch.engine.sampling_params import SamplingParams
 PD_PROTOCOL_VERSION = 2
 # A PrefillRequest carries one prompt: a million tokens is ~8 MB of JSON.
 MAX_PD_MESSAGE_BYTES = 16 << 20
+MAX_PD_PROMPT_SCORES = 250_000
+"""Most prompt_logprobs entries (prompt tokens x (prompt_logprobs + 1)) one request may ask of
+a prefill peer: its PrefillDone must fit a frame (an entry takes at most ~50 bytes of JSON)."""
+
+
+def prompt_scores_problem(num_prompt_tokens: int, prompt_logprobs: int | None) -> str | None:
+    """Why a request's prompt_logprobs cannot come back from a prefill peer, or None."""
+    if prompt_logprobs is None:
+        return None
+    entries = num_prompt_tokens * (prompt_logprobs + 1)
+    if entries <= MAX_PD_PROMPT_SCORES:
+        return None
+    return (
+        f"prompt_logprobs={prompt_logprobs} on a {num_prompt_tokens}-token prompt is {entries} "
+        f"scores; a prefill/decode deployment returns at most {MAX_PD_PROMPT_SCORES} (prompt "
+        "tokens x (prompt_logprobs + 1)): ask for fewer alternatives or send a shorter prompt"
+    )
 
 
 @dataclass
@@ -51,6 +68,9 @@ class PrefillDone:
     num_bytes: int = 0
     transfer_seconds: float = 0.0
     finished_at: float = 0.0  # the prefill engine's wall clock when its prefill step ended
+    # The request's prompt_logprobs, scored here: (token id, logprob, top) per prompt token
+    # after the first.
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

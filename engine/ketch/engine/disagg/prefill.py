@@ -31,6 +31,7 @@ from ketch.engine.disagg.messages import (
     PrefillDone,
     PrefillFailed,
     PrefillRequest,
+    prompt_scores_problem,
 )
 from ketch.engine.outputs import RequestOutput
 
@@ -137,6 +138,11 @@ class PrefillSide:
         mismatch = engine.kv_layout.mismatch(message.layout, "the decode instance")
         if mismatch is not None:
             return mismatch
+        scores = prompt_scores_problem(
+            len(message.prompt_token_ids), message.params.prompt_logprobs
+        )
+        if scores is not None:
+            return scores
         blocks = math.ceil(len(message.prompt_token_ids) / engine.kv_cache.block_size)
         if len(message.dest_blocks) != blocks - message.start_block or message.start_block < 0:
             return (
@@ -171,12 +177,16 @@ class PrefillSide:
             if completion.logprobs:
                 first = completion.logprobs[0]
                 logprob = (first.logprob, [tuple(t) for t in first.top])
+            scored = output.prompt_logprobs
             prefill.done = PrefillDone(
                 message.request_id,
                 completion.token_ids[0],
                 logprob,  # type: ignore[arg-type]
                 output.num_cached_tokens,
                 finished_at=time.time(),
+                prompt_logprobs=None
+                if scored is None
+                else [(e.token_id, e.logprob, e.top) for e in scored],
             )
             held = self.engine.scheduler.held.get(message.request_id, [])
             start = message.start_block

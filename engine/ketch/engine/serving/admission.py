@@ -147,13 +147,6 @@ def check_limits(config: ServerConfig, params: SamplingParams, num_prompts: int)
             "are allowed (--max-logit-bias)",
             param="logit_bias",
         )
-    if params.prompt_logprobs is not None and config.role == "decode":
-        raise ProtocolError(
-            400,
-            "prompt_logprobs (and echo with logprobs) are not available on a decode instance: "
-            "its prompts are computed by a prefill instance",
-            param="prompt_logprobs",
-        )
 
 
 def check_token_ids(vocab: int, prompts: list[list[int]], params: SamplingParams) -> None:

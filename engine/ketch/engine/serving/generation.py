@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ketch.engine.core.messages import RequestDelta
+from ketch.engine.disagg.messages import prompt_scores_problem
 from ketch.engine.engine_client import EngineClient, EngineDeadError
 from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
@@ -42,7 +43,8 @@ def make_choices(
     max_model_len: int,
     prefill: str | None = None,
 ) -> list[Choice]:
-    """``n`` choices per prompt; seeded requests get seed + i so the choices differ."""
+    """``n`` choices per prompt; seeded requests get seed + i so the choices differ. With a
+    ``prefill`` peer (decode role) the prompt's scores must fit the peer's reply."""
     choices = []
     for p, prompt in enumerate(prompts):
         if len(prompt) >= max_model_len:
@@ -52,6 +54,9 @@ def make_choices(
                 "shorten it to leave room for output",
                 param="prompt",
             )
+        scores = prefill and prompt_scores_problem(len(prompt), params.prompt_logprobs)
+        if scores:
+            raise ProtocolError(400, scores, param="prompt_logprobs")
         for i in range(params.n):
             choices.append(Choice(len(choices), p, prompt, params.for_choice(i), prefill=prefill))
     return choices
