@@ -48,7 +48,7 @@ def run_constrained(
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize("backend", ["eager", "predictor"])
+@pytest.mark.parametrize("backend", ["eager", "predictor", "native"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "tiny"])
 def test_greedy_matches_transformers_with_every_mechanism(
     checkpoint, name: str, backend: str

@@ -7,6 +7,7 @@ decode step), so the attention paths of a real mixed batch are what is compared.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
 from ketch.kernels import CpuKernels
+from ketch.kernels.paged_attention import PagedAttention
 
 BLOCK = 16
 TOLERANCE = 1e-4
@@ -141,3 +143,20 @@ def test_tiny_model_matches_transformers(kernels) -> None:
 def test_tiny_model_on_the_predictor_matches_transformers(kernels) -> None:
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     assert_close(TINY_MODEL_DIR, config.vocab_size, kernels, seed=2, backend="predictor")
+
+
+@pytest.fixture(params=["generic", "selected"])
+def native_kernels(request) -> CpuKernels:
+    """The native backend runs attention in C++: the generic kernel (any x86-64) and the one this
+    CPU selects (AVX-512 or AVX2)."""
+    kernels = CpuKernels.select(log=False)
+    if request.param == "generic":
+        kernels = dataclasses.replace(kernels, paged_attention=PagedAttention("generic"))
+    return kernels
+
+
+@pytest.mark.parametrize("name", [*CHECKPOINT_NAMES, "tiny"])
+def test_native_backend_matches_transformers(checkpoint, name: str, native_kernels) -> None:
+    """Every matmul through the GEMM kernel (OpenBLAS), attention in the C++ kernel."""
+    path = TINY_MODEL_DIR if name == "tiny" else checkpoint(name)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, native_kernels, backend="native")

@@ -36,10 +36,10 @@ def run(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("backend", ["eager", "predictor"])
+@pytest.mark.parametrize("backend", ["eager", "predictor", "native"])
 def test_remote_worker_matches_in_process_runner(backend: str) -> None:
-    """The worker runs either backend over the shared-memory KV cache (``predictor`` is not
-    allowed to fall back), token for token as the in-process eager reference."""
+    """The worker runs every backend over the shared-memory KV cache (one asked for by name is
+    not allowed to fall back), token for token as the in-process eager reference."""
     expected = LLM("tiny", backend="eager", **CONFIG).generate(PROMPTS, GREEDY)
     port = free_port()
     engine = LLMEngine(EngineConfig(model="tiny", backend=backend, **CONFIG), worker_port=port)

@@ -78,13 +78,28 @@ ref = paged_attention_reference(q, k_cache, v_cache, meta, 0.125).numpy()
 for isa in (kernel.isa, "generic"):
     out = PagedAttention(isa)(q, k_cache, v_cache, meta, 0.125).numpy()
     print(isa, float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
+import ctypes, scipy_openblas32
+from ketch.kernels.linear import Linear
+blas = ctypes.CDLL(scipy_openblas32.get_lib_dir() + "/lib" + scipy_openblas32.get_library() + ".so")
+blas.scipy_openblas_get_corename.restype = ctypes.c_char_p
+for m in (1, 37):
+    x = paddle.to_tensor(rng.standard_normal((m, 300), np.float32))
+    w = paddle.to_tensor(rng.standard_normal((300, 130), np.float32))
+    ref = paddle.matmul(x, w).numpy()
+    out = Linear(1)(x, w).numpy()
+    print("linear", float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
+print(blas.scipy_openblas_get_corename().decode().lower())
 """
 
 
-def test_paged_attention_kernels_run_without_avx512() -> None:
+def test_cpp_kernels_run_without_avx512() -> None:
     from ketch.kernels import cpp_ops
 
     cpp_ops.ops()  # build (or load) natively: compiling under the emulator would take minutes
+    cpp_ops.gemm_ops()
     out = _emulated("-c", _KERNELS_PROBE)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["avx2", "True", "generic", "True"]
+    *checks, core = out.stdout.split()
+    assert checks == ["avx2", "True", "generic", "True", "linear", "True", "linear", "True"]
+    # OpenBLAS picked its kernels from the emulated CPUID: an AVX2 core, not an AVX-512 one.
+    assert core not in ("skylakex", "cooperlake", "sapphirerapids"), core

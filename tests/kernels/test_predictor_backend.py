@@ -143,26 +143,60 @@ def small_args(config: ModelConfig) -> tuple[int, ...]:
     return config.num_hidden_layers, 2, 16, config.num_key_value_heads, config.head_dim
 
 
-def test_auto_falls_back_to_eager_with_one_log_line(monkeypatch, caplog) -> None:
+def _backend_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "ketch.engine.models.backend"]
+
+
+def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
+    monkeypatch, caplog
+) -> None:
     from ketch.engine.models import llama_predictor
+    from ketch.kernels import cpp_ops
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no predictor on this machine")
-
-    monkeypatch.setattr(llama_predictor, "DensePrograms", broken)
     threads = configure_paddle(1)
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     weights = load_weights(TINY_MODEL_DIR, config, "float32")
     with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
         model = build_model("auto", config, weights, 64, threads)
+    assert model.backend_name == "native" and not _backend_records(caplog)
+
+    def no_gemm():
+        raise RuntimeError("no OpenBLAS on this machine")
+
+    monkeypatch.setattr(cpp_ops, "gemm_ops", no_gemm)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
+        model = build_model("auto", config, weights, 64, threads)
+    assert model.backend_name == "predictor"
+    (record,) = _backend_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert "backend: predictor" in record.getMessage() and "no OpenBLAS" in record.getMessage()
+    with pytest.raises(RuntimeError, match="no OpenBLAS"):
+        build_model("native", config, weights, 64, threads)  # asked for: no silent fallback
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no predictor on this machine")
+
+    monkeypatch.setattr(llama_predictor, "DensePrograms", broken)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
+        model = build_model("auto", config, weights, 64, threads)
     assert isinstance(model, LlamaModel)
-    records = [r for r in caplog.records if r.name == "ketch.engine.models.backend"]
-    assert len(records) == 1 and records[0].levelno == logging.WARNING
-    assert "eager" in records[0].getMessage() and "no predictor" in records[0].getMessage()
+    (record,) = _backend_records(caplog)
+    assert record.levelno == logging.WARNING and "backend: eager" in record.getMessage()
+    assert "no predictor" in record.getMessage() and "no OpenBLAS" in record.getMessage()
     with pytest.raises(RuntimeError, match="no predictor"):
-        build_model("predictor", config, weights, 64, threads)  # asked for: no silent fallback
+        build_model("predictor", config, weights, 64, threads)
     with pytest.raises(ValueError, match="unknown backend"):
         build_model("fast", config, weights, 64, threads)
+
+
+def test_native_needs_the_cpp_attention_kernel() -> None:
+    threads = configure_paddle(1)
+    config = ModelConfig.from_dir(TINY_MODEL_DIR)
+    weights = load_weights(TINY_MODEL_DIR, config, "float32")
+    with pytest.raises(RuntimeError, match="paged-attention kernel"):
+        build_model("native", config, weights, 64, threads, CpuKernels.portable())
 
 
 def test_the_switch_reaches_the_engine_config() -> None:

@@ -106,11 +106,13 @@ class EngineConfig:
     )
     backend: str = _opt(
         "auto",
-        "What executes the model: 'predictor' (dense layers as static programs on paddle's "
-        "inference predictor with oneDNN, exported once into $KETCH_CACHE_DIR, default "
-        "~/.cache/ketch), 'eager' (dygraph, the reference), or 'auto': the predictor, falling "
-        "back to eager with one log line where it cannot run.",
-        choices=("auto", "predictor", "eager"),
+        "What executes the model: 'native' (dygraph with Ketch's C++ kernels: matmuls through "
+        "OpenBLAS, paged attention; built once into ~/.cache/ketch), 'predictor' (dense layers "
+        "as static programs on paddle's inference predictor with oneDNN, exported once into "
+        "$KETCH_CACHE_DIR, default ~/.cache/ketch), 'eager' (dygraph, the reference), or "
+        "'auto': the first of native, predictor, eager that runs here, with one log line for "
+        "what it fell back from.",
+        choices=("auto", "native", "predictor", "eager"),
         crd=False,
     )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")

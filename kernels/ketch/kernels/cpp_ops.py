@@ -10,8 +10,11 @@ build and an unchanged one is only loaded (well under a second); a file lock kee
 (tensor-parallel workers starting together) from building the same library at once. An image can
 build it ahead: ``python -m ketch.kernels.cpp_ops``.
 
-The library is compiled for the x86-64 baseline: its AVX2 and AVX-512 kernels live in functions
-with their own ``target`` attribute and only run when the caller picked them from CpuFeatures.
+Two libraries: ``ops()`` (paged attention and the KV write) is compiled for the x86-64 baseline:
+its AVX2 and AVX-512 kernels live in functions with their own ``target`` attribute and only run
+when the caller picked them from CpuFeatures. ``gemm_ops()`` (``ketch_linear``) links OpenBLAS from
+the ``scipy-openblas32`` wheel, which picks its own kernels from the CPU when it loads; without
+that wheel only the GEMM is missing.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ import functools
 import hashlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import paddle
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cc",)
-HEADERS = ("simd.h", "attention_kernel.inc")
 # Baseline x86-64 code generation: no -march; the ISA-specific kernels carry their own targets.
 CXX_FLAGS = (
     "-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fvisibility-inlines-hidden",
@@ -37,13 +39,40 @@ LD_FLAGS = ("-fopenmp",)
 ENV_DIR = "KETCH_EXTENSION_DIR"
 
 
-def build_key() -> str:
-    """What the built library depends on: sources, flags, paddle and Python versions."""
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
-    digest.update(repr((CXX_FLAGS, LD_FLAGS, paddle.__version__, sys.version_info[:2])).encode())
-    return digest.hexdigest()[:16]
+@dataclass(frozen=True)
+class Library:
+    """One op library: its sources and what it compiles and links with."""
+
+    prefix: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...] = ()
+    include_paths: tuple[str, ...] = ()
+    ld_flags: tuple[str, ...] = LD_FLAGS
+
+    def key(self) -> str:
+        """What the built library depends on: sources, flags, paddle and Python versions."""
+        digest = hashlib.sha256()
+        for name in (*self.sources, *self.headers):
+            digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+        versions = (paddle.__version__, sys.version_info[:2])
+        digest.update(repr((CXX_FLAGS, self.ld_flags, self.include_paths, versions)).encode())
+        return digest.hexdigest()[:16]
+
+
+ATTENTION = Library("ketch_ops", ("paged_attention.cc",), ("simd.h", "attention_kernel.inc"))
+
+
+def gemm_library() -> Library:
+    """The GEMM library, linked against the scipy-openblas32 wheel (ImportError without it)."""
+    import scipy_openblas32 as openblas
+
+    lib = openblas.get_lib_dir()
+    return Library(
+        "ketch_gemm",
+        ("gemm.cc",),
+        include_paths=(openblas.get_include_dir(),),
+        ld_flags=(f"-L{lib}", f"-l{openblas.get_library()}", f"-Wl,-rpath,{lib}"),
+    )
 
 
 def build_dir() -> Path:
@@ -53,22 +82,31 @@ def build_dir() -> Path:
 def ops() -> ModuleType:
     """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``). A failed
     build raises the same error on every later call without building again."""
-    loaded = _load()
+    return _loaded("attention")
+
+
+def gemm_ops() -> ModuleType:
+    """The loaded GEMM module (``ketch_linear``); RuntimeError as ``ops()``."""
+    return _loaded("gemm")
+
+
+def _loaded(which: str) -> ModuleType:
+    loaded = _load(which)
     if isinstance(loaded, Exception):
-        raise RuntimeError(f"Ketch's C++ ops could not be built: {loaded}") from loaded
+        raise RuntimeError(f"Ketch's C++ {which} ops could not be built: {loaded}") from loaded
     return loaded
 
 
 @functools.cache
-def _load() -> ModuleType | Exception:
+def _load(which: str) -> ModuleType | Exception:
     try:
-        return _build_or_import()
-    except Exception as exc:  # a compiler error, a missing toolchain: reported by ops()
+        return _build_or_import(ATTENTION if which == "attention" else gemm_library())
+    except Exception as exc:  # a compiler error, a missing toolchain or wheel: reported later
         return exc
 
 
-def _build_or_import() -> ModuleType:
-    name = f"ketch_ops_{build_key()}"
+def _build_or_import(library: Library) -> ModuleType:
+    name = f"{library.prefix}_{library.key()}"
     root = build_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{name}.lock", "w") as lock:
@@ -80,10 +118,10 @@ def _build_or_import() -> ModuleType:
 
         return load(
             name=name,
-            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            sources=[str(SOURCE_DIR / s) for s in library.sources],
             extra_cxx_cflags=list(CXX_FLAGS),
-            extra_ldflags=list(LD_FLAGS),
-            extra_include_paths=[str(SOURCE_DIR)],
+            extra_ldflags=list(library.ld_flags),
+            extra_include_paths=[str(SOURCE_DIR), *library.include_paths],
             build_directory=str(root),
         )
 
@@ -98,3 +136,4 @@ def _import_built(name: str, directory: Path) -> ModuleType:
 
 if __name__ == "__main__":
     print(ops().__file__)
+    print(gemm_ops().__file__)

@@ -10,6 +10,8 @@ values), and the predictor reads the loaded weights in place instead of holding 
 
 Every token dimension is ``None`` (``reshape([0, ...])``), so batch and chunk sizes never
 retrace. Each function is the reference for itself: called eagerly it is plain dygraph paddle.
+The programs take the matmul they use (``paddle.matmul`` by default, what is exported); the
+native backend calls them eagerly with Ketch's GEMM kernel instead (``ketch.kernels.linear``).
 """
 
 from __future__ import annotations
@@ -54,26 +56,31 @@ def _rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.
     return x * cos + paddle.concat([-x2, x1], axis=-1) * sin
 
 
-def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
-    y = paddle.matmul(x, w)
-    return y if b is None else y + b
+Matmul = Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]
 
 
 class _Weights:
-    """Reads a program's weight inputs in the order ``weight_specs`` lists them."""
+    """Reads a program's weight inputs in the order ``weight_specs`` lists them, and applies the
+    program's matmul to them."""
 
-    def __init__(self, tensors: list[paddle.Tensor]) -> None:
+    def __init__(self, tensors: list[paddle.Tensor], matmul: Matmul = paddle.matmul) -> None:
         self._tensors = list(tensors)
+        self.matmul = matmul
 
     def take(self, present: bool = True) -> paddle.Tensor | None:
         return self._tensors.pop(0) if present else None
+
+    def linear(self, x: paddle.Tensor, bias: bool) -> paddle.Tensor:
+        """x @ (the next weight) [+ the next one, the bias, when ``bias``]."""
+        y = self.matmul(x, self.take())
+        return y if not bias else y + self.take()
 
 
 def _project_qkv(
     s: DenseShape, h: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, w: _Weights
 ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
     x = _rms_norm(h, w.take(), s.eps)
-    qkv = _linear(x, w.take(), w.take(s.qkv_bias))
+    qkv = w.linear(x, s.qkv_bias)
     q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
     qk, v = paddle.split(qkv, [q_size + kv_size, kv_size], axis=-1)
     # Queries and keys rotate together: one set of rotary ops per layer.
@@ -87,45 +94,49 @@ def _project_qkv(
 def _finish_layer(
     s: DenseShape, h: paddle.Tensor, attn: paddle.Tensor, w: _Weights
 ) -> paddle.Tensor:
-    h = h + _linear(attn, w.take(), w.take(s.o_bias))
+    h = h + w.linear(attn, s.o_bias)
     x = _rms_norm(h, w.take(), s.eps)
-    gate_up = _linear(x, w.take(), w.take(s.mlp_bias))
-    return h + _linear(swiglu(gate_up), w.take(), w.take(s.mlp_bias))
+    gate_up = w.linear(x, s.mlp_bias)
+    return h + w.linear(swiglu(gate_up), s.mlp_bias)
 
 
-def first_program(s: DenseShape) -> Callable[..., tuple[paddle.Tensor, ...]]:
+def first_program(
+    s: DenseShape, matmul: Matmul = paddle.matmul
+) -> Callable[..., tuple[paddle.Tensor, ...]]:
     """(input_ids [T], cos [T, D], sin [T, D], embed, input_norm, qkv[, qkv_bias])
     -> (h [T, hidden], q [T, H, D], k [T, KV, D], v [T, KV, D])."""
 
     def first(input_ids, cos, sin, weights):
-        w = _Weights(weights)
+        w = _Weights(weights, matmul)
         h = embedding(input_ids, w.take())
         return (h, *_project_qkv(s, h, cos, sin, w))
 
     return first
 
 
-def middle_program(s: DenseShape) -> Callable[..., tuple[paddle.Tensor, ...]]:
+def middle_program(
+    s: DenseShape, matmul: Matmul = paddle.matmul
+) -> Callable[..., tuple[paddle.Tensor, ...]]:
     """(h, attn [T, H * D], cos, sin, <finish weights of layer l-1>, <q/k/v weights of layer l>)
     -> (h, q, k, v) of layer l."""
 
     def middle(h, attn, cos, sin, weights):
-        w = _Weights(weights)
+        w = _Weights(weights, matmul)
         h = _finish_layer(s, h, attn, w)
         return (h, *_project_qkv(s, h, cos, sin, w))
 
     return middle
 
 
-def last_program(s: DenseShape) -> Callable[..., paddle.Tensor]:
+def last_program(s: DenseShape, matmul: Matmul = paddle.matmul) -> Callable[..., paddle.Tensor]:
     """(h, attn, logit_rows [R], <finish weights of the last layer>, norm, lm_head)
     -> logits [R, vocab]."""
 
     def last(h, attn, logit_rows, weights):
-        w = _Weights(weights)
+        w = _Weights(weights, matmul)
         h = _finish_layer(s, h, attn, w)
         x = _rms_norm(paddle.gather(h, logit_rows), w.take(), s.eps)
-        return paddle.matmul(x, w.take())
+        return w.linear(x, False)
 
     return last
 

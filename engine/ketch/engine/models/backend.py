@@ -1,9 +1,12 @@
-"""Chooses what executes the model: the paddle inference predictor or eager dygraph.
+"""Chooses what executes the model: Ketch's native kernels, the paddle inference predictor, or
+eager dygraph.
 
+``native`` runs every step in dygraph with the matmuls in Ketch's GEMM kernel (OpenBLAS) and
+attention in the C++ paged-attention kernel (``llama_predictor.NativeLlamaModel``);
 ``predictor`` runs the dense layers as exported static programs on the inference predictor
-with oneDNN (``ketch.kernels.predictor_backend``); ``eager`` is the dygraph reference;
-``auto`` (the default) takes the predictor and falls back to eager, with one log line, where
-it cannot be built on this machine.
+with oneDNN (``ketch.kernels.predictor_backend``); ``eager`` is the dygraph reference.
+``auto`` (the default) takes the first of native, predictor, eager that can be built on this
+machine, with one log line for what it fell back from.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ketch.kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "predictor", "eager")
+BACKENDS = ("auto", "native", "predictor", "eager")
 
 
 def build_model(
@@ -37,14 +40,31 @@ def build_model(
     eager = LlamaModel(config, weights, max_len, kernels)
     if backend == "eager":
         return eager
-    from ketch.engine.models.llama_predictor import PredictorLlamaModel
+    from ketch.engine.models.llama_predictor import NativeLlamaModel, PredictorLlamaModel
 
+    def native():
+        from ketch.kernels import cpp_ops
+        from ketch.kernels.linear import Linear
+
+        cpp_ops.gemm_ops()  # RuntimeError where the GEMM library cannot be built
+        return NativeLlamaModel(config, weights, eager, Linear(threads))
+
+    def predictor():
+        return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
+
+    if backend == "native":
+        return native()
     if backend == "predictor":
-        return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
-    try:
-        return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
-    except Exception as exc:  # any failure to export or load: the reference still runs
-        logger.warning(
-            "backend: eager (the predictor cannot run here: %s: %s)", type(exc).__name__, exc
-        )
-        return eager
+        return predictor()
+    why = []
+    for name, make in (("native", native), ("predictor", predictor)):
+        try:
+            model = make()
+        except Exception as exc:  # any failure to build or load: the next one is tried
+            why.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        if why:
+            logger.warning("backend: %s (%s)", name, "; ".join(why))
+        return model
+    logger.warning("backend: eager (%s)", "; ".join(why))
+    return eager

@@ -27,7 +27,7 @@ from ketch.engine.models.attention import (
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
 from ketch.kernels import CpuKernels, dense_graph
-from ketch.kernels.dense_graph import DenseShape
+from ketch.kernels.dense_graph import DenseShape, Matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 from ketch.kernels.predictor_backend import DensePrograms
 
@@ -88,12 +88,17 @@ class PredictorLlamaModel:
         threads: int,
         cache_dir: Path | None = None,
     ) -> None:
+        self._setup(config, weights, eager, paddle.matmul)
+        self.programs: DensePrograms | None = DensePrograms(dense_shape(config), threads, cache_dir)
+
+    def _setup(
+        self, config: ModelConfig, weights: ModelWeights, eager: LlamaModel, matmul: Matmul
+    ) -> None:
         self.config = config
         self.eager = eager
         self.kernels: CpuKernels = eager.kernels  # what the eager steps run with
         shape = dense_shape(config)
-        self.programs = DensePrograms(shape, threads, cache_dir)
-        self._dygraph = {kind: make(shape) for kind, make in dense_graph.PROGRAMS.items()}
+        self._dygraph = {kind: make(shape, matmul) for kind, make in dense_graph.PROGRAMS.items()}
         self.predictor_steps = 0
         self.attention = _attention_kernel(eager.kernels, config.head_dim)
         self._cos, self._sin = eager._cos, eager._sin
@@ -128,7 +133,7 @@ class PredictorLlamaModel:
         logit_rows: paddle.Tensor,
     ) -> paddle.Tensor:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
-        small = input_ids.shape[0] < self.eager_below_tokens
+        small = self.programs is None or input_ids.shape[0] < self.eager_below_tokens
         if isinstance(meta, PagedAttentionMetadata):
             attend = self._kernel_attention
         elif small:
@@ -163,6 +168,28 @@ class PredictorLlamaModel:
         kernel.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
         out = kernel(q, cache.k_blocks, cache.v_blocks, meta, self.config.head_dim**-0.5)
         return out.reshape([0, self.config.num_attention_heads * self.config.head_dim])
+
+
+class NativeLlamaModel(PredictorLlamaModel):
+    """Every step in dygraph: the programs' functions called eagerly, every matmul through
+    Ketch's GEMM kernel (OpenBLAS) and attention through the C++ paged-attention kernel.
+
+    Paddle's own per-op costs are what decide this (docs/backend.md): dygraph dispatches an op
+    in a few microseconds where the inference predictor takes 40-80, and the predictor's oneDNN
+    matmuls reach 36-46 GFLOP/s on one thread here against OpenBLAS's 60-80."""
+
+    backend_name = "native"
+
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, eager: LlamaModel, linear: Matmul
+    ) -> None:
+        self._setup(config, weights, eager, linear)
+        self.programs = None
+        if self.attention is None:
+            raise RuntimeError(
+                f"the C++ paged-attention kernel cannot run this model (head dim "
+                f"{config.head_dim}, {eager.kernels.paged_attention})"
+            )
 
 
 def _attention_kernel(kernels: CpuKernels, head_dim: int) -> PagedAttention | None:
