@@ -59,7 +59,9 @@ class Library:
         return digest.hexdigest()[:16]
 
 
-ATTENTION = Library("ketch_ops", ("paged_attention.cc",), ("simd.h", "attention_kernel.inc"))
+ATTENTION = Library(
+    "ketch_ops", ("paged_attention.cc", "fused.cc"), ("simd.h", "attention_kernel.inc")
+)
 
 
 def gemm_library() -> Library:
@@ -80,7 +82,8 @@ def build_dir() -> Path:
 
 
 def ops() -> ModuleType:
-    """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``). A failed
+    """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``, the fused
+    norm and rotary ops of ``fused``). A failed
     build raises the same error on every later call without building again."""
     return _loaded("attention")
 

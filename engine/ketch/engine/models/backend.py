@@ -1,8 +1,8 @@
 """Chooses what executes the model: Ketch's native kernels, the paddle inference predictor, or
 eager dygraph.
 
-``native`` runs every step in dygraph with the matmuls in Ketch's GEMM kernel (OpenBLAS) and
-attention in the C++ paged-attention kernel (``llama_predictor.NativeLlamaModel``);
+``native`` runs every step in dygraph on Ketch's C++ kernels: matmuls in the GEMM op (OpenBLAS),
+fused RMSNorm and rotary ops, attention in the paged-attention kernel (``llama_native``);
 ``predictor`` runs the dense layers as exported static programs on the inference predictor
 with oneDNN (``ketch.kernels.predictor_backend``); ``eager`` is the dygraph reference.
 ``auto`` (the default) takes the first of native, predictor, eager that can be built on this
@@ -40,14 +40,17 @@ def build_model(
     eager = LlamaModel(config, weights, max_len, kernels)
     if backend == "eager":
         return eager
-    from ketch.engine.models.llama_predictor import NativeLlamaModel, PredictorLlamaModel
+    from ketch.engine.models.llama_predictor import PredictorLlamaModel, _attention_kernel
 
     def native():
+        from ketch.engine.models.llama_native import NativeLlamaModel
         from ketch.kernels import cpp_ops
         from ketch.kernels.linear import Linear
 
         cpp_ops.gemm_ops()  # RuntimeError where the GEMM library cannot be built
-        return NativeLlamaModel(config, weights, eager, Linear(threads))
+        cpp_ops.ops()  # the fused ops and attention
+        attention = _attention_kernel(eager.kernels, config.head_dim)
+        return NativeLlamaModel(config, weights, eager, Linear(threads), attention)
 
     def predictor():
         return PredictorLlamaModel(config, weights, eager, threads, cache_dir)

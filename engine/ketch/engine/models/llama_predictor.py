@@ -170,28 +170,6 @@ class PredictorLlamaModel:
         return out.reshape([0, self.config.num_attention_heads * self.config.head_dim])
 
 
-class NativeLlamaModel(PredictorLlamaModel):
-    """Every step in dygraph: the programs' functions called eagerly, every matmul through
-    Ketch's GEMM kernel (OpenBLAS) and attention through the C++ paged-attention kernel.
-
-    Paddle's own per-op costs are what decide this (docs/backend.md): dygraph dispatches an op
-    in a few microseconds where the inference predictor takes 40-80, and the predictor's oneDNN
-    matmuls reach 36-46 GFLOP/s on one thread here against OpenBLAS's 60-80."""
-
-    backend_name = "native"
-
-    def __init__(
-        self, config: ModelConfig, weights: ModelWeights, eager: LlamaModel, linear: Matmul
-    ) -> None:
-        self._setup(config, weights, eager, linear)
-        self.programs = None
-        if self.attention is None:
-            raise RuntimeError(
-                f"the C++ paged-attention kernel cannot run this model (head dim "
-                f"{config.head_dim}, {eager.kernels.paged_attention})"
-            )
-
-
 def _attention_kernel(kernels: CpuKernels, head_dim: int) -> PagedAttention | None:
     """The C++ kernel the kernels chose, if it can run this model; None: dygraph attention
     (logged once when the library cannot be built).

@@ -1,0 +1,106 @@
+"""The Llama-family decoder on Ketch's own CPU kernels, in dygraph (``--backend native``).
+
+Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per layer: the q/k/v
+matmul, one fused op for the split and the rotary embedding, the KV write and paged attention in
+the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
+(SwiGLU between two matmuls), and the next fused add + RMSNorm. Every matmul goes through the
+GEMM op (``ketch.kernels.linear``, OpenBLAS).
+
+Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
+microseconds where the predictor takes 40-80, and its oneDNN matmuls reach 36-46 GFLOP/s on one
+thread here against OpenBLAS's 60-80. What stays is per-op dispatch, so the layer is written to
+need few ops (about 12, against about 40 for the same layer in plain paddle ops).
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle.nn.functional import embedding, swiglu
+
+from ketch.engine.models.attention import LayerCache, SequenceSpan
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.kernels import fused
+from ketch.kernels.dense_graph import Matmul
+from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
+
+
+class NativeLlamaModel:
+    """Computes logits for the last token of each sampling request in a flattened batch."""
+
+    backend_name = "native"
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        eager: LlamaModel,
+        linear: Matmul,
+        attention: PagedAttention | None,
+    ) -> None:
+        if attention is None:
+            raise RuntimeError(
+                f"the C++ paged-attention kernel cannot run this model (head dim "
+                f"{config.head_dim}, kernels {eager.kernels.paged_attention})"
+            )
+        self.config = config
+        self.eager = eager
+        self.kernels = eager.kernels
+        self.weights = weights
+        self.linear = linear
+        self.attention = attention
+        self.eps = float(config.rms_norm_eps)
+        self._cos, self._sin = eager._cos, eager._sin
+
+    def metadata(
+        self, spans: list[SequenceSpan], block_size: int, num_blocks: int
+    ) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata.build(
+            [s.query_len for s in spans],
+            [s.context_len for s in spans],
+            [s.block_ids for s in spans],
+            block_size,
+        )
+
+    def _dense(self, x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
+        y = self.linear(x, w)
+        return y if b is None else y + b
+
+    def _attend(
+        self, layer: LayerWeights, x: paddle.Tensor, cos, sin, cache: LayerCache, meta
+    ) -> paddle.Tensor:
+        c = self.config
+        qkv = self._dense(x, layer.qkv, layer.qkv_bias)
+        q, k, v = fused.rope_qkv(qkv, cos, sin, c.num_attention_heads, c.num_key_value_heads)
+        self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
+        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, c.head_dim**-0.5)
+        return out.reshape([0, c.num_attention_heads * c.head_dim])
+
+    def forward(
+        self,
+        input_ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        kv_caches: list[LayerCache],
+        meta: PagedAttentionMetadata,
+        logit_rows: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        w = self.weights
+        cos = paddle.gather(self._cos, positions)
+        sin = paddle.gather(self._sin, positions)
+        h = embedding(input_ids, w.embed)
+        x = fused.rms_norm(h, w.layers[0].input_norm, self.eps)
+        last = len(w.layers) - 1
+        for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
+            attn = self._attend(layer, x, cos, sin, cache, meta)
+            h, x = fused.add_rms_norm(
+                h, self._dense(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
+            )
+            up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
+            mlp = self._dense(up, layer.down, layer.down_bias)
+            if i < last:
+                h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)
+            else:
+                h = h + mlp
+        x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
+        return self.linear(x, w.lm_head)
