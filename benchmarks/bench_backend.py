@@ -2,6 +2,8 @@
 
 Variants, on the same weights and the same paged KV cache:
   eager          LlamaModel in dygraph (the reference)
+  native         the native backend (``--backend native``/``auto``): dygraph on Ketch's C++ ops,
+                 matmuls through OpenBLAS, fused RMSNorm/rotary, C++ paged attention
   static-split   the dense programs of ketch.kernels.dense_graph through paddle.jit.to_static,
                  called from dygraph; attention in dygraph between them
   predictor-split the same programs on the paddle inference predictor with oneDNN
@@ -244,6 +246,11 @@ class Bench:
         self.full_pred = create_predictor(out.parent, "bench_full", threads)
         if self.kernel.attention is None:
             sys.exit("bench_backend needs Ketch's C++ ops (ketch.kernels.cpp_ops), not built here")
+        from ketch.engine.models.llama_native import NativeLlamaModel
+        from ketch.kernels.linear import Linear
+
+        attention = self.kernel.attention
+        self.native = NativeLlamaModel(c, weights, self.eager, Linear(threads), attention)
         isa = self.kernel.attention.isa
         kv_block = [c.num_key_value_heads, None, BLOCK, c.head_dim]
         kspecs = [
@@ -344,6 +351,7 @@ class Bench:
         ]  # fmt: skip
         variants = {
             "eager": model(self.eager),
+            "native": model(self.native, "kernel_meta"),
             "static-split": model(self.static),
             "predictor-split": model(self.pred),
             "predictor+kernel": model(self.kernel, "kernel_meta"),
