@@ -23,6 +23,7 @@ import kopf
 
 from ketch.operator import crd, objects
 from ketch.operator.cli import PLACEHOLDER_UID, render_object
+from ketch.operator.events import EventRecorder
 from ketch.operator.kube import KubeClient, resource_path
 
 
@@ -64,27 +65,6 @@ def ready_status(generation: int) -> dict[str, Any]:
     }
 
 
-def event(body: dict[str, Any], reason: str) -> dict[str, Any]:
-    meta = body["metadata"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-        "involvedObject": {
-            "apiVersion": crd.API_VERSION,
-            "kind": crd.KIND,
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta["uid"],
-        },
-        "reason": reason,
-        "message": reason,
-        "type": "Normal",
-        "source": {"component": "ketch-operator"},
-        "count": 1,
-    }
-
-
 async def floor_burst(
     namespace: str,
     bodies: list[dict[str, Any]],
@@ -95,6 +75,7 @@ async def floor_burst(
     """Runs the writes above until every InferenceService has its Ready status."""
     loop = asyncio.get_running_loop()
     client = KubeClient(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))
+    events = EventRecorder(client)  # the operator's Event shape, posted the same way
     stored: dict[str, dict[str, Any]] = {}
     done: set[str] = set()
     patches: list[asyncio.Task[None]] = []
@@ -105,7 +86,7 @@ async def floor_burst(
         await client.patch_status(
             crd.KIND, namespace, name, ready_status(body["metadata"]["generation"])
         )
-        await client.post("Event", namespace, event(body, "Ready"))
+        await events.post(body, "Normal", "Ready", "1/1 pods ready")
         if len(done) == len(bodies):
             finished.set()
 
@@ -155,7 +136,7 @@ async def floor_burst(
                     for kind, child, text in rendered[name]
                 )
             )
-            await client.post("Event", namespace, event(obj, "Reconciled"))
+            await events.post(obj, "Normal", "Reconciled", "applied 6 children")
 
     watcher = loop.create_task(watch_deployments())
     try:
