@@ -24,6 +24,10 @@ class SamplingParams:
     ``logit_bias`` adds a number in [-100, 100] to a token's logit before each draw (greedy
     included); given as ``{token id: bias}`` or ``[(token id, bias), ...]``, it is kept as a
     list of pairs sorted by token id (so it travels between processes as it is).
+    ``grammar`` constrains the output to a grammar (structured outputs), as the builders of
+    ``ketch.engine.structured.grammars`` write it (a JSON schema, a regex, choices, Lark):
+    every token is drawn from those the grammar allows next, end of sequence only where it
+    accepts the output so far.
     """
 
     n: int = 1
@@ -44,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     skip_special_tokens: bool = True
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +93,8 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError("grammar must be a non-empty string")
 
 
 def _bias_pairs(value: object) -> list[tuple[int, float]]:

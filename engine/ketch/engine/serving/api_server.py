@@ -35,6 +35,7 @@ from ketch.engine.serving.generation import (
     request_outputs,
     run_to_end,
 )
+from ketch.engine.serving.guided import GuidedError, GuidedFields, check_grammar
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
@@ -44,6 +45,7 @@ from ketch.engine.serving.protocol import (
     error_body,
     parse_request,
 )
+from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class ServingState:
     paused: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_peers: PrefillPeers = field(default_factory=lambda: PrefillPeers(None))
+    grammars: GrammarCompiler | None = None  # built for the first structured-output request
 
     def set_idle(self, idle: bool) -> None:
         if idle:
@@ -159,6 +162,7 @@ async def _completions(request: Request) -> Response:
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, len(body.prompt))
+        await _check_grammar(state, body)
         prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
         echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
@@ -175,6 +179,20 @@ async def _completions(request: Request) -> Response:
     slot.release()
     outputs = request_outputs(done, len(prompts))
     return JSONResponse(R.completion_response(meta, outputs, state.tokenizer, echoes))
+
+
+async def _check_grammar(state: ServingState, body: GuidedFields) -> None:
+    """A 400 naming the field if the request's grammar does not compile for this model."""
+    if body.grammar_source() is None:
+        return
+    if state.grammars is None:
+        vocab = state.vocab_size or state.tokenizer.vocab_size
+        eos = [t for t in [state.tokenizer.eos_token_id] if t is not None]
+        state.grammars = GrammarCompiler(state.tokenizer.path / "tokenizer.json", vocab, eos)
+    try:
+        await check_grammar(state.grammars, body)
+    except GuidedError as exc:
+        raise ProtocolError(400, str(exc), exc.param) from None
 
 
 def _echo_texts(
@@ -197,6 +215,7 @@ async def _chat_completions(request: Request) -> Response:
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, 1)
+        await _check_grammar(state, body)
         try:
             conversation = body.conversation()
             text = state.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)

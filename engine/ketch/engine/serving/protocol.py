@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.serving.guided import GuidedError, GuidedFields
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -181,8 +182,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's plus common extensions)."""
+class _Request(GuidedFields):
+    """Fields shared by completions and chat completions (OpenAI's plus common extensions,
+    structured outputs among them)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -232,6 +234,15 @@ class _Request(BaseModel):
                 400, "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
 
+    @property
+    def grammar(self) -> str | None:
+        """The structured-output grammar this request asks for (see ``guided``), or None."""
+        try:
+            source = self.grammar_source()
+        except GuidedError as exc:
+            raise ProtocolError(400, str(exc), exc.param) from None
+        return source and source[0]
+
     def _common_params(self) -> dict[str, Any]:
         self._check_stream_options()
         given = {
@@ -251,6 +262,7 @@ class _Request(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "prompt_logprobs": self.prompt_logprobs,
             "logit_bias": None if self.logit_bias is None else _bias_pairs(self.logit_bias),
+            "grammar": self.grammar,
         }
         # None means "OpenAI's default", which is SamplingParams' default (temperature 1.0 ...).
         return {k: v for k, v in given.items() if v is not None}
@@ -304,7 +316,6 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool | None = False
 
     @field_validator("echo")
@@ -319,13 +330,6 @@ class ChatCompletionRequest(_Request):
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
             raise ValueError("tools are not supported by this server")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type") != "text":
-            raise ValueError("only {'type': 'text'} is supported by this server")
         return value
 
     def conversation(self) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
+from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
 from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
@@ -94,6 +95,7 @@ class ModelRunner:
             buffer=kv_buffer,
         )
         self.requests: dict[str, RequestState] = {}
+        self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         logger.info(
             "model runner ready: %s on the %s backend, %d KV blocks x %d tokens, %d threads",
             mc.architecture,
@@ -113,19 +115,38 @@ class ModelRunner:
         rows = batch.logit_rows + batch.prompt_rows
         logits = self._forward(batch, rows or [0])
         scored = self._score_prompts(batch, logits[len(batch.logit_rows) :])
-        if not batch.sampling_ids:
+        ids, rows = self._grammars_ready(batch.sampling_ids, logits, failed)
+        if not ids:
             return ModelRunnerOutput([], [], failed=failed, prompt_logprobs=scored)
-        states = [self.requests[rid].sampling for rid in batch.sampling_ids]
-        tokens, logprobs = sample(logits[: len(batch.logit_rows)], states)
+        states = [self.requests[rid].sampling for rid in ids]
+        tokens, logprobs = sample(rows, states)
         for state, token in zip(states, tokens, strict=True):
-            state.token_ids.append(token)
+            state.accept(token)
         return ModelRunnerOutput(
-            request_ids=batch.sampling_ids,
+            request_ids=ids,
             sampled_token_ids=tokens,
             logprobs=logprobs,
             failed=failed,
             prompt_logprobs=scored,
         )
+
+    def _grammars_ready(
+        self, ids: list[str], logits: np.ndarray, failed: dict[str, str]
+    ) -> tuple[list[str], np.ndarray]:
+        """The requests to sample and their logits rows, less those whose grammar (compiled on
+        its own thread since the request came) did not compile: they fail."""
+        keep = []
+        for i, request_id in enumerate(ids):
+            grammar = self.requests[request_id].sampling.grammar
+            problem = grammar.ready() if grammar is not None else None
+            if problem is None:
+                keep.append(i)
+                continue
+            failed[request_id] = f"the grammar cannot be used: {problem}"
+            self.requests.pop(request_id)
+        if len(keep) == len(ids):
+            return ids, logits[: len(ids)]
+        return [ids[i] for i in keep], logits[keep]
 
     def _score_prompts(self, batch: StepInputs, logits: np.ndarray) -> dict[str, list]:
         """prompt_logprobs: each scored row against the prompt token that follows it."""
@@ -222,11 +243,23 @@ class ModelRunner:
         # Output tokens sampled elsewhere (a prefill peer's first token) used the generator:
         # take the same draws, so a seeded request samples exactly as on one instance.
         sampling.skip_draws(len(new.token_ids) - new.num_prompt_tokens)
+        if new.sampling_params.grammar is not None:  # its matcher resumes past those tokens too
+            sampling.grammar = self._grammar_compiler().matcher(
+                new.sampling_params.grammar, new.token_ids[new.num_prompt_tokens :]
+            )
         return RequestState(
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling=sampling,
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            cfg = self.config
+            self._grammars = GrammarCompiler(
+                cfg.model_path / "tokenizer.json", cfg.model_config.vocab_size, cfg.eos_token_ids
+            )
+        return self._grammars
 
     def _prepare_inputs(self, sched: SchedulerOutput, failed: dict[str, str]) -> StepInputs:
         scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}

@@ -3,7 +3,9 @@ draws; and the log-probabilities a request asks for (of sampled and of prompt to
 
 Each request owns a random generator seeded from its seed and draws exactly one number per
 sampled token, so what it samples does not depend on which other requests share the batch.
-Rows that need no processing (greedy, no penalties, no bias) are decided by one batched argmax.
+Rows that need no processing (greedy, no penalties, no bias, no grammar) are decided by one
+batched argmax. A request with a grammar draws only among the tokens its grammar allows next,
+greedy included, and its matcher advances with every token appended (``SamplingState.accept``).
 Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.structured.compiler import RequestGrammar
 
 _MASK64 = (1 << 64) - 1
 
@@ -29,6 +32,7 @@ class SamplingState:
     stop_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     bias_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     bias_values: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def create(
@@ -52,6 +56,12 @@ class SamplingState:
             bias_values=np.array([b for _, b in params.logit_bias], dtype=np.float64),
         )
 
+    def accept(self, token: int) -> None:
+        """Appends a sampled token (and moves the grammar's matcher past it)."""
+        self.token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
     def skip_draws(self, num_tokens: int) -> None:
         """Advances the generator as sampling ``num_tokens`` tokens would have."""
         if not self.params.greedy:
@@ -67,6 +77,7 @@ class SamplingState:
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
             and not self.bias_ids.size
+            and self.grammar is None
             and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens
         )
 
@@ -101,8 +112,14 @@ def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
         inside = state.bias_ids < row.size
         row[state.bias_ids[inside]] += state.bias_values[inside]
     _apply_penalties(row, state)
+    if state.grammar is not None:
+        _apply_grammar(row, state.grammar)
     if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens and state.stop_ids.size:
-        row[state.stop_ids[state.stop_ids < row.size]] = -np.inf
+        stops = state.stop_ids[state.stop_ids < row.size]
+        kept = row[stops].copy()
+        row[stops] = -np.inf
+        if state.grammar is not None and not np.isfinite(row).any():
+            row[stops] = kept  # the grammar is complete: it ends before min_tokens
     if p.greedy:
         return int(row.argmax())
     row /= p.temperature
@@ -121,6 +138,15 @@ def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
     cumulative = np.cumsum(probs)
     draw = state.generator.random() * cumulative[-1]
     return int(min(np.searchsorted(cumulative, draw, side="right"), row.size - 1))
+
+
+def _apply_grammar(row: np.ndarray, grammar: RequestGrammar) -> None:
+    """Rules out every token the grammar does not allow next (padding rows past the vocabulary
+    included)."""
+    allowed = grammar.allowed()
+    size = min(allowed.size, row.size)
+    row[:size][~allowed[:size]] = -np.inf
+    row[size:] = -np.inf
 
 
 def _apply_penalties(row: np.ndarray, state: SamplingState) -> None:
