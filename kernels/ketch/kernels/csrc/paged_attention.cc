@@ -74,7 +74,7 @@ inline const float* value_block(const AttentionArgs& a, const TileShape& t, int6
 }
 
 struct Scratch {
-  std::vector<float> queries, scores, inv_sums;
+  std::vector<float> queries, scores, inv_sums, acc;
   std::vector<float*> out_rows;
 };
 

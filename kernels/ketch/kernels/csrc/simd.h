@@ -42,7 +42,8 @@ struct VecScalar {
   KETCH_INLINE static T mul(T a, T b) { return a * b; }
   KETCH_INLINE static T max(T a, T b) { return a > b ? a : b; }
   KETCH_INLINE static T fmadd(T a, T b, T c) { return a * b + c; }
-  static constexpr int kRows = 4;    // query rows per register block
+  static constexpr int kRows = 4;    // query rows per register block (score pass)
+  static constexpr int kValueRows = 4;  // query rows per register block (value pass)
   static constexpr int kChunks = 4;  // vectors of a head per register block (value pass)
   KETCH_INLINE static float hsum(T v) { return v; }
   KETCH_INLINE static void hsum4(const T* v, float* out) {
@@ -78,6 +79,7 @@ struct VecAvx2 {
   KETCH_INLINE static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   // 16 registers: 2 rows x 4 keys of score accumulators, 4 rows x 2 vectors of outputs.
   static constexpr int kRows = 2;
+  static constexpr int kValueRows = 4;
   static constexpr int kChunks = 2;
   // out[i] = sum of the lanes of v[i], for 4 registers at once.
   KETCH_INLINE static void hsum4(const T* v, float* out) {
@@ -129,6 +131,7 @@ struct VecAvx512 {
   KETCH_INLINE static T max(T a, T b) { return _mm512_max_ps(a, b); }
   KETCH_INLINE static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static constexpr int kRows = 4;
+  static constexpr int kValueRows = 4;
   static constexpr int kChunks = 4;
   KETCH_INLINE static void hsum4(const T* v, float* out) {
     __m256 half[4];
