@@ -57,3 +57,28 @@ def test_a_failing_request_fails_alone_and_its_blocks_come_back(poisoned) -> Non
         llm.generate(["Down the rabbit hole", prompts[2]], [_greedy(POISON_SEED), _greedy()])
     assert not engine.has_unfinished_requests()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())] == want
+
+
+def test_a_failure_reported_for_an_id_the_engine_does_not_track_is_ignored(monkeypatch) -> None:
+    """A runner reply naming a request that already finished (or was never this engine's) must
+    not produce an error for anyone, nor disturb the requests running."""
+    llm = LLM("tiny", block_size=16, kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in llm.generate(["The Mouse"], _greedy())]
+    engine = llm.engine
+    real = engine.runner.execute
+
+    def execute(sched):
+        out = real(sched)
+        out.failed = {**out.failed, "finished-long-ago": "RuntimeError: stale", "": "x"}
+        return out
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.add_request("live", "The Mouse", _greedy())
+    got = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                got[output.request_id] = output.outputs[0].token_ids
+        assert engine.take_failures() == []
+    assert got == {"live": want[0]}
+    engine.scheduler.check_integrity()

@@ -300,10 +300,11 @@ class LLMEngine:
             ]
 
     def _fail(self, failed: dict[str, str]) -> None:
-        """Ends these requests with an error (their blocks go back); see ``take_failures``."""
+        """Ends these tracked requests with an error (blocks go back); see ``take_failures``."""
+        failed = {rid: why for rid, why in failed.items() if rid in self._tracked}
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         for request_id, error in failed.items():
-            self._tracked.pop(request_id, None)
+            del self._tracked[request_id]
             self.failures.append((request_id, error))
 
     def take_failures(self) -> list[tuple[str, str]]:
