@@ -96,6 +96,17 @@ def _restore_root_logging() -> Iterator[None]:
     root.setLevel(level)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds Ketch's C++ op libraries once, up front (a fresh machine takes ~20-40 s), so that
+    no server a test starts compiles them inside its start-up timeout. A failed build is left to
+    the tests of the fallback paths and of the kernels, which report it."""
+    from ketch.kernels import cpp_ops
+
+    for build in (cpp_ops.ops, cpp_ops.gemm_ops):
+        with contextlib.suppress(RuntimeError):
+            build()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fails the run if a process it started, or a segment it made, outlived its tests."""
     me = str(os.getpid())
