@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,26 @@ def test_busy_worker_port_is_a_clear_error() -> None:
     finally:
         engine.close()
     assert not os.path.exists(path)
+
+
+_CLEAN_CLOSE = """
+import sys
+from ketch.engine import EngineConfig
+from ketch.engine.llm_engine import LLMEngine
+engine = LLMEngine(EngineConfig(model="tiny", block_size=16, kv_cache_memory="16MiB"),
+                   worker_port=int(sys.argv[1]))
+engine.close()
+"""
+
+
+def test_a_clean_close_prints_no_resource_tracker_traceback() -> None:
+    """The worker attaches to the engine's segments without registering them with the resource
+    tracker it shares with the engine; before, its unregister removed the engine's entry and the
+    engine's unlink made the tracker print KeyError tracebacks at every shutdown."""
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-c", _CLEAN_CLOSE, str(port)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resource_tracker" not in out.stderr and "KeyError" not in out.stderr, out.stderr
+    assert not any((Path("/dev/shm") / name).exists() for name in shm_names(port))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
@@ -39,6 +41,23 @@ def pid_namespace() -> float:
 
 def shm_names(port: int) -> tuple[str, str]:
     return f"ketch-kv-{port}", f"ketch-status-{port}"
+
+
+def attach_segment(name: str) -> SharedMemory:
+    """Attaches to a segment another process owns and will unlink.
+
+    Python before 3.13 registers an attach with the resource tracker as if it were a create,
+    and a spawned worker shares its engine's tracker: an ``unregister`` here removed the
+    engine's own entry, so the engine's ``unlink`` later made the tracker print a KeyError
+    traceback. Not registering at all leaves the owner's entry the only one."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 def fresh_segment(name: str, size: int) -> SharedMemory:

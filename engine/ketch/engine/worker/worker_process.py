@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import signal
 import time
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
@@ -35,6 +34,7 @@ from ketch.engine.worker.shm import (
     PID_NAMESPACE,
     STATUS_BYTES,
     STATUS_SLOTS,
+    attach_segment,
     fresh_segment,
     pid_namespace,
     reclaim_stale_segments,
@@ -58,9 +58,7 @@ def run_worker(config: RunnerConfig, port: int, parent_pid: int, address: str) -
     exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s worker: %(message)s")
     kv_name, status_name = shm_names(port)
-    kv_shm, status_shm = SharedMemory(name=kv_name), SharedMemory(name=status_name)
-    for shm in (kv_shm, status_shm):  # the engine owns the segments; don't unlink on exit
-        resource_tracker.unregister(shm._name, "shared_memory")
+    kv_shm, status_shm = attach_segment(kv_name), attach_segment(status_name)  # the engine's
     status = np.ndarray((STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
     # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
     # interpreter shutdown could wait forever on a reply queued for a dead engine.
