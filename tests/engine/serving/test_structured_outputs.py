@@ -224,9 +224,13 @@ _LEAVES = st.one_of(
         lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
         st.integers(-1000, 1000), st.integers(0, 5000),
     ),
+    # A number's fractional digits are bounded only by multipleOf: without it a model may run
+    # through near-tied digit tokens until max_tokens, and where that happens depends on the
+    # last bits of the logits (so on the machine).
     st.builds(
-        lambda lo, span: {"type": "number", "minimum": lo, "maximum": lo + span},
-        st.integers(-100, 100), st.integers(1, 1000),
+        lambda lo, span, step: {"type": "number", "minimum": lo, "maximum": lo + span,
+                                "multipleOf": step},
+        st.integers(-100, 100), st.integers(1, 1000), st.sampled_from([0.5, 0.25, 0.01]),
     ),
     st.builds(
         lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
