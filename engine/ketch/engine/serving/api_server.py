@@ -35,7 +35,7 @@ from ketch.engine.serving.generation import (
     request_outputs,
     run_to_end,
 )
-from ketch.engine.serving.guided import GuidedError, GuidedFields, check_grammar
+from ketch.engine.serving.guided import GuidedError, check_grammar
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
@@ -45,6 +45,7 @@ from ketch.engine.serving.protocol import (
     error_body,
     parse_request,
 )
+from ketch.engine.serving.tools import ToolPlan, apply_plan, last_delta
 from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.tokenizer import Tokenizer
 
@@ -162,7 +163,7 @@ async def _completions(request: Request) -> Response:
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, len(body.prompt))
-        await _check_grammar(state, body)
+        await _check_grammar(state, body.grammar_source())
         prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
         echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
@@ -181,16 +182,16 @@ async def _completions(request: Request) -> Response:
     return JSONResponse(R.completion_response(meta, outputs, state.tokenizer, echoes))
 
 
-async def _check_grammar(state: ServingState, body: GuidedFields) -> None:
+async def _check_grammar(state: ServingState, source: tuple[str, str] | None) -> None:
     """A 400 naming the field if the request's grammar does not compile for this model."""
-    if body.grammar_source() is None:
+    if source is None:
         return
     if state.grammars is None:
         vocab = state.vocab_size or state.tokenizer.vocab_size
         eos = [t for t in [state.tokenizer.eos_token_id] if t is not None]
         state.grammars = GrammarCompiler(state.tokenizer.path / "tokenizer.json", vocab, eos)
     try:
-        await check_grammar(state.grammars, body)
+        await check_grammar(state.grammars, *source)
     except GuidedError as exc:
         raise ProtocolError(400, str(exc), exc.param) from None
 
@@ -215,10 +216,14 @@ async def _chat_completions(request: Request) -> Response:
         check_model(body.model, [state.model_name])
         params = body.to_sampling_params(None)
         check_limits(state.config, params, 1)
-        await _check_grammar(state, body)
+        plan = body.tool_plan()  # checked by to_sampling_params, with the tools' grammar
+        await _check_grammar(state, body.grammar_source())
         try:
             conversation = body.conversation()
-            text = state.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
+            tools = {"tools": plan.tools} if plan is not None else {}
+            text = state.tokenizer.apply_chat_template(
+                conversation, body.add_generation_prompt, **tools
+            )
         except ValueError as exc:
             raise ProtocolError(400, str(exc), param="messages") from exc
         prompt = state.tokenizer.encode(text, add_special_tokens=False)
@@ -228,14 +233,15 @@ async def _chat_completions(request: Request) -> Response:
         slot.resize(len(choices))
         meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
         if body.stream:
-            return _sse(slot, _chat_events(state, meta, choices))
+            return _sse(slot, _chat_events(state, meta, choices, plan))
         done = await run_to_end(state.engine, choices)
     except BaseException:
         slot.release()
         raise
     slot.release()
     output = request_outputs(done, 1)[0]
-    return JSONResponse(R.chat_completion_response(meta, output, state.tokenizer))
+    body_json = R.chat_completion_response(meta, output, state.tokenizer)
+    return JSONResponse(apply_plan(body_json, plan))
 
 
 def _sse(slot: Slot, events: AsyncIterator[str]) -> StreamingResponse:
@@ -277,12 +283,19 @@ async def _completion_events(
 
 
 async def _chat_events(
-    state: ServingState, meta: R.ResponseMeta, choices: list[Choice]
+    state: ServingState, meta: R.ResponseMeta, choices: list[Choice], plan: ToolPlan | None
 ) -> AsyncIterator[str]:
     for choice in choices:
         yield R.sse(R.chat_role_chunk(meta, choice.index))
     async for choice in merge_streams(state.engine, choices):
-        yield R.sse(R.chat_chunk(meta, choice.index, choice.output, state.tokenizer))
+        chunk = R.chat_chunk(meta, choice.index, choice.output, state.tokenizer)
+        if plan is not None and plan.mode != "none":  # calls are known at the end: send it whole
+            out = choice.output
+            if out.finish_reason is None:
+                continue
+            first = chunk["choices"][0]
+            first["delta"], first["finish_reason"] = last_delta(plan, out.text, out.finish_reason)
+        yield R.sse(chunk)
     if meta.include_usage:
         yield R.sse(R.chat_usage_chunk(meta, R.usage_of(request_outputs(choices, 1))))
 

@@ -134,13 +134,9 @@ def _structured_outputs(value: dict[str, Any]) -> tuple[str, str]:
     return _build(param, _VLLM_FIELDS[kind], value[kind]), param
 
 
-async def check_grammar(compiler: GrammarCompiler, fields: GuidedFields) -> None:
-    """Compiles the request's grammar, if any, on a thread (kept in the compiler's cache);
-    GuidedError naming the field if it does not compile against this model."""
-    source = fields.grammar_source()
-    if source is None:
-        return
-    grammar, param = source
+async def check_grammar(compiler: GrammarCompiler, grammar: str, param: str) -> None:
+    """Compiles a request's grammar on a thread (kept in the compiler's cache); GuidedError
+    naming ``param``, the field it came from, if it does not compile against this model."""
     try:
         await asyncio.to_thread(compiler.check, grammar)
     except GrammarError as exc:

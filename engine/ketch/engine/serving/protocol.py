@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.guided import GuidedError, GuidedFields
+from ketch.engine.serving.tools import ToolFields
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -306,8 +307,8 @@ class ChatMessage(BaseModel):
     content: Annotated[Any, BeforeValidator(_content)] = None
 
 
-class ChatCompletionRequest(_Request):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(ToolFields, _Request):
+    """``POST /v1/chat/completions`` (tools: see ``tools``)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -315,7 +316,6 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
     echo: bool | None = False
 
     @field_validator("echo")
@@ -323,13 +323,6 @@ class ChatCompletionRequest(_Request):
     def _no_echo(cls, value: bool | None) -> bool | None:
         if value:
             raise ValueError("echo is supported on /v1/completions only")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools are not supported by this server")
         return value
 
     def conversation(self) -> list[dict[str, Any]]:

@@ -1,0 +1,197 @@
+"""Tool calling on chat completions: ``tools``, ``tool_choice`` and ``parallel_tool_calls``.
+
+The tools are rendered by the model's chat template (passed as ``tools``, as Hugging Face
+templates expect). ``tool_choice`` decides what the output may be:
+
+- ``"none"``: plain text, no parsing;
+- ``"auto"`` (the default when tools are given): the model's text, with tool calls found by a
+  parser (``tool_parsers``, Hermes/Qwen ``<tool_call>`` JSON);
+- ``"required"`` or a named function: the output is constrained with the structured-output
+  machinery, as vLLM does: a named function's output is its arguments (a document valid against
+  its ``parameters``), ``required``'s a JSON list of ``{"name", "parameters"}`` of the given
+  tools (one item unless ``parallel_tool_calls``, at most ``MAX_PARALLEL_CALLS``), so the
+  arguments always parse.
+
+A response with calls has ``message.tool_calls``, ``content`` null unless the model wrote text
+beside them, and ``finish_reason: "tool_calls"``. Streamed, a choice's calls (or its text, if
+it made none) come whole in its last chunk: whether text is a call is known only at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import PrivateAttr
+
+from ketch.engine.serving.guided import GuidedError, GuidedFields
+from ketch.engine.serving.tool_parsers import PARSERS, ToolCall
+from ketch.engine.structured import grammars
+
+MAX_TOOLS = 128
+"""The most tools one request may offer."""
+MAX_PARALLEL_CALLS = 4
+"""The most calls ``required`` with ``parallel_tool_calls`` lets one response make: an open
+list lets a model that never closes it run to max_tokens, with nothing parseable."""
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools mean for its output: ``mode`` is none, auto, required or named."""
+
+    tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}} entries
+    mode: str
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parser: str = "hermes"
+
+    def functions(self) -> dict[str, dict[str, Any]]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    def grammar(self) -> str | None:
+        """The grammar that enforces ``required`` or a named function; None otherwise."""
+        params = {n: f.get("parameters") or {"type": "object"} for n, f in self.functions().items()}
+        try:
+            if self.mode == "named":
+                return grammars.json_schema(params[self.name or ""])
+            if self.mode == "required":
+                items = [_call_schema(n, p) for n, p in params.items()]
+                schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}}
+                schema.update(minItems=1, maxItems=MAX_PARALLEL_CALLS if self.parallel else 1)
+                return grammars.json_schema(schema)
+        except ValueError as exc:
+            raise GuidedError("tools", f"tools: {exc}") from None
+        return None
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished choice's text."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "named":
+            return None, [(self.name or "", text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []  # cut short by max_tokens: no call to report
+            return None, [(i["name"], json.dumps(i["parameters"])) for i in items]
+        return PARSERS[self.parser](text)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The chat ``message`` (or last delta) for a choice's text, and its finish reason."""
+        content, calls = self.calls(text)
+        if not calls:
+            return {"role": "assistant", "content": content}, finish_reason
+        tool_calls = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls
+        ]  # fmt: skip
+        message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "parameters": parameters},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+class ToolFields(GuidedFields):
+    """The tool-calling fields of a chat request; its grammar is the tools' when
+    ``tool_choice`` is ``required`` or named."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _plan: tuple[ToolPlan | None] | None = PrivateAttr(None)
+
+    def grammar_source(self) -> tuple[str, str] | None:
+        return tool_grammar(self.tool_plan(), super().grammar_source())
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's ToolPlan (None without tools); GuidedError naming a bad field."""
+        if self._plan is None:
+            self._plan = (self._tool_plan(),)
+        return self._plan[0]
+
+    def _tool_plan(self) -> ToolPlan | None:
+        tools = [_check_tool(t, i) for i, t in enumerate(self.tools or [])]
+        if len(tools) > MAX_TOOLS:
+            raise GuidedError("tools", f"at most {MAX_TOOLS} tools are allowed")
+        choice = self.tool_choice
+        if not tools:
+            if choice not in (None, "none"):
+                raise GuidedError("tool_choice", "tool_choice needs tools")
+            return None
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise GuidedError("tools", "tools: function names must be unique")
+        parallel = self.parallel_tool_calls is not False
+        if choice is None or choice in ("none", "auto", "required"):
+            return ToolPlan(tools, choice or "auto", parallel=parallel)
+        name = _named(choice)
+        if name not in names:
+            raise GuidedError("tool_choice", f"tool_choice names {name!r}, which is not in tools")
+        return ToolPlan(tools, "named", name=name, parallel=parallel)
+
+
+def _check_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    function = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(function, dict):
+        raise GuidedError(f"tools[{index}]", f"tools[{index}] must be {{type: function, function}}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise GuidedError(f"tools[{index}]", f"tools[{index}].function.name must be a name")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise GuidedError(f"tools[{index}]", f"tools[{index}].function.parameters: an object")
+    return tool
+
+
+def _named(choice: Any) -> str:
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and name):
+        raise GuidedError(
+            "tool_choice",
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+        )
+    return name
+
+
+def apply_plan(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
+    """A ``chat.completion`` body with each choice's text turned into its tool calls."""
+    if plan is None or plan.mode == "none":
+        return body
+    for choice in body["choices"]:
+        text = choice["message"]["content"] or ""
+        choice["message"], choice["finish_reason"] = plan.message(text, choice["finish_reason"])
+    return body
+
+
+def last_delta(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A streamed choice's last delta: its calls (each with its ``index``) or its text."""
+    message, finish_reason = plan.message(text, finish_reason)
+    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+    for i, call in enumerate(delta.get("tool_calls", [])):
+        call["index"] = i
+    return delta, finish_reason
+
+
+def tool_grammar(plan: ToolPlan | None, guided: tuple[str, str] | None) -> tuple[str, str] | None:
+    """(grammar, field) the request's output is constrained with: tools' or response_format's;
+    GuidedError when both ask."""
+    grammar = plan.grammar() if plan is not None else None
+    if plan is None or grammar is None:
+        return guided
+    if guided is not None:
+        message = f"tool_choice '{plan.mode}' cannot be combined with {guided[1]}"
+        raise GuidedError("tool_choice", message)
+    return grammar, "tools"

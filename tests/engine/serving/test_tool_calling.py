@@ -1,0 +1,186 @@
+"""Tool calling against a real ``ketch serve --model tiny``, with the official ``openai`` client.
+
+A named ``tool_choice`` always yields one call whose arguments validate against the tool's
+schema; ``required`` yields calls of the given tools (one unless ``parallel_tool_calls``);
+``none`` and ``auto`` leave a model that writes no call with plain content; streamed and
+non-streamed agree; a conversation with a tool result is accepted; bad tool fields are 400s
+naming them. The Hermes parser and the template's ``tools`` are checked offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from hf_models import make_tokenizer
+from ketch.engine.serving.tool_parsers import hermes
+from ketch.engine.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 8}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "now", "parameters": TIME},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _chat(client: openai.OpenAI, **fields):
+    fields = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, **fields}
+    return client.chat.completions.create(**fields)
+
+
+def _streamed(client: openai.OpenAI, **fields) -> tuple[str | None, list[dict], str | None]:
+    content, calls, reason = None, [], None
+    for chunk in _chat(client, stream=True, **fields):
+        for c in chunk.choices:
+            if c.delta.content:
+                content = (content or "") + c.delta.content
+            for call in c.delta.tool_calls or []:
+                assert call.index == len(calls)
+                calls.append({"name": call.function.name, "arguments": call.function.arguments})
+            reason = c.finish_reason or reason
+    return content, calls, reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client, temperature: float):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = _chat(client, tool_choice=choice, temperature=temperature, seed=4, n=3)
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        [call] = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather"
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_streamed_and_whole_agree(client):
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        whole = _chat(client, tool_choice=choice, temperature=0).choices[0]
+        content, calls, reason = _streamed(client, tool_choice=choice, temperature=0)
+        want = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in whole.message.tool_calls
+        ]
+        assert (content, calls, reason) == (None, want, "tool_calls")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_given_tools(client, parallel: bool):
+    for seed in range(3):
+        out = _chat(
+            client, tool_choice="required", parallel_tool_calls=parallel, temperature=1.0,
+            seed=seed,
+        )  # fmt: skip
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls"
+        assert len(c.message.tool_calls) >= 1 and (parallel or len(c.message.tool_calls) == 1)
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "auto", None])
+def test_none_and_auto_leave_plain_text(client, tool_choice):
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    plain = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0
+    ).choices[0]
+    out = _chat(client, max_tokens=12, temperature=0, **extra).choices[0]
+    # The tiny model's template does not render tools, so the output is the plain one.
+    assert out.message.content == plain.message.content and out.message.tool_calls is None
+    assert out.finish_reason == plain.finish_reason
+    content, calls, reason = _streamed(client, max_tokens=12, temperature=0, **extra)
+    assert (content, calls, reason) == (plain.message.content, [], plain.finish_reason)
+
+
+def test_a_tool_result_round_trips(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    first = _chat(client, tool_choice=choice, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    out = _chat(client, messages=messages, max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "not in tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "must be 'none'"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "type: function"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "unique"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+         "cannot be combined"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}],
+          "tool_choice": "required"}, "tools", "invalid JSON schema"),
+    ],
+)  # fmt: skip
+def test_bad_tool_fields_are_400_naming_them(client, fields: dict, param: str, words: str):
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, **fields)
+    body = info.value.body
+    assert body["param"] == param and words in body["message"], body
+
+
+# ---- offline: the parser and the template ----
+
+
+def test_hermes_finds_calls_and_keeps_the_rest():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+        '</tool_call>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+        "<tool_call>not json</tool_call>"
+    )
+    content, calls = hermes(text)
+    assert calls == [("get_time", '{"zone": "UTC"}'), ("f", "{}")]
+    assert content == "Let me check.\n\n<tool_call>not json</tool_call>"
+    assert hermes("no calls") == ("no calls", [])
+    assert hermes('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') == (
+        None, [("f", '{"a": 1}')],
+    )  # fmt: skip
+
+
+def test_the_chat_template_renders_tools(tmp_path: Path):
+    make_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n"
+        "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    text = Tokenizer(tmp_path).apply_chat_template(MESSAGES, tools=TOOLS)
+    assert text.startswith("tools: get_weather,get_time\nuser: What is the weather")
