@@ -2,7 +2,9 @@
 
 For each engine (llguidance, xgrammar) and each tokenizer: the one-off tokenizer set-up, the
 compile time of a typical JSON schema (cold, then a second distinct schema), and the per-token
-cost of computing the mask and advancing the matcher along a valid document. Prints a table.
+cost of computing the mask and advancing the matcher along a valid document. Then what the
+mask adds to Ketch's sampler: one greedy step of 8 requests, unconstrained vs constrained
+(mask, -inf fill, argmax, matcher advance). Prints tables.
 
     python benchmarks/bench_grammar.py [--tokenizer DIR ...]
 
@@ -122,6 +124,40 @@ def bench_xgrammar(tokenizer_dir: Path, vocab: int, text_ids: list[int]) -> dict
     }
 
 
+def bench_sampler(tokenizer_dir: Path, vocab: int, batch: int = 8, steps: int = 100) -> tuple:
+    """ms per sampler step of ``batch`` greedy requests: (unconstrained, constrained)."""
+    import numpy as np
+
+    from ketch.engine import SamplingParams
+    from ketch.engine.structured import grammars
+    from ketch.engine.structured.compiler import GrammarCompiler
+    from ketch.engine.worker.sampler import SamplingState, sample
+
+    compiler = GrammarCompiler(tokenizer_dir / "tokenizer.json", vocab, [0])
+    grammar = grammars.json_schema(SCHEMA)
+    rng = np.random.default_rng(0)
+    results = []
+    for constrained in (False, True):
+        states = []
+        for i in range(batch):
+            params = SamplingParams(temperature=0, grammar=grammar if constrained else None)
+            state = SamplingState.create(params, [1, 2], 2, i, (0,))
+            if constrained:
+                state.grammar = compiler.matcher(grammar)
+                state.grammar.ready()
+            states.append(state)
+        total = 0.0
+        for _ in range(steps):
+            logits = rng.normal(size=(batch, vocab)).astype(np.float32)
+            t0 = time.perf_counter()
+            tokens, _ = sample(logits, states)
+            for state, token in zip(states, tokens, strict=True):
+                state.accept(token)
+            total += time.perf_counter() - t0
+        results.append(total / steps)
+    return tuple(results)
+
+
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values[1:]) if len(values) > 1 else values[0]
 
@@ -152,6 +188,11 @@ def main() -> None:
                 f"{name:<11} {vocab:>6} {r['setup'] * 1e3:>9.1f} {r['compile'] * 1e3:>11.2f} "
                 f"{r['compile2'] * 1e3:>8.2f} {r['mask'] * 1e6:>22.1f}"
             )
+    print(f"\n{'vocab':>6} {'sampler step, 8 plain ms':>25} {'8 constrained ms':>17}")
+    for directory in args.tokenizer or [default]:
+        vocab = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size(True)
+        plain, constrained = bench_sampler(directory, vocab)
+        print(f"{vocab:>6} {plain * 1e3:>25.3f} {constrained * 1e3:>17.3f}")
 
 
 if __name__ == "__main__":
