@@ -69,7 +69,8 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
-    def chat_template(self) -> jinja2.Template | None:
+    def chat_template_source(self) -> str | None:
+        """The chat template's jinja text (tokenizer_config.json or chat_template.jinja)."""
         source = self._config.get("chat_template")
         if isinstance(source, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -77,6 +78,11 @@ class Tokenizer:
         if not source:
             jinja_file = self.path / "chat_template.jinja"
             source = jinja_file.read_text() if jinja_file.is_file() else None
+        return source if isinstance(source, str) and source else None
+
+    @cached_property
+    def chat_template(self) -> jinja2.Template | None:
+        source = self.chat_template_source
         if not source:
             return None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -17,7 +17,13 @@ import openai
 import pytest
 
 from hf_models import make_tokenizer
-from ketch.engine.serving.tool_parsers import hermes
+from ketch.engine.serving.tool_parsers import (
+    PARSERS,
+    hermes,
+    llama3_json,
+    mistral,
+    parser_for_template,
+)
 from ketch.engine.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -184,3 +190,32 @@ def test_the_chat_template_renders_tools(tmp_path: Path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     text = Tokenizer(tmp_path).apply_chat_template(MESSAGES, tools=TOOLS)
     assert text.startswith("tools: get_weather,get_time\nuser: What is the weather")
+
+
+def test_llama3_and_mistral_formats():
+    calls = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
+    assert llama3_json(calls) == (None, [("f", '{"a": 1}'), ("g", "{}")])
+    assert llama3_json("Hello {there}") == ("Hello {there}", [])
+    assert llama3_json('{"name": "f", "parameters": {}} and more') == (
+        '{"name": "f", "parameters": {}} and more', [],
+    )  # fmt: skip
+    text = 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": "y"}}, '
+    text += '{"name": "g", "arguments": "{}"}]'
+    assert mistral(text) == ("Sure.", [("f", '{"x": "y"}'), ("g", "{}")])
+    assert mistral("[TOOL_CALLS] not json") == ("[TOOL_CALLS] not json", [])
+    assert mistral("no calls") == ("no calls", [])
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ("{{ '[TOOL_CALLS]' }}", "mistral"),
+        ("{% if m.role == 'ipython' %}", "llama3_json"),
+        ("<tool_call>\n{{ tool_call | tojson }}\n</tool_call>", "hermes"),
+        ("{{ m.content }}", "hermes"),
+        (None, "hermes"),
+    ],
+)
+def test_the_parser_follows_the_template(template, parser: str):
+    assert parser_for_template(template) == parser
+    assert parser in PARSERS

@@ -45,6 +45,7 @@ from ketch.engine.serving.protocol import (
     error_body,
     parse_request,
 )
+from ketch.engine.serving.tool_parsers import parser_for_template
 from ketch.engine.serving.tools import ToolPlan, apply_plan, last_delta
 from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.tokenizer import Tokenizer
@@ -217,6 +218,8 @@ async def _chat_completions(request: Request) -> Response:
         params = body.to_sampling_params(None)
         check_limits(state.config, params, 1)
         plan = body.tool_plan()  # checked by to_sampling_params, with the tools' grammar
+        if plan is not None:
+            plan.parser = parser_for_template(state.tokenizer.chat_template_source)
         await _check_grammar(state, body.grammar_source())
         try:
             conversation = body.conversation()

@@ -4,8 +4,9 @@ The tools are rendered by the model's chat template (passed as ``tools``, as Hug
 templates expect). ``tool_choice`` decides what the output may be:
 
 - ``"none"``: plain text, no parsing;
-- ``"auto"`` (the default when tools are given): the model's text, with tool calls found by a
-  parser (``tool_parsers``, Hermes/Qwen ``<tool_call>`` JSON);
+- ``"auto"`` (the default when tools are given): the model's text, with tool calls found by
+  the parser of the format its chat template writes (``tool_parsers``: Hermes/Qwen
+  ``<tool_call>`` JSON, Llama 3 JSON, Mistral ``[TOOL_CALLS]``);
 - ``"required"`` or a named function: the output is constrained with the structured-output
   machinery, as vLLM does: a named function's output is its arguments (a document valid against
   its ``parameters``), ``required``'s a JSON list of ``{"name", "parameters"}`` of the given
