@@ -52,7 +52,8 @@ class CpuKernels:
         attention = select_paged_attention(features)
         kernels = cls(kernels.rms_norm, kernels.rms_norm_name, attention)
         if log:
-            logger.info("rms_norm: %s (CPU flags from %s)", kernels.rms_norm_name, features.source)
+            name, source = kernels.rms_norm_name, features.source
+            logger.info("eager-path rms_norm: %s (CPU flags from %s)", name, source)
             logger.debug(
                 "paged_attention: %s C++ kernel (not used by the model yet)", attention.isa
             )
