@@ -10,13 +10,15 @@ naming them. The Hermes parser and the template's ``tools`` are checked offline.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
+from serve_harness import running_server
 
-from hf_models import make_tokenizer
+from hf_models import make_checkpoint, make_tokenizer
 from ketch.engine.serving.tool_parsers import (
     PARSERS,
     hermes,
@@ -219,3 +221,69 @@ def test_llama3_and_mistral_formats():
 def test_the_parser_follows_the_template(template, parser: str):
     assert parser_for_template(template) == parser
     assert parser in PARSERS
+
+
+CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_a_call_the_model_writes(client, stream: bool):
+    """The tiny model never writes a call by itself; a regex makes it write one, which the
+    Hermes parser (the tiny template shows no format) turns into tool_calls."""
+    fields = {"temperature": 0, "extra_body": {"guided_regex": re.escape(CALL_TEXT)}}
+    if stream:
+        content, calls, reason = _streamed(client, **fields)
+    else:
+        c = _chat(client, **fields).choices[0]
+        content, reason = c.message.content, c.finish_reason
+        calls = [{"name": t.function.name, "arguments": t.function.arguments}
+                 for t in c.message.tool_calls]  # fmt: skip
+    assert (content, reason) == (None, "tool_calls")
+    assert calls == [{"name": "get_time", "arguments": '{"zone": "UTC"}'}]
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_tools_renders_calls_and_results(tmp_path: Path):
+    """A Hermes-style template: the prompt the server runs is the tools, the earlier call and
+    its result rendered (its token count equals the offline rendering's), and auto parses."""
+    # The test tokenizer's 300 tokens make long prompts of tool JSON: a longer context.
+    model = make_checkpoint(tmp_path / "hermes", "qwen2", max_position_embeddings=2048)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}  # fmt: skip
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    tokenizer = Tokenizer(model)
+    # One short tool: the test tokenizer's 300 tokens make long prompts of JSON.
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+    text = tokenizer.apply_chat_template(messages, tools=tools)
+    assert "<tools>" in text and "<tool_call>" in text and "<tool_response>12:00" in text
+    with running_server("--model", str(model), "--served-model-name", "hermes") as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        fields = {"model": "hermes", "messages": messages, "tools": tools, "temperature": 0}
+        out = client.chat.completions.create(
+            max_tokens=150, extra_body={"guided_regex": re.escape(CALL_TEXT)}, **fields
+        )
+        assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert out.choices[0].message.tool_calls[0].function.name == "get_time"
+        named = {"type": "function", "function": {"name": "get_time"}}
+        out = client.chat.completions.create(max_tokens=100, tool_choice=named, **fields)
+        arguments = out.choices[0].message.tool_calls[0].function.arguments
+        jsonschema.validate(json.loads(arguments), TIME)
