@@ -71,9 +71,11 @@ def _streamed(client: openai.OpenAI, **fields) -> tuple[str | None, list[dict], 
         for c in chunk.choices:
             if c.delta.content:
                 content = (content or "") + c.delta.content
-            for call in c.delta.tool_calls or []:
-                assert call.index == len(calls)
-                calls.append({"name": call.function.name, "arguments": call.function.arguments})
+            for call in c.delta.tool_calls or []:  # a call's first delta has its id and name
+                if call.id is not None:
+                    assert call.index == len(calls) and call.type == "function"
+                    calls.append({"name": call.function.name, "arguments": ""})
+                calls[call.index]["arguments"] += call.function.arguments or ""
             reason = c.finish_reason or reason
     return content, calls, reason
 
@@ -91,7 +93,16 @@ def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client, temper
 
 
 def test_streamed_and_whole_agree(client):
-    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+    """A named function's arguments stream in fragments; required's calls come whole."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    fragments = [
+        c.delta.tool_calls[0].function.arguments
+        for chunk in _chat(client, stream=True, tool_choice=named, temperature=0)
+        for c in chunk.choices
+        if c.delta.tool_calls
+    ]
+    assert len(fragments) > 2
+    for choice in (named, "required"):
         whole = _chat(client, tool_choice=choice, temperature=0).choices[0]
         content, calls, reason = _streamed(client, tool_choice=choice, temperature=0)
         want = [

@@ -46,7 +46,7 @@ from ketch.engine.serving.protocol import (
     parse_request,
 )
 from ketch.engine.serving.tool_parsers import parser_for_template
-from ketch.engine.serving.tools import ToolPlan, apply_plan, last_delta
+from ketch.engine.serving.tools import ToolPlan, apply_plan, stream_delta
 from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.tokenizer import Tokenizer
 
@@ -290,14 +290,15 @@ async def _chat_events(
 ) -> AsyncIterator[str]:
     for choice in choices:
         yield R.sse(R.chat_role_chunk(meta, choice.index))
+    started: set[int] = set()  # choices whose tool-call deltas began
     async for choice in merge_streams(state.engine, choices):
         chunk = R.chat_chunk(meta, choice.index, choice.output, state.tokenizer)
-        if plan is not None and plan.mode != "none":  # calls are known at the end: send it whole
-            out = choice.output
-            if out.finish_reason is None:
+        if plan is not None and plan.mode != "none":
+            delta = stream_delta(plan, choice.output, choice.index not in started)
+            if delta is None:
                 continue
-            first = chunk["choices"][0]
-            first["delta"], first["finish_reason"] = last_delta(plan, out.text, out.finish_reason)
+            started.add(choice.index)
+            chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = delta
         yield R.sse(chunk)
     if meta.include_usage:
         yield R.sse(R.chat_usage_chunk(meta, R.usage_of(request_outputs(choices, 1))))

@@ -14,8 +14,10 @@ templates expect). ``tool_choice`` decides what the output may be:
   arguments always parse.
 
 A response with calls has ``message.tool_calls``, ``content`` null unless the model wrote text
-beside them, and ``finish_reason: "tool_calls"``. Streamed, a choice's calls (or its text, if
-it made none) come whole in its last chunk: whether text is a call is known only at its end.
+beside them, and ``finish_reason: "tool_calls"``. Streamed, a named function's arguments come
+as they are generated (``delta.tool_calls[0].function.arguments`` fragments); other modes'
+calls (or the text, if there are none) come whole in the choice's last chunk: whether text is
+a call is known only at its end.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from pydantic import PrivateAttr
 
+from ketch.engine.outputs import CompletionOutput
 from ketch.engine.serving.guided import GuidedError, GuidedFields
 from ketch.engine.serving.tool_parsers import PARSERS, ToolCall
 from ketch.engine.structured import grammars
@@ -177,7 +180,27 @@ def apply_plan(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
     return body
 
 
-def last_delta(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+def stream_delta(
+    plan: ToolPlan, output: CompletionOutput, first: bool
+) -> tuple[dict, str | None] | None:
+    """A streamed choice's next delta and finish reason, or None to send nothing yet. A named
+    function's output is its arguments, so they stream as generated (the first delta also has
+    the call's id and name); other modes' calls are known at the end and come whole then."""
+    if plan.mode != "named":
+        if output.finish_reason is None:
+            return None
+        return _last_delta(plan, output.text, output.finish_reason)
+    finish = output.finish_reason
+    if not (first or output.delta_text or finish):
+        return None
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": output.delta_text}}
+    if first:
+        call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
+        call["function"] = {"name": plan.name, "arguments": output.delta_text}
+    return {"tool_calls": [call]}, "tool_calls" if finish == "stop" else finish
+
+
+def _last_delta(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
     """A streamed choice's last delta: its calls (each with its ``index``) or its text."""
     message, finish_reason = plan.message(text, finish_reason)
     delta = {k: v for k, v in message.items() if k != "role" and v is not None}
