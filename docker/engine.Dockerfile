@@ -29,6 +29,13 @@ open("/tmp/deps.txt", "w").write("\n".join(deps + p["optional-dependencies"]["fe
  && /opt/ketch/bin/pip install --no-cache-dir --index-url "${PADDLE_INDEX}" -r /tmp/gpu.txt \
  && /opt/ketch/bin/pip install --no-cache-dir -r /tmp/deps.txt \
  && /opt/ketch/bin/pip install --no-cache-dir --no-deps .
+# Ketch's C++ CPU kernels (paged attention, fused ops, the OpenBLAS GEMM), compiled once here so
+# that no pod compiles them at start-up (HOME is an emptyDir, the root filesystem read-only):
+# KETCH_EXTENSION_DIR below points the engine at them. Needs g++ and the Python headers in this
+# stage only. (Not built in this project's CI, which has no Docker engine.)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && KETCH_EXTENSION_DIR=/opt/ketch/extensions /opt/ketch/bin/python -m ketch.kernels.cpp_ops \
+ && rm -rf /var/lib/apt/lists/*
 
 FROM ${BASE_IMAGE}
 # libgomp: OpenMP runtime that Paddle's libraries link against (not in the slim images).
@@ -36,6 +43,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 \
  && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/ketch/bin:$PATH \
+    KETCH_EXTENSION_DIR=/opt/ketch/extensions \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

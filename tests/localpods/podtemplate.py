@@ -17,6 +17,7 @@ from typing import Any
 
 from ketch.engine import rundir
 from ketch.engine.lifecycle import ENV_WATCH_PID
+from ketch.kernels import cpp_ops
 from localpods.pod import Container, LocalPod, _Probe
 from localpods.sources import PodSources
 from localpods.translate import Resolve, local_path, localize_args, loopback_ports
@@ -117,6 +118,10 @@ def _container(c: Obj, where: Placement, mounts: Mounts, ports: PodPorts) -> Con
     # This harness plays the kubelet: if it dies, its pods stop by themselves.
     env |= {ENV_WATCH_PID: str(os.getpid()), CLUSTER_ENV: str(where.cluster_dir)}
     env[rundir.ENV] = str(where.pod_dir / "run")
+    # The image's prebuilt C++ kernels (docker/engine.Dockerfile sets KETCH_EXTENSION_DIR): this
+    # checkout's build directory plays them. Without it every pod, its HOME on a fresh emptyDir,
+    # would compile them at start-up.
+    env[cpp_ops.ENV_DIR] = str(cpp_ops.build_dir())
     for item in c.get("env", []):
         env[item["name"]] = local(where.sources.env_value(item, where.name))
     # time_scale speeds up what only delays a test (startup/readiness polling); liveness

@@ -7,8 +7,10 @@ the machine's g++ against the headers in the installed paddle wheel (~10 s, once
 ``~/.cache/ketch/extensions/<name>-<hash>`` (``KETCH_EXTENSION_DIR`` to move it). The hash covers
 the sources, the compiler flags and the paddle and Python versions, so a changed source gets a new
 build and an unchanged one is only loaded (well under a second); a file lock keeps two processes
-(tensor-parallel workers starting together) from building the same library at once. An image can
-build it ahead: ``python -m ketch.kernels.cpp_ops``.
+(tensor-parallel workers starting together) from building the same library at once. An image
+builds them ahead (``KETCH_EXTENSION_DIR=/opt/ketch/extensions python -m ketch.kernels.cpp_ops``,
+docker/engine.Dockerfile), so a pod (HOME on an emptyDir) never compiles at start-up; a read-only
+directory of prebuilt libraries is loaded without the lock.
 
 Two libraries: ``ops()`` (paged attention and the KV write) is compiled for the x86-64 baseline:
 its AVX2 and AVX-512 kernels live in functions with their own ``target`` attribute and only run
@@ -111,6 +113,11 @@ def _load(which: str) -> ModuleType | Exception:
 def _build_or_import(library: Library) -> ModuleType:
     name = f"{library.prefix}_{library.key()}"
     root = build_dir()
+    built = root / name / f"{name}.so"
+    if built.exists() and not os.access(root, os.W_OK):
+        # A read-only directory of prebuilt libraries (an image's KETCH_EXTENSION_DIR, on a
+        # read-only root filesystem): nobody can be writing it, and no lock file can be made.
+        return _import_built(name, built.parent)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
