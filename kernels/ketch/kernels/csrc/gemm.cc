@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "cblas.h"
@@ -42,6 +43,10 @@ std::vector<paddle::Tensor> Linear(const paddle::Tensor& x_in, const paddle::Ten
   const int64_t n = w.shape()[1];
   int64_t m = 1;
   for (size_t i = 0; i + 1 < x.shape().size(); ++i) m *= x.shape()[i];
+  // scipy-openblas32 takes 32-bit sizes: refuse what would wrap rather than compute garbage.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  PD_CHECK(m <= kMax && n <= kMax && k <= kMax,
+           "ketch_linear: a dimension exceeds OpenBLAS's 32-bit sizes");
   std::vector<int64_t> out_shape = x.shape();
   out_shape.back() = n;
   auto y = paddle::empty(out_shape, paddle::DataType::FLOAT32, paddle::CPUPlace());
