@@ -247,10 +247,14 @@ class Bench:
         if self.kernel.attention is None:
             sys.exit("bench_backend needs Ketch's C++ ops (ketch.kernels.cpp_ops), not built here")
         from ketch.engine.models.llama_native import NativeLlamaModel
-        from ketch.kernels.linear import Linear
+        from ketch.kernels.linear import choose_matmul
 
-        attention = self.kernel.attention
-        self.native = NativeLlamaModel(c, weights, self.eager, Linear(threads), attention)
+        first = weights.layers[0]
+        matmul, line = choose_matmul(
+            [first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads
+        )
+        print(line, file=sys.stderr)
+        self.native = NativeLlamaModel(c, weights, self.eager, matmul, self.kernel.attention)
         isa = self.kernel.attention.isa
         kv_block = [c.num_key_value_heads, None, BLOCK, c.head_dim]
         kspecs = [

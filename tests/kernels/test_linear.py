@@ -80,3 +80,49 @@ def test_bad_operands_are_refused(linear: Linear, x, w, message: str) -> None:
         linear(x, w)
     ok = linear(paddle.ones([2, 8], "float32"), paddle.ones([8, 3], "float32"))
     assert float(ok.sum()) == 48.0  # the process and the kernel go on
+
+
+def test_choose_matmul_takes_the_faster_per_row_count() -> None:
+    """The chooser times real calls: a matmul made slow for wide inputs loses only there."""
+    import time
+
+    from ketch.kernels.linear import RowDispatch, choose_matmul
+
+    def slow_when_wide(x, w):
+        if x.shape[0] >= 16:
+            time.sleep(0.002)
+        return paddle.matmul(x, w)
+
+    def slow_when_narrow(x, w):
+        if x.shape[0] < 16:
+            time.sleep(0.002)
+        return paddle.matmul(x, w)
+
+    w = paddle.randn([64, 32])
+    matmul, line = choose_matmul([w], candidates={"a": slow_when_wide, "b": slow_when_narrow})
+    assert isinstance(matmul, RowDispatch), line
+    # Each row count goes to the one that does not sleep there.
+    assert matmul.pick(1) is slow_when_wide and matmul.pick(8) is slow_when_wide
+    assert matmul.pick(32) is slow_when_narrow and matmul.pick(10_000) is slow_when_narrow
+    assert "1 rows" in line and "256 rows" in line
+    x = paddle.randn([3, 5, 64])  # 15 rows: nearest measured count 8
+    assert rel_err(matmul(x, w), linear_reference(x, w)) <= TOLERANCE
+
+
+def test_choose_matmul_env_override_and_one_winner(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ketch.kernels.linear import ENV, Linear, choose_matmul
+
+    w = paddle.randn([16, 8])
+    monkeypatch.setenv(ENV, "paddle")
+    matmul, line = choose_matmul([w])
+    assert matmul is paddle.matmul and ENV in line
+    monkeypatch.setenv(ENV, "openblas")
+    matmul, _ = choose_matmul([w], num_threads=1)
+    assert isinstance(matmul, Linear)
+    monkeypatch.setenv(ENV, "fastest-please")
+    with pytest.raises(ValueError, match=ENV):
+        choose_matmul([w])
+    monkeypatch.delenv(ENV)
+    matmul, line = choose_matmul([w])  # measured: whichever wins, the answer is the reference's
+    x = paddle.randn([300, 16])
+    assert rel_err(matmul(x, w), linear_reference(x, w)) <= TOLERANCE and "matmul:" in line

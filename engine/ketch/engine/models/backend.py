@@ -1,7 +1,8 @@
 """Chooses what executes the model: Ketch's native kernels, the paddle inference predictor, or
 eager dygraph.
 
-``native`` runs every step in dygraph on Ketch's C++ kernels: matmuls in the GEMM op (OpenBLAS),
+``native`` runs every step in dygraph on Ketch's C++ kernels: matmuls in the GEMM op (OpenBLAS)
+or paddle.matmul, whichever measures faster here (``ketch.kernels.linear.choose_matmul``),
 fused RMSNorm and rotary ops, attention in the paged-attention kernel (``llama_native``);
 ``predictor`` runs the dense layers as exported static programs on the inference predictor
 with oneDNN (``ketch.kernels.predictor_backend``); ``eager`` is the dygraph reference.
@@ -45,12 +46,16 @@ def build_model(
     def native():
         from ketch.engine.models.llama_native import NativeLlamaModel
         from ketch.kernels import cpp_ops
-        from ketch.kernels.linear import Linear
+        from ketch.kernels.linear import choose_matmul
 
-        cpp_ops.gemm_ops()  # RuntimeError where the GEMM library cannot be built
         cpp_ops.ops()  # the fused ops and attention
         attention = _attention_kernel(eager.kernels, config.head_dim)
-        return NativeLlamaModel(config, weights, eager, Linear(threads), attention)
+        first = weights.layers[0]
+        matmul, line = choose_matmul(
+            [first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads
+        )
+        logger.info("%s", line)
+        return NativeLlamaModel(config, weights, eager, matmul, attention)
 
     def predictor():
         return PredictorLlamaModel(config, weights, eager, threads, cache_dir)

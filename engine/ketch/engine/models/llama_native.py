@@ -4,12 +4,14 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul, one fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
 (SwiGLU between two matmuls), and the next fused add + RMSNorm. Every matmul goes through the
-GEMM op (``ketch.kernels.linear``, OpenBLAS).
+``linear`` it is given: OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured
+faster for that row count on this machine.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
-microseconds where the predictor takes 40-80, and its oneDNN matmuls reach 36-46 GFLOP/s on one
-thread here against OpenBLAS's 60-80. What stays is per-op dispatch, so the layer is written to
-need few ops (about 12, against about 40 for the same layer in plain paddle ops).
+microseconds where the predictor takes 40-80 (on the AMD EPYC of docs/backend.md its oneDNN
+matmuls reached 36-46 GFLOP/s on one thread against OpenBLAS's 60-80). What stays is per-op
+dispatch, so the layer is written to need few ops (about 12, against about 40 for the same
+layer in plain paddle ops).
 """
 
 from __future__ import annotations
