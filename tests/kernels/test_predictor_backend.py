@@ -150,7 +150,7 @@ def _backend_records(caplog) -> list[logging.LogRecord]:
 def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
     monkeypatch, caplog
 ) -> None:
-    from ketch.engine.models import llama_predictor
+    from ketch.engine.models import llama_native, llama_predictor
     from ketch.kernels import cpp_ops
 
     threads = configure_paddle(1)
@@ -163,7 +163,18 @@ def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
     def no_gemm():
         raise RuntimeError("no OpenBLAS on this machine")
 
+    # Without OpenBLAS the native backend keeps paddle.matmul: still native, no backend line.
     monkeypatch.setattr(cpp_ops, "gemm_ops", no_gemm)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
+        model = build_model("auto", config, weights, 64, threads)
+    assert model.backend_name == "native" and model.linear is paddle.matmul
+    assert not _backend_records(caplog)
+
+    def no_native(*args, **kwargs):
+        raise RuntimeError("no OpenBLAS and no native kernels on this machine")
+
+    monkeypatch.setattr(llama_native, "NativeLlamaModel", no_native)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
         model = build_model("auto", config, weights, 64, threads)

@@ -54,7 +54,7 @@ def build_model(
         matmul, line = choose_matmul(
             [first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads
         )
-        logger.info("%s", line)
+        logging.getLogger("ketch.kernels.linear").info("%s", line)
         return NativeLlamaModel(config, weights, eager, matmul, attention)
 
     def predictor():
