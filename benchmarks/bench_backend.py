@@ -246,13 +246,9 @@ class Bench:
         self.full_pred = create_predictor(out.parent, "bench_full", threads)
         if self.kernel.attention is None:
             sys.exit("bench_backend needs Ketch's C++ ops (ketch.kernels.cpp_ops), not built here")
-        from ketch.engine.models.llama_native import NativeLlamaModel
-        from ketch.kernels.linear import choose_matmul
+        from ketch.engine.models.llama_native import NativeLlamaModel, measured_matmul
 
-        first = weights.layers[0]
-        matmul, line = choose_matmul(
-            [first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads
-        )
+        matmul, line = measured_matmul(weights, threads)
         print(line, file=sys.stderr)
         self.native = NativeLlamaModel(c, weights, self.eager, matmul, self.kernel.attention)
         isa = self.kernel.attention.isa

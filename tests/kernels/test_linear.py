@@ -126,3 +126,33 @@ def test_choose_matmul_env_override_and_one_winner(monkeypatch: pytest.MonkeyPat
     matmul, line = choose_matmul([w])  # measured: whichever wins, the answer is the reference's
     x = paddle.randn([300, 16])
     assert rel_err(matmul(x, w), linear_reference(x, w)) <= TOLERANCE and "matmul:" in line
+
+
+def test_row_dispatch_refuses_bad_tables_and_takes_any_row_count() -> None:
+    from ketch.kernels.linear import RowDispatch
+
+    for rows, matmuls in [((), ()), ((8, 1), (paddle.matmul,) * 2), ((1, 8), (paddle.matmul,))]:
+        with pytest.raises(ValueError, match="rows must be"):
+            RowDispatch(rows, matmuls)
+    first, second = (lambda x, w: paddle.matmul(x, w)), (lambda x, w: paddle.matmul(x, w))
+    table = RowDispatch((1, 32), (first, second))
+    assert table.pick(0) is first and table.pick(5) is first  # edge: sqrt(32) ~ 5.7
+    assert table.pick(6) is second and table.pick(2**62) is second
+    w = paddle.randn([4, 3])
+    assert table(paddle.zeros([0, 4]), w).shape == [0, 3]  # an empty step
+
+
+def test_big_weights_are_timed_on_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 150k-word lm_head must not cost seconds at start-up: only its first columns are timed."""
+    from ketch.kernels import linear
+
+    seen = []
+
+    def record(x, w):
+        seen.append(tuple(w.shape))
+        return paddle.matmul(x, w)
+
+    monkeypatch.setattr(linear, "_MAX_MEASURED_ELEMENTS", 64 * 100)
+    big, small = paddle.randn([64, 5000]), paddle.randn([64, 10])
+    linear.choose_matmul([big, small], candidates={"a": record, "b": paddle.matmul}, rows=(2,))
+    assert set(seen) == {(64, 100), (64, 10)}

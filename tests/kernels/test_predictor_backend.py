@@ -156,46 +156,39 @@ def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
     threads = configure_paddle(1)
     config = ModelConfig.from_dir(TINY_MODEL_DIR)
     weights = load_weights(TINY_MODEL_DIR, config, "float32")
-    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
-        model = build_model("auto", config, weights, 64, threads)
-    assert model.backend_name == "native" and not _backend_records(caplog)
 
-    def no_gemm():
-        raise RuntimeError("no OpenBLAS on this machine")
+    def build_auto():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
+            model = build_model("auto", config, weights, 64, threads)
+        return model, _backend_records(caplog)
+
+    def refuse(why: str):
+        def raises(*args, **kwargs):
+            raise RuntimeError(why)
+
+        return raises
+
+    model, records = build_auto()
+    assert model.backend_name == "native" and not records
 
     # Without OpenBLAS the native backend keeps paddle.matmul: still native, no backend line.
-    monkeypatch.setattr(cpp_ops, "gemm_ops", no_gemm)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
-        model = build_model("auto", config, weights, 64, threads)
-    assert model.backend_name == "native" and model.linear is paddle.matmul
-    assert not _backend_records(caplog)
+    monkeypatch.setattr(cpp_ops, "gemm_ops", refuse("no OpenBLAS on this machine"))
+    model, records = build_auto()
+    assert model.backend_name == "native" and model.linear is paddle.matmul and not records
 
-    def no_native(*args, **kwargs):
-        raise RuntimeError("no OpenBLAS and no native kernels on this machine")
-
-    monkeypatch.setattr(llama_native, "NativeLlamaModel", no_native)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
-        model = build_model("auto", config, weights, 64, threads)
-    assert model.backend_name == "predictor"
-    (record,) = _backend_records(caplog)
-    assert record.levelno == logging.WARNING
-    assert "backend: predictor" in record.getMessage() and "no OpenBLAS" in record.getMessage()
-    with pytest.raises(RuntimeError, match="no OpenBLAS"):
+    monkeypatch.setattr(llama_native, "NativeLlamaModel", refuse("no native kernels here"))
+    model, (record,) = build_auto()
+    assert model.backend_name == "predictor" and record.levelno == logging.WARNING
+    assert "backend: predictor" in record.getMessage() and "no native" in record.getMessage()
+    with pytest.raises(RuntimeError, match="no native"):
         build_model("native", config, weights, 64, threads)  # asked for: no silent fallback
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no predictor on this machine")
-
-    monkeypatch.setattr(llama_predictor, "DensePrograms", broken)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ketch.engine.models.backend"):
-        model = build_model("auto", config, weights, 64, threads)
+    monkeypatch.setattr(llama_predictor, "DensePrograms", refuse("no predictor on this machine"))
+    model, (record,) = build_auto()
     assert isinstance(model, LlamaModel)
-    (record,) = _backend_records(caplog)
     assert record.levelno == logging.WARNING and "backend: eager" in record.getMessage()
-    assert "no predictor" in record.getMessage() and "no OpenBLAS" in record.getMessage()
+    assert "no predictor" in record.getMessage() and "no native" in record.getMessage()
     with pytest.raises(RuntimeError, match="no predictor"):
         build_model("predictor", config, weights, 64, threads)
     with pytest.raises(ValueError, match="unknown backend"):

@@ -34,6 +34,9 @@ CHOICES = ("auto", "openblas", "paddle")
 MEASURED_ROWS = (1, 8, 32, 256)
 # Measurement stops adding rounds once one implementation has spent this long on one row count.
 _ROUND_BUDGET_S = 0.05
+# Weights above this many elements are timed on their first columns only, so that measuring a
+# large model (a 150k-word lm_head) costs milliseconds, not seconds, at start-up.
+_MAX_MEASURED_ELEMENTS = 1 << 22
 
 
 def linear_reference(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
@@ -115,7 +118,8 @@ def choose_matmul(
     rows: Sequence[int] = MEASURED_ROWS,
 ) -> tuple[Matmul, str]:
     """The faster matmul for ``x @ w`` over ``weights`` ([K, N] each), and a line saying what
-    was measured. ``candidates`` defaults to OpenBLAS (where it builds) and paddle.matmul."""
+    was measured (also logged). ``candidates`` defaults to OpenBLAS (where it builds) and
+    paddle.matmul."""
     if candidates is None:
         candidates = {"paddle": paddle.matmul}
         forced = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -132,6 +136,7 @@ def choose_matmul(
     names = list(candidates)
     if len(names) == 1:
         return candidates[names[0]], f"matmul: {names[0]} (the only one)"
+    weights = [_measured_part(w) for w in weights]
     winners: list[str] = []
     parts = []
     for m in rows:
@@ -143,6 +148,15 @@ def choose_matmul(
             f"{m} rows " + "/".join(f"{n} {times[n] * 1e3:.2f}" for n in names) + f" ms: {best}"
         )
     line = "matmul: " + "; ".join(parts)
+    logger.info("%s", line)
     if len(set(winners)) == 1:
         return candidates[winners[0]], line
     return RowDispatch(tuple(rows), tuple(candidates[n] for n in winners)), line
+
+
+def _measured_part(w: paddle.Tensor) -> paddle.Tensor:
+    """``w`` itself, or a contiguous copy of its first columns where it is too big to time."""
+    k, n = int(w.shape[0]), int(w.shape[1])
+    if k * n <= _MAX_MEASURED_ELEMENTS:
+        return w
+    return w[:, : max(1, _MAX_MEASURED_ELEMENTS // max(k, 1))].contiguous()

@@ -44,17 +44,12 @@ def build_model(
     from ketch.engine.models.llama_predictor import PredictorLlamaModel, _attention_kernel
 
     def native():
-        from ketch.engine.models.llama_native import NativeLlamaModel
+        from ketch.engine.models.llama_native import NativeLlamaModel, measured_matmul
         from ketch.kernels import cpp_ops
-        from ketch.kernels.linear import choose_matmul
 
         cpp_ops.ops()  # the fused ops and attention
         attention = _attention_kernel(eager.kernels, config.head_dim)
-        first = weights.layers[0]
-        matmul, line = choose_matmul(
-            [first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads
-        )
-        logging.getLogger("ketch.kernels.linear").info("%s", line)
+        matmul, _ = measured_matmul(weights, threads)  # logged by ketch.kernels.linear
         return NativeLlamaModel(config, weights, eager, matmul, attention)
 
     def predictor():

@@ -24,7 +24,15 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
 from ketch.kernels import fused
 from ketch.kernels.dense_graph import Matmul
+from ketch.kernels.linear import choose_matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
+
+
+def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
+    """The matmul ``choose_matmul`` measures fastest on this model's weight shapes (layer 0's
+    projections and the lm_head), and its line."""
+    first = weights.layers[0]
+    return choose_matmul([first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads)
 
 
 class NativeLlamaModel:
