@@ -39,7 +39,6 @@ def test_defaults_run():
 @pytest.mark.parametrize(
     ("changes", "setting", "words"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size", "runs tensor_parallel_size 1 only"),
         ({"dtype": "bfloat16"}, "dtype", "float32 on the CPU only"),
         ({"dtype": "float16"}, "dtype", "GPU workers, planned in issue 17"),
     ],
@@ -51,6 +50,22 @@ def test_what_the_cpu_engine_refuses(changes, setting, words):
     assert str(refusal).startswith(f"{setting}={changes[setting]}: ")
 
 
+def test_tensor_parallel_sizes_the_model_can_be_split_into():
+    """TINY has 4 query heads, 2 KV heads and an MLP of 384: 2 and 4 ranks split it (4 ranks
+    replicate each KV head twice), 3 does not; more than 64 ranks is refused without a model."""
+    for tp in (1, 2, 4):
+        assert refusals(EngineConfig(tensor_parallel_size=tp), model=TINY) == []
+    [odd] = refusals(EngineConfig(tensor_parallel_size=3), model=TINY)
+    assert (odd.setting, odd.value) == ("tensor_parallel_size", 3)
+    assert "num_attention_heads 4 is not divisible" in odd.reason
+    assert "num_key_value_heads 2 and tensor_parallel_size 3" in odd.reason
+    assert refusals(EngineConfig(tensor_parallel_size=3)) == []  # the model decides
+    [huge] = refusals(EngineConfig(tensor_parallel_size=10**9))
+    assert huge.setting == "tensor_parallel_size" and "at most 64" in huge.reason
+    [huge] = refusals(EngineConfig(tensor_parallel_size=10**9), model=TINY)  # named once
+    assert "at most 64" in huge.reason
+
+
 def test_gpus_are_refused_only_when_the_caller_knows_them():
     assert refusals(EngineConfig()) == []  # the engine itself cannot see the pod's GPUs
     [refusal] = refusals(EngineConfig(), gpus=2)
@@ -59,14 +74,14 @@ def test_gpus_are_refused_only_when_the_caller_knows_them():
 
 
 def test_every_refusal_is_named_at_once():
-    config = EngineConfig(tensor_parallel_size=4, dtype="bfloat16")
-    assert settings(refusals(config, gpus=4)) == {
-        "tensor_parallel_size": 4,
+    config = EngineConfig(tensor_parallel_size=3, dtype="bfloat16")
+    assert settings(refusals(config, model=TINY, gpus=4)) == {
+        "tensor_parallel_size": 3,
         "dtype": "bfloat16",
         "gpus": 4,
     }
-    with pytest.raises(ValueError, match=r"dtype=bfloat16: .*; tensor_parallel_size=4: "):
-        check_runnable(config)
+    with pytest.raises(ValueError, match=r"dtype=bfloat16: .*; tensor_parallel_size=3: "):
+        check_runnable(config, TINY)
 
 
 def test_checks_that_need_the_model():
@@ -92,7 +107,7 @@ def test_kv_cache_arithmetic():
 
 @pytest.mark.parametrize(
     "changes",
-    [{"tensor_parallel_size": 2}, {"dtype": "bfloat16"}, {"max_model_len": 4096}],
+    [{"tensor_parallel_size": 3}, {"dtype": "bfloat16"}, {"max_model_len": 4096}],
     ids=["tp", "dtype", "max-model-len"],
 )
 def test_the_engine_refuses_with_the_same_words(changes):

@@ -89,7 +89,7 @@ def test_worker_survives_hostile_steps_and_then_serves_exactly() -> None:
     try:
         runner = engine.runner
         vocab = engine.model_config.vocab_size
-        sock = runner._socket  # the engine's end of the PAIR: the only peer the worker has
+        sock = runner._sockets[0]  # the engine's end of the PAIR: the only peer the worker has
         answered = 0
         for message in frames([SchedulerOutput], seed=13, count=300):
             sock.send_multipart(message)

@@ -6,8 +6,10 @@ anything, and the operator (its spec validation and ``ketch-operator check-wirin
 ``refusals`` on the configuration it renders for each pod, so an InferenceService never renders
 pods that would exit at start-up. Widen what the engine runs here, and both follow.
 
-Runs today: the CPU, float32, one tensor-parallel rank, no GPUs. Planned (issue 17): GPU workers,
-bfloat16/float16 on them, tensor parallelism.
+Runs today: the CPU, float32, tensor parallelism across CPU worker processes (1 to
+``MAX_TENSOR_PARALLEL_SIZE`` ranks, on models whose heads and MLP split evenly:
+``ketch.engine.models.sharding``), no GPUs. Planned (issue 17): GPU workers, bfloat16/float16 on
+them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.sharding import shard_problems
 
 DEVICE = "cpu"
 # dtype asked -> dtype computed. bfloat16/float16 need GPU workers.
 COMPUTE_DTYPES = {"auto": "float32", "float32": "float32"}
-TENSOR_PARALLEL_SIZES = (1,)
+# Worker processes per instance, one per rank; more ranks than this is a typo, not a plan.
+MAX_TENSOR_PARALLEL_SIZE = 64
 MAX_GPUS = 0  # per engine instance: the CPU engine uses none
 PLANNED = "issue 17"
 
@@ -57,13 +61,13 @@ def refusals(
                 f"({config.dtype} is for GPU workers, planned in {PLANNED})",
             )
         )
-    if config.tensor_parallel_size not in TENSOR_PARALLEL_SIZES:
+    if config.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         out.append(
             Refusal(
                 "tensor_parallel_size",
                 config.tensor_parallel_size,
-                f"the engine runs tensor_parallel_size 1 only (tensor parallelism is planned, "
-                f"{PLANNED})",
+                f"at most {MAX_TENSOR_PARALLEL_SIZE} tensor-parallel ranks (worker processes) "
+                "per instance",
             )
         )
     if gpus is not None and gpus > MAX_GPUS:
@@ -122,6 +126,17 @@ def _layout(config: EngineConfig, model: ModelConfig) -> KVLayout:
 
 
 def _model_refusals(config: EngineConfig, model: ModelConfig) -> list[Refusal]:
+    tp = config.tensor_parallel_size
+    if tp <= MAX_TENSOR_PARALLEL_SIZE:
+        problems = shard_problems(model, tp)
+        if problems:
+            return [
+                Refusal(
+                    "tensor_parallel_size",
+                    tp,
+                    f"the model cannot be split across {tp} ranks: " + "; ".join(problems),
+                )
+            ]
     limit = model.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > limit:
         return [

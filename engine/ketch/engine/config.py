@@ -88,8 +88,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of prompts that share a prefix.")
     tensor_parallel_size: int = _opt(
         1,
-        "Tensor-parallel ranks per engine instance. The engine runs 1 today and refuses more at "
-        "start-up; tensor parallelism (a worker per rank, on CPUs or GPUs) is planned (issue 17).",
+        "Tensor-parallel ranks per engine instance: one worker process per rank, each holding "
+        "its share of the attention heads and MLP columns (they must divide evenly; KV heads are "
+        "replicated when there are fewer than ranks). On the CPU each rank gets (cores - 1) / N "
+        "threads unless --num-threads says otherwise. GPU workers are planned (issue 17).",
         minimum=1,
     )
     dtype: str = _opt(

@@ -22,7 +22,7 @@ from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.null_runner import NullRunner
 from ketch.engine.worker.shm import shm_names
-from ketch.engine.worker.worker_process import RemoteRunner
+from ketch.engine.worker.worker_process import RemoteRunner, free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ class LLMEngine:
         check_runnable(config, self.model_config)  # the refusals the operator checks too
         self.tokenizer = Tokenizer(path)
         self.max_model_len = max_model_len(config, self.model_config)
-        dtype = compute_dtype(config)
         num_blocks = num_kv_blocks(config, self.model_config)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -70,19 +69,20 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=config.block_size,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            dtype=dtype,
+            dtype=compute_dtype(config),
             num_threads=config.num_threads,
             backend=config.backend,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.runner_config = runner_config
         if config.runner == "null":
             self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner.for_model(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
             )
-        elif worker_port is None:
+        elif worker_port is None and config.tensor_parallel_size == 1:
             self.runner = ModelRunner(runner_config)
-        else:
-            self.runner = RemoteRunner(runner_config, worker_port)
+        else:  # offline tensor parallelism: ranks fed over a queue named after a free port
+            self.runner = RemoteRunner(runner_config, worker_port or free_tcp_port())
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),

@@ -107,9 +107,10 @@ def api_addresses(port: int, directory: Path | None = None) -> tuple[str, str]:
     )
 
 
-def worker_address(engine_worker_queue_port: int) -> str:
-    """Engine <-> worker (``--engine-worker-queue-port``)."""
-    return socket_address(f"worker-{engine_worker_queue_port}.sock")
+def worker_address(engine_worker_queue_port: int, rank: int = 0) -> str:
+    """Engine <-> worker (``--engine-worker-queue-port``); tensor-parallel rank ``rank``."""
+    suffix = f"-rank{rank}" if rank else ""
+    return socket_address(f"worker-{engine_worker_queue_port}{suffix}.sock")
 
 
 def cache_queue_address(cache_queue_port: int) -> str:

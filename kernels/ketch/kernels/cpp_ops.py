@@ -62,7 +62,9 @@ class Library:
 
 
 ATTENTION = Library(
-    "ketch_ops", ("paged_attention.cc", "fused.cc"), ("simd.h", "attention_kernel.inc")
+    "ketch_ops",
+    ("paged_attention.cc", "fused.cc", "comm.cc"),
+    ("simd.h", "attention_kernel.inc"),
 )
 
 

@@ -76,8 +76,10 @@ class RowDispatch:
     matmuls: tuple[Matmul, ...]
 
     def __post_init__(self) -> None:
-        if not self.rows or len(self.rows) != len(self.matmuls) or list(self.rows) != sorted(
-            self.rows
+        if (
+            not self.rows
+            or len(self.rows) != len(self.matmuls)
+            or list(self.rows) != sorted(self.rows)
         ):
             raise ValueError("rows must be sorted, non-empty and one per matmul")
         # Band edges: geometric means of neighbouring measured counts.

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LlamaModel, ModelWeights
+from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels
+from ketch.kernels.collective import Group
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +34,21 @@ def build_model(
     threads: int,
     kernels: CpuKernels | None = None,
     cache_dir: Path | None = None,
+    shard: Shard | None = None,
+    group: Group | None = None,
 ):
     """A model with ``forward(input_ids, positions, kv_caches, meta, logit_rows)``.
 
-    ``kernels`` apply to the eager model only; ``cache_dir`` overrides ``$KETCH_CACHE_DIR``."""
+    ``kernels`` apply to the eager model only; ``cache_dir`` overrides ``$KETCH_CACHE_DIR``.
+    ``shard`` and ``group``: one tensor-parallel rank's weights and its collectives, which only
+    the native backend runs (``auto`` then means native, with no fallback)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    parallel = shard is not None and shard.world > 1
+    if parallel and backend not in ("auto", "native"):
+        raise ValueError(
+            f"tensor_parallel_size {shard.world} runs on the native backend only, not {backend!r}"
+        )
     eager = LlamaModel(config, weights, max_len, kernels)
     if backend == "eager":
         return eager
@@ -50,13 +61,21 @@ def build_model(
         cpp_ops.ops()  # the fused ops and attention
         attention = _attention_kernel(eager.kernels, config.head_dim)
         matmul, _ = measured_matmul(weights, threads)  # logged by ketch.kernels.linear
-        return NativeLlamaModel(config, weights, eager, matmul, attention)
+        return NativeLlamaModel(config, weights, eager, matmul, attention, shard, group)
 
     def predictor():
         return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
 
     if backend == "native":
         return native()
+    if parallel:
+        try:
+            return native()
+        except Exception as exc:
+            raise RuntimeError(
+                f"tensor_parallel_size {shard.world} needs the native backend, which cannot run "
+                f"here: {type(exc).__name__}: {exc}"
+            ) from exc
     if backend == "predictor":
         return predictor()
     why = []

@@ -44,7 +44,7 @@ class ModelWeights:
     embed: paddle.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: paddle.Tensor
-    lm_head: paddle.Tensor  # [hidden, vocab]
+    lm_head: paddle.Tensor | None  # [hidden, vocab]; None on tensor-parallel ranks but 0
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:

@@ -22,7 +22,9 @@ from paddle.nn.functional import embedding, swiglu
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
+from ketch.kernels.collective import Group
 from ketch.kernels.dense_graph import Matmul
 from ketch.kernels.linear import choose_matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
@@ -30,13 +32,18 @@ from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 
 def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
     """The matmul ``choose_matmul`` measures fastest on this model's weight shapes (layer 0's
-    projections and the lm_head), and its line."""
+    projections and the lm_head, where this rank holds one), and its line."""
     first = weights.layers[0]
-    return choose_matmul([first.qkv, first.o, first.gate_up, first.down, weights.lm_head], threads)
+    shapes = [first.qkv, first.o, first.gate_up, first.down, weights.lm_head]
+    return choose_matmul([w for w in shapes if w is not None], threads)
 
 
 class NativeLlamaModel:
-    """Computes logits for the last token of each sampling request in a flattened batch."""
+    """Computes logits for the last token of each sampling request in a flattened batch.
+
+    Tensor parallelism: ``weights`` hold ``shard``'s slices (``ketch.engine.models.sharding``)
+    and ``group`` sums the o and down projections' partial outputs across the ranks; a rank
+    other than 0 computes no logits (``forward`` returns None)."""
 
     backend_name = "native"
 
@@ -47,6 +54,8 @@ class NativeLlamaModel:
         eager: LlamaModel,
         linear: Matmul,
         attention: PagedAttention | None,
+        shard: Shard | None = None,
+        group: Group | None = None,
     ) -> None:
         if attention is None:
             raise RuntimeError(
@@ -61,6 +70,10 @@ class NativeLlamaModel:
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
+        self.shard = shard or whole(config)
+        if self.shard.world > 1 and (group is None or group.world != self.shard.world):
+            raise ValueError(f"a shard of {self.shard.world} ranks needs a group of as many")
+        self.group = group if self.shard.world > 1 else None
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int
@@ -76,15 +89,24 @@ class NativeLlamaModel:
         y = self.linear(x, w)
         return y if b is None else y + b
 
+    def _row_parallel(
+        self, x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None
+    ) -> paddle.Tensor:
+        """o and down: each rank's partial product, summed over the ranks, then the bias."""
+        y = self.linear(x, w)
+        if self.group is not None:
+            y = self.group.all_reduce(y)
+        return y if b is None else y + b
+
     def _attend(
         self, layer: LayerWeights, x: paddle.Tensor, cos, sin, cache: LayerCache, meta
     ) -> paddle.Tensor:
-        c = self.config
+        heads, kv_heads, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
         qkv = self._dense(x, layer.qkv, layer.qkv_bias)
-        q, k, v = fused.rope_qkv(qkv, cos, sin, c.num_attention_heads, c.num_key_value_heads)
+        q, k, v = fused.rope_qkv(qkv, cos, sin, heads, kv_heads)
         self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
-        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, c.head_dim**-0.5)
-        return out.reshape([0, c.num_attention_heads * c.head_dim])
+        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, d**-0.5)
+        return out.reshape([0, heads * d])
 
     def forward(
         self,
@@ -93,8 +115,9 @@ class NativeLlamaModel:
         kv_caches: list[LayerCache],
         meta: PagedAttentionMetadata,
         logit_rows: paddle.Tensor,
-    ) -> paddle.Tensor:
-        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+    ) -> paddle.Tensor | None:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32 (None
+        on a tensor-parallel rank other than 0)."""
         w = self.weights
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
@@ -104,12 +127,14 @@ class NativeLlamaModel:
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
             attn = self._attend(layer, x, cos, sin, cache, meta)
             h, x = fused.add_rms_norm(
-                h, self._dense(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
+                h, self._row_parallel(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
             )
             up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
-            mlp = self._dense(up, layer.down, layer.down_bias)
+            mlp = self._row_parallel(up, layer.down, layer.down_bias)
             if i < last:
                 h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)
+            elif w.lm_head is None:
+                return None  # a rank other than 0: no logits
             else:
                 h = h + mlp
         x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)

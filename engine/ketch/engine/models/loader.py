@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
 import paddle
-from safetensors.paddle import load_file
+from safetensors import safe_open
 
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights
 from ketch.engine.models.paths import TINY_MODEL_DIR, resolve_model_path
+from ketch.engine.models.sharding import Shard, whole
 
 logger = logging.getLogger(__name__)
 
@@ -21,124 +23,187 @@ __all__ = ["TINY_MODEL_DIR", "load_weights", "resolve_model_path"]
 _INDEX = "model.safetensors.index.json"
 
 
-def load_weights(path: Path, config: ModelConfig, dtype: str) -> ModelWeights:
-    tensors = _read_tensors(path, dtype)
-    loader = _Checked(tensors, config, path)
-    c = config
-    q, kv, hidden = (
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.hidden_size,
+def load_weights(
+    path: Path, config: ModelConfig, dtype: str, shard: Shard | None = None
+) -> ModelWeights:
+    """The checkpoint's weights, or only ``shard``'s slices of them (tensor parallelism: each
+    rank reads its heads' and columns' slices from the files, never the whole matrices)."""
+    with _Checkpoint(path, dtype) as checkpoint:
+        return _load(checkpoint, config, shard or whole(config))
+
+
+def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWeights:
+    loader = _Checked(checkpoint)
+    c, d = config, config.head_dim
+    hidden, inter = c.hidden_size, c.intermediate_size
+    q_rows = _times(shard.heads, d)
+    kv_rows = _times(shard.kv_heads, d)
+    rows = (
+        ("q", c.num_attention_heads * d, q_rows),
+        *((n, c.num_key_value_heads * d, kv_rows) for n in ("k", "v")),
     )
-    inter = c.intermediate_size
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        qkv = [
-            loader.get(p + f"self_attn.{n}_proj.weight", (m, hidden))
-            for n, m in (("q", q), ("k", kv), ("v", kv))
-        ]
+        qkv = [loader.get(p + f"self_attn.{n}_proj.weight", (m, hidden), r) for n, m, r in rows]
         qkv_bias = None
         if c.qkv_bias:
             qkv_bias = paddle.concat(
+                [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
+            )
+        gate_up = [
+            loader.get(p + f"mlp.{n}_proj.weight", (inter, hidden), shard.intermediate)
+            for n in ("gate", "up")
+        ]
+        gate_up_bias = None
+        if c.mlp_bias:
+            gate_up_bias = paddle.concat(
                 [
-                    loader.get(p + f"self_attn.{n}_proj.bias", (m,))
-                    for n, m in (("q", q), ("k", kv), ("v", kv))
+                    loader.get(p + f"mlp.{n}_proj.bias", (inter,), shard.intermediate)
+                    for n in ("gate", "up")
                 ]
             )
-        gate = loader.get(p + "mlp.gate_proj.weight", (inter, hidden))
-        up = loader.get(p + "mlp.up_proj.weight", (inter, hidden))
+        o_shape = (hidden, c.num_attention_heads * d)
         layers.append(
             LayerWeights(
                 input_norm=loader.get(p + "input_layernorm.weight", (hidden,)),
                 qkv=paddle.concat(qkv, axis=0).T.contiguous(),
                 qkv_bias=qkv_bias,
-                o=loader.get(p + "self_attn.o_proj.weight", (hidden, q)).T.contiguous(),
+                o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
                 o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=paddle.concat([gate, up], axis=0).T.contiguous(),
-                gate_up_bias=paddle.concat(
-                    [
-                        loader.get(p + "mlp.gate_proj.bias", (inter,)),
-                        loader.get(p + "mlp.up_proj.bias", (inter,)),
-                    ]
-                )
-                if c.mlp_bias
-                else None,
-                down=loader.get(p + "mlp.down_proj.weight", (hidden, inter)).T.contiguous(),
+                gate_up=paddle.concat(gate_up, axis=0).T.contiguous(),
+                gate_up_bias=gate_up_bias,
+                down=loader.get(
+                    p + "mlp.down_proj.weight", (hidden, inter), cols=shard.intermediate
+                ).T.contiguous(),
                 down_bias=loader.get(p + "mlp.down_proj.bias", (hidden,)) if c.mlp_bias else None,
             )
         )
     embed = loader.get("model.embed_tokens.weight", (c.vocab_size, hidden))
-    if c.tie_word_embeddings or "lm_head.weight" not in tensors:
-        if not c.tie_word_embeddings:
-            raise ModelLoadError(f"{path}: lm_head.weight is missing and embeddings are not tied")
-        lm_head = embed
-    else:
-        lm_head = loader.get("lm_head.weight", (c.vocab_size, hidden))
+    lm_head = None
+    if shard.first:  # the other ranks never compute logits
+        if c.tie_word_embeddings or "lm_head.weight" not in checkpoint:
+            if not c.tie_word_embeddings:
+                raise ModelLoadError(
+                    f"{checkpoint.path}: lm_head.weight is missing and embeddings are not tied"
+                )
+            lm_head = embed
+        else:
+            lm_head = loader.get("lm_head.weight", (c.vocab_size, hidden))
+        lm_head = lm_head.T.contiguous()
     weights = ModelWeights(
         embed=embed,
         layers=layers,
         norm=loader.get("model.norm.weight", (hidden,)),
-        lm_head=lm_head.T.contiguous(),
+        lm_head=lm_head,
     )
     loader.warn_unused()
     return weights
 
 
-class _Checked:
-    """Hands out tensors by name, checking they exist and have the configured shape."""
+def _times(span: tuple[int, int], n: int) -> tuple[int, int]:
+    return span[0] * n, span[1] * n
 
-    def __init__(self, tensors: dict[str, paddle.Tensor], config: ModelConfig, path: Path) -> None:
-        self.tensors = tensors
-        self.path = path
+
+class _Checked:
+    """Hands out tensors (or row/column slices of them) by name, checking they exist and have
+    the configured shape."""
+
+    def __init__(self, checkpoint: _Checkpoint) -> None:
+        self.checkpoint = checkpoint
         self.used: set[str] = set()
 
-    def get(self, name: str, shape: tuple[int, ...]) -> paddle.Tensor:
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{self.path}: weight {name!r} is missing from the checkpoint")
-        if tuple(tensor.shape) != shape:
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> paddle.Tensor:
+        path = self.checkpoint.path
+        if name not in self.checkpoint:
+            raise ModelLoadError(f"{path}: weight {name!r} is missing from the checkpoint")
+        found = self.checkpoint.shape(name)
+        if found != shape:
             raise ModelLoadError(
-                f"{self.path}: weight {name!r} has shape {list(tensor.shape)}, but config.json "
-                f"implies {list(shape)}"
+                f"{path}: weight {name!r} has shape {list(found)}, but config.json implies "
+                f"{list(shape)}"
             )
         self.used.add(name)
-        return tensor
+        return self.checkpoint.read(name, rows, cols)
 
     def warn_unused(self) -> None:
-        unused = sorted(set(self.tensors) - self.used - {"lm_head.weight"})
+        unused = sorted(set(self.checkpoint.names) - self.used - {"lm_head.weight"})
         unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
         if unused:
             logger.warning(
-                "%s: ignoring %d unused weights, e.g. %s", self.path, len(unused), unused[:3]
+                "%s: ignoring %d unused weights, e.g. %s",
+                self.checkpoint.path,
+                len(unused),
+                unused[:3],
             )
 
 
-def _read_tensors(path: Path, dtype: str) -> dict[str, paddle.Tensor]:
-    files = _weight_files(path)
-    tensors: dict[str, paddle.Tensor] = {}
-    target = _paddle_dtype(dtype)
-    # safetensors' paddle reader needs the stride kernels that inference turns off.
-    previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
-    paddle.set_flags({"FLAGS_use_stride_kernel": True})
-    try:
-        for file in files:
-            _read_file(file, target, dtype, tensors)
-    finally:
-        paddle.set_flags(previous)
-    return tensors
+class _Checkpoint:
+    """The checkpoint's safetensors files, open for reading whole tensors or slices of them
+    (converted to the compute dtype after slicing)."""
 
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path = path
+        self.dtype = dtype
+        self._target = _paddle_dtype(dtype)
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, object] = {}
 
-def _read_file(
-    file: Path, target: paddle.dtype, dtype: str, tensors: dict[str, paddle.Tensor]
-) -> None:
-    try:
-        loaded = load_file(str(file))
-    except Exception as exc:  # safetensors raises its own error types
-        raise ModelLoadError(f"{file}: cannot read safetensors file: {exc}") from exc
-    for name, tensor in loaded.items():
-        tensors[name] = tensor if tensor.dtype == target else tensor.astype(dtype)
+    def __enter__(self) -> _Checkpoint:
+        # safetensors' paddle reader needs the stride kernels that inference turns off.
+        previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
+        paddle.set_flags({"FLAGS_use_stride_kernel": True})
+        self._stack.callback(paddle.set_flags, previous)
+        try:
+            for file in _weight_files(self.path):
+                try:
+                    handle = self._stack.enter_context(safe_open(str(file), framework="paddle"))
+                    names = handle.keys()
+                except Exception as exc:  # safetensors raises its own error types
+                    raise ModelLoadError(f"{file}: cannot read safetensors file: {exc}") from exc
+                for name in names:
+                    self._files[name] = (file, handle)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        _file, handle = self._files[name]
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(
+        self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None
+    ) -> paddle.Tensor:
+        file, handle = self._files[name]
+        try:
+            if rows is None and cols is None:
+                tensor = handle.get_tensor(name)
+            else:
+                part = handle.get_slice(name)
+                r = slice(*rows) if rows is not None else slice(None)
+                tensor = part[r] if cols is None else part[r, slice(*cols)]
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: cannot read weight {name!r}: {exc}") from exc
+        tensor = tensor.contiguous()
+        return tensor if tensor.dtype == self._target else tensor.astype(self.dtype)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -27,18 +27,24 @@ class KVCache:
         head_dim: int,
         dtype: str = "float32",
         buffer: memoryview | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
-        """``buffer`` (e.g. a shared-memory segment's) backs the cache instead of private memory."""
+        """``buffer`` (e.g. a shared-memory segment's) backs the cache instead of private memory.
+        ``heads``: the [begin, end) KV heads this tensor-parallel rank attends with (default
+        all): its layers view only those, contiguous within each layer's K and V."""
         if dtype != "float32":
             raise ValueError(f"the CPU KV cache holds float32 only, not {dtype}")
         shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
+        begin, end = heads or (0, kv_heads)
+        if not 0 <= begin < end <= kv_heads:
+            raise ValueError(f"KV heads {begin}..{end} are not within the cache's {kv_heads}")
         if buffer is None:
             self.array = np.zeros(shape, dtype=np.float32)
         else:
             self.array = np.ndarray(shape, dtype=np.float32, buffer=buffer)
-            self.array.fill(0.0)
+            self.array[:, :, begin:end].fill(0.0)  # another rank clears its own heads
         self.num_blocks = num_blocks
-        self.layers = [self._layer(self.array[i]) for i in range(num_layers)]
+        self.layers = [self._layer(self.array[i, :, begin:end]) for i in range(num_layers)]
 
     @staticmethod
     def _layer(kv: np.ndarray) -> LayerCache:

@@ -20,10 +20,13 @@ from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
+from ketch.engine.models.sharding import Shard
 from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
 from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
+from ketch.engine.worker.tensor_parallel import StepSync
+from ketch.kernels.collective import Group
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class RunnerConfig:
     dtype: str = "float32"
     num_threads: int | None = None
     backend: str = "auto"
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -79,12 +83,30 @@ def configure_paddle(num_threads: int | None) -> int:
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and per-request sampler state."""
 
-    def __init__(self, config: RunnerConfig, kv_buffer: memoryview | None = None) -> None:
+    def __init__(
+        self,
+        config: RunnerConfig,
+        kv_buffer: memoryview | None = None,
+        rank: int = 0,
+        group: Group | None = None,
+    ) -> None:
+        """``rank`` and ``group``: one tensor-parallel rank of ``config.tensor_parallel_size``
+        (the worker processes of ``RemoteRunner``); rank 0 samples."""
         self.config = config
         mc = config.model_config
         threads = configure_paddle(config.num_threads)
-        weights = load_weights(config.model_path, mc, config.dtype)
-        self.model = build_model(config.backend, mc, weights, config.max_model_len, threads)
+        self.shard = Shard.of(mc, rank, config.tensor_parallel_size)
+        self.sync = StepSync(group) if self.shard.world > 1 else None
+        weights = load_weights(config.model_path, mc, config.dtype, self.shard)
+        self.model = build_model(
+            config.backend,
+            mc,
+            weights,
+            config.max_model_len,
+            threads,
+            shard=self.shard,
+            group=group,
+        )
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
             config.num_blocks,
@@ -93,20 +115,26 @@ class ModelRunner:
             mc.head_dim,
             config.dtype,
             buffer=kv_buffer,
+            heads=self.shard.kv_heads,
         )
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         logger.info(
-            "model runner ready: %s on the %s backend, %d KV blocks x %d tokens, %d threads",
+            "model runner ready: %s on the %s backend, %d KV blocks x %d tokens, %d threads%s",
             mc.architecture,
             self.model.backend_name,
             config.num_blocks,
             config.block_size,
             threads,
+            f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
         )
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's sampled tokens (on a tensor-parallel rank other than 0: what rank 0
+        sampled, which the engine never reads)."""
         failed = self._apply_changes(sched)
+        if self.sync is not None:
+            failed = self.sync.agree_failed(failed, lambda r: self.requests.pop(r, None))
         if sched.is_empty or all(r in failed for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
         batch = self._prepare_inputs(sched, failed)
@@ -114,6 +142,26 @@ class ModelRunner:
         # one throwaway logits row.
         rows = batch.logit_rows + batch.prompt_rows
         logits = self._forward(batch, rows or [0])
+        if logits is None:  # a tensor-parallel rank other than 0
+            return self._follow(failed)
+        before = set(failed)
+        output = self._sample(batch, logits, failed)
+        if self.sync is not None:
+            self.sync.share(output, before)
+        return output
+
+    def _follow(self, failed: dict[str, str]) -> ModelRunnerOutput:
+        ids, tokens, dropped = self.sync.follow()
+        for request_id, token in zip(ids, tokens, strict=True):
+            self.requests[request_id].sampling.accept(token)
+        for request_id in dropped:
+            self.requests.pop(request_id, None)
+            failed[request_id] = "failed on rank 0"
+        return ModelRunnerOutput(request_ids=ids, sampled_token_ids=tokens, failed=failed)
+
+    def _sample(
+        self, batch: StepInputs, logits: np.ndarray, failed: dict[str, str]
+    ) -> ModelRunnerOutput:
         scored = self._score_prompts(batch, logits[len(batch.logit_rows) :])
         ids, rows = self._grammars_ready(batch.sampling_ids, logits, failed)
         if not ids:
@@ -160,7 +208,7 @@ class ModelRunner:
             start += count
         return scored
 
-    def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray:
+    def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray | None:
         meta = self.model.metadata(batch.spans, self.config.block_size, self.config.num_blocks)
         with paddle.no_grad():
             logits = self.model.forward(
@@ -170,7 +218,7 @@ class ModelRunner:
                 meta,
                 paddle.to_tensor(np.asarray(logit_rows, dtype=np.int64)),
             )
-        return logits.numpy()
+        return None if logits is None else logits.numpy()
 
     def _apply_changes(self, sched: SchedulerOutput) -> dict[str, str]:
         """Takes the step's changes; returns the new requests it could not take (id -> why):
@@ -243,7 +291,8 @@ class ModelRunner:
         # Output tokens sampled elsewhere (a prefill peer's first token) used the generator:
         # take the same draws, so a seeded request samples exactly as on one instance.
         sampling.skip_draws(len(new.token_ids) - new.num_prompt_tokens)
-        if new.sampling_params.grammar is not None:  # its matcher resumes past those tokens too
+        if new.sampling_params.grammar is not None and self.shard.first:
+            # its matcher resumes past those tokens too (only rank 0 samples)
             sampling.grammar = self._grammar_compiler().matcher(
                 new.sampling_params.grammar, new.token_ids[new.num_prompt_tokens :]
             )

@@ -43,6 +43,11 @@ def shm_names(port: int) -> tuple[str, str]:
     return f"ketch-kv-{port}", f"ketch-status-{port}"
 
 
+def group_segment_name(port: int) -> str:
+    """The tensor-parallel ranks' collectives segment (``ketch.kernels.collective.ShmGroup``)."""
+    return f"ketch-tp-{port}"
+
+
 def attach_segment(name: str) -> SharedMemory:
     """Attaches to a segment another process owns and will unlink.
 
@@ -74,8 +79,8 @@ def remove_segment(name: str) -> None:
 
 
 def remove_segments(port: int) -> None:
-    """Removes both segments of the instance on ``port`` (idempotent)."""
-    for name in shm_names(port):
+    """Removes the segments of the instance on ``port`` (idempotent)."""
+    for name in (*shm_names(port), group_segment_name(port)):
         remove_segment(name)
 
 

@@ -6,6 +6,13 @@ user can pose as either side) and gets the sampled tokens back. The KV cache liv
 POSIX shared-memory segment (``ketch-kv-<port>``) so the cache-manager sidecar can map the same
 blocks; a small shared status block carries the worker's liveness signals (ready flag, step
 count, heartbeat). Either side that loses the other exits, so nothing is left orphaned.
+
+Tensor parallelism (``tensor_parallel_size`` N > 1): N worker processes, one per rank, each with
+its own queue (``worker-<port>-rank<r>.sock`` for r > 0). The engine encodes each step once and
+writes the same frame to every rank's queue (the ranks then run in lockstep through their
+all-reduces, which meet in the ``ketch-tp-<port>`` segment); only rank 0 answers. Every rank
+views its KV heads in the one ``ketch-kv-<port>`` segment. Any rank that exits fails the
+instance: the engine watches them all, and stops the others.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket as socketlib
 import time
 from multiprocessing.shared_memory import SharedMemory
 
@@ -36,56 +44,93 @@ from ketch.engine.worker.shm import (
     STATUS_SLOTS,
     attach_segment,
     fresh_segment,
+    group_segment_name,
     pid_namespace,
     reclaim_stale_segments,
     shm_names,
 )
+from ketch.kernels.collective import Group, PaddleGroup, ShmGroup, tp_environment
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 500
+COLLECTIVE_ENV = "KETCH_TP_COLLECTIVE"  # shm (default) | paddle
+
+
+def free_tcp_port() -> int:
+    with socketlib.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class WorkerDiedError(RuntimeError):
     """The worker process exited; the engine cannot step any more."""
 
 
-def run_worker(config: RunnerConfig, port: int, parent_pid: int, address: str) -> None:
+def run_worker(
+    config: RunnerConfig,
+    port: int,
+    parent_pid: int,
+    address: str,
+    rank: int = 0,
+    environment: dict[str, str] | None = None,
+) -> None:
     """Worker entry point: map the shared KV cache, load the model, execute steps.
 
     The engine owns the shared memory and cleans up, so this process may end at any moment:
     SIGTERM (or the engine's death, through ``exit_with_parent``) ends it at once."""
     exit_with_parent(parent_pid)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s worker: %(message)s")
+    os.environ.update(environment or {})
+    prefix = f"worker {rank}" if config.tensor_parallel_size > 1 else "worker"
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {prefix}: %(message)s")
     kv_name, status_name = shm_names(port)
     kv_shm, status_shm = attach_segment(kv_name), attach_segment(status_name)  # the engine's
     status = np.ndarray((STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
     # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
     # interpreter shutdown could wait forever on a reply queued for a dead engine.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    runner = ModelRunner(config, kv_buffer=kv_shm.buf)
+    group = _group(config.tensor_parallel_size, rank, port, parent_pid)
+    runner = ModelRunner(config, kv_buffer=kv_shm.buf, rank=rank, group=group)
     socket = zmq.Context().socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, _POLL_MS * 4)  # never block forever on a dead engine
     socket.connect(address)
     refusals = BadMessages("worker")
     parent = os.getppid()
-    status[0] = 1.0
+    answers = rank == 0
+    if answers:
+        status[0] = 1.0
     socket.send(b"ready")
     while True:
-        status[2] = time.monotonic()
+        if answers:
+            status[2] = time.monotonic()
         if not socket.poll(_POLL_MS):
             if os.getppid() != parent:
                 os._exit(0)  # the engine is gone
             continue
         output = _execute(runner, socket.recv_multipart(), refusals)
-        try:
-            socket.send(encode_result(output))
-        except zmq.Again:
-            os._exit(0)  # the engine stopped listening
-        status[1] += 1
+        if answers:
+            try:
+                socket.send(encode_result(output))
+            except zmq.Again:
+                os._exit(0)  # the engine stopped listening
+            status[1] += 1
         if os.getppid() != parent:
             os._exit(0)
+
+
+def _group(world: int, rank: int, port: int, parent_pid: int) -> Group | None:
+    """The ranks' collectives: the shared-memory group, or paddle.distributed where
+    ``KETCH_TP_COLLECTIVE=paddle`` (gloo on the CPU: 1-3 ms an all-reduce here, against tens of
+    microseconds; the reference, and what GPUs would use with NCCL)."""
+    if world == 1:
+        return None
+    if os.environ.get(COLLECTIVE_ENV) == "paddle":
+        return PaddleGroup()
+    segment = attach_segment(group_segment_name(port))
+    group = ShmGroup(segment.buf, rank, world, parent_pid=parent_pid)
+    group.segment = segment  # closing the mapping under the group's views would crash it
+    return group
 
 
 def _execute(runner: ModelRunner, frames: list[bytes], refusals: BadMessages) -> ModelRunnerOutput:
@@ -102,15 +147,17 @@ def _execute(runner: ModelRunner, frames: list[bytes], refusals: BadMessages) ->
 
 
 class RemoteRunner:
-    """The engine's model runner when the model runs in a separate worker process."""
+    """The engine's model runner when the model runs in worker processes (one per
+    tensor-parallel rank)."""
 
     def __init__(self, config: RunnerConfig, port: int, start_timeout: float = 600.0) -> None:
+        world = config.tensor_parallel_size
         if config.num_threads is None:
             # The API server and the engine need a core too: a worker that takes them all
             # stalls in its own thread barriers (measured on 2 cores: 1 thread serves 1.46x
-            # the requests/s of 2).
+            # the requests/s of 2). Tensor-parallel ranks share what is left.
             cores = len(os.sched_getaffinity(0))
-            config = dataclasses.replace(config, num_threads=max(1, cores - 1))
+            config = dataclasses.replace(config, num_threads=max(1, (cores - 1) // world))
         mc = config.model_config
         size = KVCache.nbytes(
             mc.num_hidden_layers,
@@ -122,49 +169,79 @@ class RemoteRunner:
         reclaim_stale_segments()
         kv_name, status_name = shm_names(port)
         self._segments: list[SharedMemory] = []
-        self._socket = zmq.Context().socket(zmq.PAIR)
-        self._socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._address = rundir.worker_address(port)
+        self._addresses: list[str] = []
+        self._sockets: list[zmq.Socket] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        context = zmq.Context.instance()
         try:
-            rundir.claim(self._address, f"--engine-worker-queue-port {port}")
-            self._socket.bind(self._address)
-        except (ValueError, zmq.ZMQError) as exc:
-            self._address = None  # not ours: leave it
-            self.close()
-            if isinstance(exc, ValueError):
-                raise
-            raise ValueError(f"--engine-worker-queue-port {port}: cannot bind: {exc}") from exc
-        try:
+            for rank in range(world):
+                self._sockets.append(self._bind(context, port, rank))
             self._segments += [
                 fresh_segment(kv_name, size),
                 fresh_segment(status_name, STATUS_BYTES),
             ]
+            if world > 1:
+                self._segments.append(
+                    fresh_segment(group_segment_name(port), ShmGroup.nbytes(world))
+                )
             self.status = np.ndarray((STATUS_SLOTS,), np.float64, buffer=self._segments[1].buf)
             self.status[ENGINE_HEARTBEAT] = time.monotonic()
             self.status[PID_NAMESPACE] = pid_namespace()
-            spawn = multiprocessing.get_context("spawn")
-            self.process = spawn.Process(
-                target=run_worker,
-                args=(config, port, os.getpid(), self._address),
-                name="ketch-worker",
-                daemon=True,
-            )
-            self.process.start()
-            self._receive(start_timeout, what="start")
+            self._start(config, port, world)
+            for rank in range(world):
+                self._receive(start_timeout, what="start", rank=rank)
         except BaseException:  # SIGTERM while loading included: leave nothing behind
             self.close()
             raise
 
+    @property
+    def process(self) -> multiprocessing.process.BaseProcess:
+        """Rank 0's process (the only one without tensor parallelism)."""
+        return self.processes[0]
+
+    def _bind(self, context: zmq.Context, port: int, rank: int) -> zmq.Socket:
+        socket = context.socket(zmq.PAIR)
+        socket.setsockopt(zmq.SNDTIMEO, _POLL_MS)
+        socket.setsockopt(zmq.LINGER, 0)
+        address = rundir.worker_address(port, rank)
+        try:
+            rundir.claim(address, f"--engine-worker-queue-port {port}")
+            socket.bind(address)
+        except (ValueError, zmq.ZMQError) as exc:
+            socket.close(linger=0)
+            if isinstance(exc, ValueError):
+                raise  # not ours: leave it
+            rundir.release(address)
+            raise ValueError(f"--engine-worker-queue-port {port}: cannot bind: {exc}") from exc
+        self._addresses.append(address)
+        return socket
+
+    def _start(self, config: RunnerConfig, port: int, world: int) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        environments: list[dict[str, str]] = [{} for _ in range(world)]
+        if world > 1 and os.environ.get(COLLECTIVE_ENV) == "paddle":
+            endpoints = [f"127.0.0.1:{free_tcp_port()}" for _ in range(world)]
+            environments = [tp_environment(rank, endpoints) for rank in range(world)]
+        for rank in range(world):
+            process = spawn.Process(
+                target=run_worker,
+                args=(config, port, os.getpid(), self._addresses[rank], rank, environments[rank]),
+                name="ketch-worker" if world == 1 else f"ketch-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         data = encode_step(sched)
-        while True:
-            self.check_alive()
-            try:
-                self._socket.send(data)  # PAIR blocks while no peer is connected: bounded
-                break
-            except zmq.Again:
-                continue
+        for socket in self._sockets:  # the same bytes to every rank
+            while True:
+                self.check_alive()
+                try:
+                    socket.send(data)  # PAIR blocks while no peer is connected: bounded
+                    break
+                except zmq.Again:
+                    continue
         output = decode_result(self._receive(None, what="step"))
         if output.refused is not None:  # nothing was applied: fail what the step named
             logger.error("the worker refused a step: %s", output.refused)
@@ -174,31 +251,44 @@ class RemoteRunner:
 
     def check_alive(self) -> None:
         self.status[ENGINE_HEARTBEAT] = time.monotonic()  # shm.reclaim_stale_segments reads it
-        if not self.process.is_alive():
-            raise WorkerDiedError(f"the worker process exited (exit code {self.process.exitcode})")
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                raise WorkerDiedError(f"{self._name(rank)} exited (exit code {process.exitcode})")
 
-    def _receive(self, timeout: float | None, what: str) -> bytes:
+    def _name(self, rank: int) -> str:
+        if len(self.processes) == 1:
+            return "the worker process"
+        return f"the worker process of tensor-parallel rank {rank}"
+
+    def _receive(self, timeout: float | None, what: str, rank: int = 0) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._socket.poll(_POLL_MS):
+        socket = self._sockets[rank]
+        while not socket.poll(_POLL_MS):
             self.status[ENGINE_HEARTBEAT] = time.monotonic()
-            if not self.process.is_alive():
-                raise WorkerDiedError(
-                    f"the worker process exited (exit code {self.process.exitcode}) during {what}"
-                )
+            for r, process in enumerate(self.processes):
+                if not process.is_alive():
+                    raise WorkerDiedError(
+                        f"{self._name(r)} exited (exit code {process.exitcode}) during {what}"
+                    )
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDiedError(f"the worker did not {what} within {timeout:.0f} s")
-        return self._socket.recv()
+                raise WorkerDiedError(f"{self._name(rank)} did not {what} within {timeout:.0f} s")
+        return socket.recv()
 
     def close(self) -> None:
-        process = getattr(self, "process", None)
-        if process is not None and process.is_alive():
-            process.terminate()
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self.processes:
             process.join(5)
             if process.is_alive():
                 process.kill()
-        self._socket.close(linger=0)
-        if getattr(self, "_address", None):
-            rundir.release(self._address)
+                process.join(5)
+        for socket in self._sockets:
+            socket.close(linger=0)
+        self._sockets = []
+        for address in self._addresses:
+            rundir.release(address)
+        self._addresses = []
         for segment in self._segments:
             with contextlib.suppress(FileNotFoundError):
                 segment.unlink()
