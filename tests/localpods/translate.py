@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ LOOPBACK_PORTS = ("engine_worker_queue_port", "cache_queue_port")
 
 def localize(isvc: Obj, swap_space: str = "64Mi", kv_cache_memory: str = "128MiB") -> Obj:
     """The same InferenceService made to run on a CPU machine: the built-in tiny model, no GPUs,
-    one tensor-parallel rank, the model's own context length, small KV cache and swap space.
-    Everything else (roles, replicas, ports, router, auth, cache manager) is kept."""
+    this machine's CPUs as each role's ``resources.cpu`` (the operator sizes the engine's
+    threads from it; every pod here has the machine's cores), one tensor-parallel rank, the
+    model's own context length, small KV cache and swap space. Everything else (roles,
+    replicas, ports, router, auth, cache manager) is kept."""
     out = copy.deepcopy(isvc)
     spec = out["spec"]
     spec["model"]["uri"] = "tiny"
@@ -43,7 +46,7 @@ def localize(isvc: Obj, swap_space: str = "64Mi", kv_cache_memory: str = "128MiB
         engine["blockSize"] = 64
     for role in spec.get("roles", {}).values():
         role.pop("scheduling", None)
-        role.setdefault("resources", {})["gpus"] = 0
+        role.setdefault("resources", {}).update(gpus=0, cpu=str(len(os.sched_getaffinity(0))))
     if "cacheManager" in spec:
         spec["cacheManager"]["hostSwapSpace"] = swap_space
     return out

@@ -481,6 +481,12 @@ INVALID: list[tuple[str, dict, str]] = [
         {"engine": {"tensorParallelSize": 4}, "roles": {"mixed": {"resources": {"gpus": 2}}}},
         "spec.engine.tensorParallelSize",
     ),
+    # a GPU pod holds one GPU per rank: no fewer ranks than GPUs either
+    (
+        "tp < gpus",
+        {"engine": {"tensorParallelSize": 1}, "roles": {"mixed": {"resources": {"gpus": 2}}}},
+        "spec.engine.tensorParallelSize",
+    ),
     ("dtype", {"engine": {"dtype": "int3"}}, "spec.engine.dtype"),
     ("kv memory", {"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
     ("extra args own flag", {"engine": {"extraArgs": ["--port=1"]}}, "spec.engine.extraArgs"),

@@ -52,8 +52,25 @@ MODEL_URI_PATTERN = (
 )
 
 
+# What tensorParallelSize means in a pod, after the engine's own help text.
+TENSOR_PARALLEL_IN_PODS = (
+    "In an InferenceService: on a CPU role (roles.<role>.resources.gpus 0) the worker processes "
+    "run in the engine container, whose cores are the whole CPUs of roles.<role>.resources.cpu "
+    "when that is set (see there); on a GPU role it must equal resources.gpus, one GPU per rank. "
+    "Tensor parallelism across CPU worker processes is what has been run and tested; GPU "
+    "workers have not been run anywhere. The operator refuses a size this engine build or the "
+    "built-in tiny model cannot split (InvalidSpec); a checkpoint's own shape is checked by the "
+    "engine at start-up."
+)
+
+
 def engine_schema() -> dict[str, Any]:
     props = config_field_schemas("engine")
+    tp = props["tensorParallelSize"]  # replaced below, not edited: config_fields() is cached
+    props["tensorParallelSize"] = {
+        **tp,
+        "description": f"{tp['description']} {TENSOR_PARALLEL_IN_PODS}",
+    }
     props.update(
         {
             "image": string(

@@ -1,6 +1,6 @@
 """The ``spec`` of the InferenceService CRD: the roles and their pods, the router, access
 control, and the rules that tie the parts together (either ``mixed`` or ``prefill`` and
-``decode``; what disaggregated serving needs; tensor parallelism within the GPUs).
+``decode``; what disaggregated serving needs; one GPU per tensor-parallel rank).
 
 The parts that run in an engine pod are in ``crd_engine``, autoscaling in ``crd_autoscaling``.
 """
@@ -37,21 +37,28 @@ def _resources() -> dict[str, Any]:
         "Compute resources of each engine pod of this role.",
         {
             "gpus": integer(
-                "GPUs (gpuResourceName) per pod. Today the engine runs on the CPU only, so 0 is "
-                "the only value the operator accepts (InvalidSpec otherwise). Planned (issue "
-                "17): GPU workers, one per tensor-parallel rank, engine.tensorParallelSize "
-                "not exceeding this.",
+                "GPUs (gpuResourceName) per pod. 0 (the default) runs the engine on the CPU, "
+                "where engine.tensorParallelSize is the number of worker processes in the engine "
+                "container. Above 0 it must equal engine.tensorParallelSize: one GPU worker per "
+                "tensor-parallel rank. GPU workers have not been run anywhere (no paddle GPU "
+                "build installs where Ketch is built and tested); while the engine build does "
+                "not run them, the operator refuses gpus above 0 (InvalidSpec).",
                 default=0,
                 minimum=0,
                 maximum=16,
             ),
             "gpuResourceName": string(
-                "Extended resource name of the GPUs (for the planned GPU workers).",
+                "Extended resource name of the GPUs (for GPU workers, not run yet: see gpus).",
                 default="nvidia.com/gpu",
                 maxLength=253,
             ),
             "cpu": string(
-                "CPU request and limit of the engine container, e.g. '8'.",
+                "CPU request and limit of the engine container, e.g. '8'. On a CPU role (gpus "
+                "0) it also sizes the model's threads: each of the engine.tensorParallelSize "
+                "worker processes gets (whole CPUs - 1) / tensorParallelSize threads, rounded "
+                "down, at least 1 (one CPU is left to the API server and the engine), unless "
+                "engine.numThreads is set; with tensorParallelSize above 1 it must be at least "
+                "that many CPUs.",
                 pattern=QUANTITY_PATTERN,
                 maxLength=QUANTITY_MAX_LENGTH,
             ),
@@ -159,9 +166,10 @@ def _auth() -> dict[str, Any]:
 def _tp_rule(role: str) -> tuple[str, str, str]:
     gpus = f"self.roles.{role}.resources.gpus"
     return (
-        f"!has(self.roles.{role}) || {gpus} == 0 || self.engine.tensorParallelSize <= {gpus}",
-        f"engine.tensorParallelSize must not exceed roles.{role}.resources.gpus (one GPU per "
-        "tensor-parallel rank)",
+        f"!has(self.roles.{role}) || {gpus} == 0 || self.engine.tensorParallelSize == {gpus}",
+        f"engine.tensorParallelSize must equal roles.{role}.resources.gpus when that is above 0 "
+        "(one GPU per tensor-parallel rank); with gpus 0 the ranks are worker processes on "
+        "the CPU",
         ".engine.tensorParallelSize",
     )
 
@@ -208,12 +216,6 @@ def spec_schema() -> dict[str, Any]:
                 "roles.prefill/decode (disaggregated serving) need auth.peerKeySecretRef: a Secret "
                 "with the key their pd-comm and kv-transfer ports authenticate peers with",
                 ".auth",
-            ),
-            (
-                "!has(self.roles.mixed) || self.engine.tensorParallelSize == 1 "
-                "|| self.roles.mixed.resources.gpus > 0",
-                "engine.tensorParallelSize > 1 needs GPUs (roles.*.resources.gpus)",
-                ".engine.tensorParallelSize",
             ),
         ),
     )

@@ -2,11 +2,13 @@
 
 The engine refuses some settings only at start-up (``ketch.engine.capabilities``): a dtype or a
 tensor-parallel size it does not run, GPUs it cannot use, and, for a model whose facts are known
-without its checkpoint (the built-in ``tiny``), a ``max_model_len`` or KV cache it cannot honour.
-One more is the pod's: the KV cache is a segment in the pod's memory-backed ``/dev/shm``, so it
-must fit ``engine.shmSize``. A pod with any of these would crash-loop, so the operator refuses
-the spec (``spec.parse``: ``InvalidSpec``, then ``Degraded``) and ``check-wiring`` reports the
-rendered pod; both go through ``problems``, so they say the same thing.
+without its checkpoint (the built-in ``tiny``), a ``max_model_len``, KV cache or
+tensor-parallel size it cannot honour. The rest are the pod's: the KV cache is a segment in the
+pod's memory-backed ``/dev/shm``, so it must fit ``engine.shmSize``; a GPU pod holds one GPU per
+tensor-parallel rank; the worker processes of a CPU pod need a CPU each. A pod with any of these
+would crash-loop or stall, so the operator refuses the spec (``spec.parse``: ``InvalidSpec``,
+then ``Degraded``) and ``check-wiring`` reports the rendered pod; both go through ``problems``,
+so they say the same thing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.operator import engine_fields
+from ketch.operator.quantity import QuantityError, parse
 
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?")
 _UNITS = {
@@ -50,8 +53,8 @@ def known_model(model: str) -> ModelConfig | None:
 
 def spec_field(setting: str, role: str) -> str:
     """The InferenceService field that sets ``setting`` for ``role``'s pods."""
-    if setting == "gpus":
-        return f"spec.roles.{role}.resources.gpus"
+    if setting in ("gpus", "cpu"):
+        return f"spec.roles.{role}.resources.{setting}"
     if setting == "shm_size":
         return "spec.engine.shmSize"
     return engine_fields.flag_source(flag_name(setting)) or setting
@@ -71,22 +74,64 @@ def problems(
     role: str,
     gpus: int,
     shm_size: str | None,
+    cpu: str | None = None,
     named: Callable[[str], str] | None = None,
 ) -> list[str]:
     """``"<field>: <value>: <why>"`` for each reason ``role``'s pods could not run ``config``.
 
     ``gpus``: the GPUs each pod gets; ``shm_size``: the sizeLimit of its ``/dev/shm`` (None:
-    unlimited). ``named(setting)`` names where a setting came from (default: the spec field)."""
+    unlimited); ``cpu``: the engine container's CPU limit (None: none). ``named(setting)`` names
+    where a setting came from (default: the spec field)."""
     name = named or (lambda setting: spec_field(setting, role))
     model = known_model(config.model)
     out = [
         f"{name(r.setting)}: {r.value}: {r.reason}"
         for r in refusals(config, model=model, gpus=gpus)
     ]
+    out += _rank_problems(config, gpus, cpu, name)
     limit = quantity_bytes(shm_size) if shm_size is not None else None
     if limit is not None:
         out += _shm_problems(config, model, shm_size, limit, name)
     return out
+
+
+def cpu_count(cpu: str | None) -> float | None:
+    """A CPU quantity ('2', '500m', '1.5') as a number of CPUs; None if none or not one."""
+    if cpu is None:
+        return None
+    try:
+        return float(parse(str(cpu))[0])
+    except QuantityError:
+        return None
+
+
+def threads_per_rank(cpu: str, tensor_parallel_size: int) -> int:
+    """The model threads of each worker process in a CPU pod with ``cpu`` CPUs: the whole CPUs
+    but one (the API server and the engine process need it, as under ``ketch serve``'s own
+    default), shared by the ranks; at least 1. The engine cannot see the pod's limit itself:
+    the CPU affinity it reads is the node's every core, which a CFS quota then throttles."""
+    whole = int(cpu_count(cpu) or 0)
+    return max(1, (whole - 1) // tensor_parallel_size)
+
+
+def _rank_problems(
+    config: EngineConfig, gpus: int, cpu: str | None, name: Callable[[str], str]
+) -> list[str]:
+    """One GPU per rank in a GPU pod; a CPU per worker process in a CPU pod."""
+    tp = config.tensor_parallel_size
+    if gpus > 0 and tp != gpus:
+        return [
+            f"{name('tensor_parallel_size')}: {tp}: must equal {name('gpus')} ({gpus}) when "
+            "that is above 0: one GPU per tensor-parallel rank"
+        ]
+    cpus = cpu_count(cpu)
+    if gpus == 0 and tp > 1 and cpus is not None and cpus < tp:
+        return [
+            f"{name('cpu')}: {cpu}: {tp} tensor-parallel ranks ({name('tensor_parallel_size')}) "
+            f"need at least {tp} CPUs, one per worker process: the ranks meet in an all_reduce "
+            "in every layer, so one waiting for CPU time stalls them all"
+        ]
+    return []
 
 
 def _shm_problems(

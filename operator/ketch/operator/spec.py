@@ -147,13 +147,19 @@ class ServiceSpec:
         return self.spec["ports"]
 
     def engine_settings(self, role: str) -> dict[str, Any]:
-        """The role's config file for 'ketch serve': every field the spec sets, plus the role."""
+        """The role's config file for 'ketch serve': every field the spec sets, plus the role,
+        and on a CPU role with ``resources.cpu`` the threads of each worker process
+        (``runnable.threads_per_rank``) unless ``engine.numThreads`` sets them."""
         values = engine_fields.engine_settings(self.spec)
         values["model"] = model_path(self.spec["model"]["uri"])
         values["served_model_name"] = self.spec["model"].get("name") or default_served_name(
             self.spec["model"]["uri"], self.name
         )
         values["role"] = role
+        resources = self.role(role)["resources"]
+        if resources["gpus"] == 0 and resources.get("cpu") and "num_threads" not in values:
+            tp = values.get("tensor_parallel_size", 1)
+            values["num_threads"] = runnable.threads_per_rank(resources["cpu"], tp)
         if role == "decode":  # pairing headers may name only these prefill pods' pd-comm ports
             peers = f"{self.name}-prefill-peers.{self.namespace}.svc"
             values["pd_prefill_peers"] = f"{peers}:{self.spec['ports']['pdComm']}"
@@ -260,8 +266,11 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
             ServerConfig(**{k: v for k, v in values.items() if k not in engine_names})
         except ValueError as exc:
             raise InvalidSpec([f"spec.engine: {exc}"]) from exc
-        gpus, shm = service.role(role)["resources"]["gpus"], spec["engine"]["shmSize"]
-        for problem in runnable.problems(engine, role=role, gpus=gpus, shm_size=shm):
+        res, shm = service.role(role)["resources"], spec["engine"]["shmSize"]
+        found = runnable.problems(
+            engine, role=role, gpus=res["gpus"], shm_size=shm, cpu=res.get("cpu")
+        )
+        for problem in found:
             if problem not in problems:  # spec.engine fields apply to every role
                 problems.append(problem)
     if problems:  # what the engine would refuse at start-up: pods that would crash-loop

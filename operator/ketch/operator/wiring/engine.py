@@ -1,8 +1,8 @@
 """Each rendered ``ketch serve``'s engine configuration vs what this engine build runs.
 
 The configuration is the one the process would build (its role file from the ConfigMap, then its
-flags); the pod gives the rest: the GPUs in the container's resources and the sizeLimit of the
-``/dev/shm`` volume it mounts. ``ketch.operator.runnable`` says what the engine would refuse,
+flags); the pod gives the rest: the GPUs and CPUs in the container's resources and the sizeLimit
+of the ``/dev/shm`` volume it mounts. ``ketch.operator.runnable`` says what the engine would refuse,
 naming each value by the InferenceService field it was rendered from, or by the flag in the
 container's args when a flag set it.
 """
@@ -34,7 +34,12 @@ def check_engine(proc: Process, pod: Pod) -> list[str]:
         return runnable.spec_field(setting, role)
 
     found = runnable.problems(
-        config, role=role, gpus=gpu_count(proc.container), shm_size=shm, named=named
+        config,
+        role=role,
+        gpus=gpu_count(proc.container),
+        shm_size=shm,
+        cpu=cpu_limit(proc.container),
+        named=named,
     )
     return [f"{proc.where}: {problem}" for problem in found]
 
@@ -49,6 +54,16 @@ def gpu_count(container: Obj) -> int:
         for name, value in asked.items()
         if "/" in name and "gpu" in name.lower() and str(value).replace(".", "", 1).isdigit()
     )
+
+
+def cpu_limit(container: Obj) -> str | None:
+    """The container's CPU limit, else its request (what the ranks' threads share)."""
+    resources = container.get("resources") or {}
+    for key in ("limits", "requests"):
+        value = (resources.get(key) or {}).get("cpu")
+        if value is not None:
+            return str(value)
+    return None
 
 
 def shm_size_limit(container: Obj, pod: Pod) -> str | None:
