@@ -37,7 +37,8 @@ if "KETCH_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["KETCH_CACHE_DIR"], True)
 _LEAK_WAIT_S = 10.0
 
-# name -> (architecture, overrides). Every variant uses GQA (4 query heads, 2 KV heads).
+# name -> (architecture, overrides). Every variant uses GQA (4 query heads, 2 KV heads; one KV
+# head in qwen2-mqa, fewer KV heads than tensor-parallel ranks at tp 2).
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "llama-tied-llama3rope": (
@@ -65,6 +66,7 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen2": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "qwen2-untied": ("qwen2", {"num_hidden_layers": 3}),
+    "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
 }
 
 

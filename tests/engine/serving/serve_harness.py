@@ -94,12 +94,22 @@ class Server:
         """The model worker process: the engine's spawn child."""
         return self._spawned_child(self.engine_pid())
 
+    def worker_pids(self) -> list[int]:
+        """Every model worker process (one per tensor-parallel rank), in start order."""
+        return self._spawned_children(self.engine_pid())
+
     def _spawned_child(self, parent: int) -> int:
+        return self._spawned_children(parent)[0]
+
+    def _spawned_children(self, parent: int) -> list[int]:
+        found = []
         for pid in self.children(parent):
             with contextlib.suppress(OSError):
                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return pid
-        raise AssertionError(f"no spawned child of {parent}: {self.children(parent)}")
+                    found.append(pid)
+        if not found:
+            raise AssertionError(f"no spawned child of {parent}: {self.children(parent)}")
+        return sorted(found, key=lambda pid: int(_start_time(pid) or 0))
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; also kills any child left behind. Returns the code."""
