@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from procs import wait_for
 from serve_harness import greedy, running_server
 
 from ketch.engine.worker.shm import group_segment_name, shm_names
+from procs import wait_for
 
 PROMPTS = ["Alice was beginning to get very tired", "The rabbit", "Down, down, down"]
 MAX_TOKENS = 16
