@@ -137,3 +137,50 @@ def _forward(path, rank, world, kv_name, comm_name, sequences, splits, group_kin
             pieces[i].append(logits[span.start : span.start + span.query_len])
     del cache, model  # the views go before the mappings close
     return [np.concatenate(p) for p in pieces] if rank == 0 else None
+
+
+def run_ranks(job, world: int, slot_bytes: int, *args) -> list:
+    """``job(group, *args)`` on ``world`` spawned ranks sharing one ``ShmGroup`` segment; each
+    rank's return value (or the text of what it raised), in rank order."""
+    from ketch.kernels.collective import ShmGroup
+
+    comm = SharedMemory(create=True, size=ShmGroup.nbytes(world, slot_bytes))
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [
+        spawn.Process(
+            target=_group_job,
+            args=(job, r, world, comm.name, slot_bytes, args, results),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        for process in ranks:
+            process.start()
+        found = dict(results.get(timeout=120) for _ in ranks)
+        return [found[r] for r in range(world)]
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        comm.close()
+        comm.unlink()
+
+
+def _group_job(job, rank, world, comm_name, slot_bytes, args, results):
+    import traceback
+
+    from ketch.engine.worker.shm import attach_segment
+    from ketch.kernels.collective import ShmGroup
+
+    segment = attach_segment(comm_name)
+    group = ShmGroup(segment.buf, rank, world, slot_bytes=slot_bytes, timeout_s=args[-1])
+    try:
+        results.put((rank, job(group, *args[:-1])))
+    except Exception as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-300:]}"))
+    finally:
+        del group
