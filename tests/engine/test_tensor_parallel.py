@@ -133,3 +133,9 @@ def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str)
     assert not mismatches, (
         f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
     )
+
+
+def test_an_unknown_collective_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("KETCH_TP_COLLECTIVE", "carrier-pigeon")
+    with pytest.raises(ValueError, match="KETCH_TP_COLLECTIVE='carrier-pigeon': choose one of"):
+        LLM("tiny", tensor_parallel_size=2)

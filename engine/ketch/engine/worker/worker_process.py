@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 500
 COLLECTIVE_ENV = "KETCH_TP_COLLECTIVE"  # shm (default) | paddle
+COLLECTIVES = ("shm", "paddle")
 
 
 def free_tcp_port() -> int:
@@ -152,6 +153,11 @@ class RemoteRunner:
 
     def __init__(self, config: RunnerConfig, port: int, start_timeout: float = 600.0) -> None:
         world = config.tensor_parallel_size
+        if os.environ.get(COLLECTIVE_ENV, "shm") not in COLLECTIVES:
+            raise ValueError(
+                f"{COLLECTIVE_ENV}={os.environ[COLLECTIVE_ENV]!r}: choose one of "
+                f"{', '.join(COLLECTIVES)}"
+            )
         if config.num_threads is None:
             # The API server and the engine need a core too: a worker that takes them all
             # stalls in its own thread barriers (measured on 2 cores: 1 thread serves 1.46x
