@@ -141,31 +141,48 @@ def step_breakdown(path: str, world: int, threads: int, batch: int, context: int
     )  # fmt: skip
     kv = SharedMemory(create=True, size=size)
     comm = SharedMemory(create=True, size=ShmGroup.nbytes(max(world, 1)))
-    spawn = multiprocessing.get_context("spawn")
-    out = spawn.Queue()
-    ranks = [
-        spawn.Process(
-            target=_step_rank,
-            args=(path, r, world, threads, kv.name, comm.name, batch, context, steps, out),
-        )
-        for r in range(world)
-    ]
     try:
-        for p in ranks:
-            p.start()
-        results = sorted(out.get(timeout=600) for _ in ranks)
-        for p in ranks:
-            p.join(60)
+        results = _on_ranks(
+            world,
+            _step_rank,
+            lambda r, out: (
+                path,
+                r,
+                world,
+                threads,
+                kv.name,
+                comm.name,
+                batch,
+                context,
+                steps,
+                out,
+            ),
+        )
     finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
         for segment in (kv, comm):
             segment.close()
             segment.unlink()
     step = max(r[1] for r in results)
     reduce = max(r[2] for r in results)
     return step, reduce
+
+
+def _on_ranks(world: int, target, args) -> list:
+    """``target(*args(rank, queue))`` on ``world`` spawned ranks; what each put, by rank."""
+    spawn = multiprocessing.get_context("spawn")
+    out = spawn.Queue()
+    ranks = [spawn.Process(target=target, args=args(r, out)) for r in range(world)]
+    try:
+        for p in ranks:
+            p.start()
+        results = sorted(out.get(timeout=600) for _ in ranks)
+        for p in ranks:
+            p.join(60)
+        return results
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
 
 
 def broadcast_cost(batch: int, world: int, repeats: int = 300) -> float:
@@ -256,22 +273,11 @@ def _reduce_timing(shape, kind: str) -> float:
 
     comm = SharedMemory(create=True, size=ShmGroup.nbytes(2))
     endpoints = [f"127.0.0.1:{free_tcp_port()}" for _ in range(2)]
-    spawn = multiprocessing.get_context("spawn")
-    out = spawn.Queue()
-    ranks = [
-        spawn.Process(target=_reduce_rank, args=(kind, r, comm.name, endpoints, shape, out))
-        for r in range(2)
-    ]
     try:
-        for p in ranks:
-            p.start()
-        results = [out.get(timeout=300) for _ in ranks]
-        for p in ranks:
-            p.join(60)
+        results = _on_ranks(
+            2, _reduce_rank, lambda r, out: (kind, r, comm.name, endpoints, shape, out)
+        )
     finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
         comm.close()
         comm.unlink()
     return max(r[1] for r in results)

@@ -25,7 +25,7 @@ def parallel_logits(
     from ketch.kernels.collective import ShmGroup, tp_environment
 
     config = ModelConfig.from_dir(path)
-    num_blocks = sum(-(-len(s) // BLOCK) for s in sequences) + 1
+    num_blocks = num_blocks_for(sequences)
     size = KVCache.nbytes(
         config.num_hidden_layers, num_blocks, BLOCK, config.num_key_value_heads, config.head_dim
     )
@@ -77,9 +77,6 @@ def _rank(path, rank, world, kv_name, comm_name, sequences, splits, group, resul
 
 
 def _forward(path, rank, world, kv_name, comm_name, sequences, splits, group_kind):
-    import paddle
-
-    from ketch.engine.models.attention import SequenceSpan
     from ketch.engine.models.backend import build_model
     from ketch.engine.models.config import ModelConfig
     from ketch.engine.models.loader import load_weights
@@ -99,18 +96,37 @@ def _forward(path, rank, world, kv_name, comm_name, sequences, splits, group_kin
         group = ShmGroup(comm.buf, rank, world, slot_bytes=1 << 16)
     weights = load_weights(path, config, "float32", shard)
     model = build_model("native", config, weights, 1024, 1, shard=shard, group=group)
-    blocks_each = [-(-len(s) // BLOCK) for s in sequences]
     cache = KVCache(
         config.num_hidden_layers,
-        sum(blocks_each) + 1,
+        num_blocks_for(sequences),
         BLOCK,
         config.num_key_value_heads,
         config.head_dim,
         buffer=kv.buf,
         heads=shard.kv_heads,
     )
+    logits = chunked_logits(model, cache, sequences, splits)
+    assert (logits is None) == (rank != 0), "only rank 0 computes logits"
+    del cache, model  # the views go before the mappings close
+    return logits
+
+
+def num_blocks_for(sequences: list[list[int]]) -> int:
+    """KV blocks for every sequence's own table, plus the reserved block 0."""
+    return sum(-(-len(s) // BLOCK) for s in sequences) + 1
+
+
+def chunked_logits(model, cache, sequences: list[list[int]], splits: list[int]):
+    """Logits at every position of every sequence from ``model`` over ``cache``, in two batched
+    steps: ``[0, split)`` of each, then the rest (a split at the last token is a decode step).
+    None on a tensor-parallel rank other than 0."""
+    import paddle
+
+    from ketch.engine.models.attention import SequenceSpan
+
     tables, next_block = [], 1
-    for n in blocks_each:
+    for seq in sequences:
+        n = -(-len(seq) // BLOCK)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     pieces: list[list[np.ndarray]] = [[] for _ in sequences]
@@ -129,14 +145,12 @@ def _forward(path, rank, world, kv_name, comm_name, sequences, splits, group_kin
                 model.metadata(spans, BLOCK, cache.num_blocks),
                 paddle.to_tensor(np.arange(len(ids), dtype=np.int64)),
             )
-        if rank != 0:
-            assert logits is None, "only rank 0 computes logits"
+        if logits is None:
             continue
         logits = logits.numpy()
         for i, span in enumerate(spans):
             pieces[i].append(logits[span.start : span.start + span.query_len])
-    del cache, model  # the views go before the mappings close
-    return [np.concatenate(p) for p in pieces] if rank == 0 else None
+    return [np.concatenate(p) for p in pieces] if pieces[0] else None
 
 
 def run_ranks(job, world: int, slot_bytes: int, *args) -> list:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tp_harness import BLOCK, chunked_logits, num_blocks_for
 
 from hf_models import hf_model
-from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
@@ -24,7 +24,6 @@ from ketch.engine.worker.model_runner import configure_paddle
 from ketch.kernels import CpuKernels
 from ketch.kernels.paged_attention import PagedAttention
 
-BLOCK = 16
 TOLERANCE = 1e-4
 
 
@@ -36,50 +35,20 @@ def engine_logits(
     backend: str = "eager",
 ) -> list[np.ndarray]:
     """Logits at every position of every sequence, computed in two batched chunked steps."""
-    import paddle
-
     threads = configure_paddle(None)
     config = ModelConfig.from_dir(path)
     weights = load_weights(path, config, "float32")
     model = build_model(backend, config, weights, 1024, threads, kernels)
     if backend == "predictor":
         model.eager_below_tokens = 0  # every step on the predictor
-    blocks_each = [-(-len(s) // BLOCK) for s in sequences]
     cache = KVCache(
         config.num_hidden_layers,
-        sum(blocks_each) + 1,
+        num_blocks_for(sequences),
         BLOCK,
         config.num_key_value_heads,
         config.head_dim,
     )
-    tables, next_block = [], 1
-    for n in blocks_each:
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    pieces: list[list[np.ndarray]] = [[] for _ in sequences]
-
-    def meta(spans: list[SequenceSpan]):
-        return model.metadata(spans, BLOCK, cache.num_blocks)
-
-    for chunk in range(2):
-        ids, pos, spans = [], [], []
-        for seq, split, table in zip(sequences, splits, tables, strict=True):
-            lo, hi = (0, split) if chunk == 0 else (split, len(seq))
-            spans.append(SequenceSpan(len(ids), hi - lo, hi, table))
-            ids += seq[lo:hi]
-            pos += list(range(lo, hi))
-        rows = paddle.to_tensor(np.arange(len(ids), dtype=np.int64))
-        with paddle.no_grad():
-            logits = model.forward(
-                paddle.to_tensor(np.array(ids, dtype=np.int64)),
-                paddle.to_tensor(np.array(pos, dtype=np.int64)),
-                cache.layers,
-                meta(spans),
-                rows,
-            ).numpy()
-        for i, span in enumerate(spans):
-            pieces[i].append(logits[span.start : span.start + span.query_len])
-    return [np.concatenate(p) for p in pieces]
+    return chunked_logits(model, cache, sequences, splits)
 
 
 def reference_logits(path: Path, sequences: list[list[int]]) -> list[np.ndarray]:
