@@ -241,7 +241,7 @@ def target(name: str, met: bool, figure: str) -> str:
 # ---------------------------------------------------------------- environment
 
 
-def environment(vllm: str, threads: int, cores: list[int]) -> str:
+def environment(vllm: str, threads: int, cores: list[int], tp: int = 1) -> str:
     import importlib.metadata as md
 
     info = Path("/proc/cpuinfo").read_text()
@@ -258,7 +258,8 @@ def environment(vllm: str, threads: int, cores: list[int]) -> str:
         f"{os.cpu_count()} cores, affinity {sorted(os.sched_getaffinity(0))}; "
         f"load average {load1:.2f} / {load5:.2f} (1 / 5 min)",
         f"ketch {commit}, paddlepaddle {md.version('paddlepaddle')}; {vllm}",
-        f"threads: Ketch --num-threads {threads} (worker, unpinned); vLLM "
+        f"threads: Ketch --num-threads {threads} x --tensor-parallel-size {tp} (workers, "
+        f"unpinned); vLLM "
         f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, cores))} -> OMP_NUM_THREADS={threads} "
         "(worker pinned); API servers and schedulers on the remaining core(s)",
     ])  # fmt: skip
@@ -281,6 +282,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="compute threads of each server")
+    parser.add_argument(
+        "--ketch-tp",
+        type=int,
+        default=1,
+        help="Ketch's tensor-parallel ranks (worker processes of --threads threads each); 2 on a "
+        "2-core machine puts both cores to the model, vLLM keeps --threads",
+    )
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument(
         "--checkpoint-dir", type=Path, default=Path.home() / ".cache" / "ketch-bench" / "vs-vllm"
@@ -303,7 +311,7 @@ def main() -> None:
     counts = dict(zip(levels, (int(n) for n in args.requests.split(",")), strict=True))
     cores = sorted(os.sched_getaffinity(0))[-args.threads :]
     vllm = vllm_versions(args.vllm_bin)
-    header = environment(vllm, args.threads, cores)
+    header = environment(vllm, args.threads, cores, args.ketch_tp)
     print(header, flush=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     print(f"server logs: {logs}\n", flush=True)
@@ -317,7 +325,10 @@ def main() -> None:
         sets = {c: word_prompts(vocab, n, seed=c) for c, n in counts.items()}
         warm = word_prompts(vocab, 8, seed=1000)
         for round_ in range(args.rounds):
-            specs = [ketch_spec(ckpt, args.threads), vllm_spec(ckpt, args.vllm_bin, cores)]
+            specs = [
+                ketch_spec(ckpt, args.threads, args.ketch_tp),
+                vllm_spec(ckpt, args.vllm_bin, cores),
+            ]
             for spec in specs if round_ % 2 == 0 else specs[::-1]:
                 print(f"  {model} round {round_ + 1}: {spec.name} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip

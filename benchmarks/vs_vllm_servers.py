@@ -55,16 +55,18 @@ class ServerSpec:
     shm_names: str  # a regex matching the /dev/shm names this server creates
 
 
-def ketch_spec(ckpt: Path, threads: int) -> ServerSpec:
+def ketch_spec(ckpt: Path, threads: int, tensor_parallel: int = 1) -> ServerSpec:
+    """``threads`` per worker process; ``tensor_parallel`` worker processes (ranks)."""
     port, worker, cache, pd = free_ports(4)
     command = [
         KETCH, "serve", "--model", str(ckpt), "--served-model-name", SERVED_MODEL,
         "--host", HOST, "--port", str(port), "--engine-worker-queue-port", str(worker),
         "--cache-queue-port", str(cache), "--pd-comm-port", str(pd),
         "--max-num-seqs", "128", "--kv-cache-memory", f"{KV_GIB}GiB",
-        "--num-threads", str(threads), "--log-level", "INFO",
+        "--num-threads", str(threads), "--tensor-parallel-size", str(tensor_parallel),
+        "--log-level", "INFO",
     ]  # fmt: skip
-    return ServerSpec("ketch", command, port, {}, rf"ketch-(kv|status)-{worker}")
+    return ServerSpec("ketch", command, port, {}, rf"ketch-(kv|status|tp)-{worker}")
 
 
 def vllm_spec(ckpt: Path, vllm_bin: Path, cores: list[int]) -> ServerSpec:
