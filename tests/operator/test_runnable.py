@@ -149,6 +149,18 @@ def test_kv_cache_larger_than_shm_names_both_fields():
     assert "spec.engine.shmSize 2Gi" in problems(checkpoint)[0]
 
 
+def test_tensor_parallel_ranks_need_their_collectives_segment_in_shm_too():
+    """At tp > 1 the ranks' all-reduce segment (ShmGroup.nbytes) lives beside the KV cache."""
+    from ketch.kernels.collective import ShmGroup
+
+    exact = {"kvCacheMemory": "64MiB", "shmSize": "64Mi", "numThreads": 1}
+    parse(mixed(exact))  # tp 1: the KV cache alone fits exactly
+    [problem] = problems(mixed({**exact, "tensorParallelSize": 2}))
+    assert f"the 2 ranks' collectives segment ({ShmGroup.nbytes(2)} bytes)" in problem
+    room = 64 + -(-ShmGroup.nbytes(2) // 2**20)
+    parse(mixed({**exact, "tensorParallelSize": 2, "shmSize": f"{room}Mi"}))
+
+
 def test_the_message_is_the_engines_own():
     """Same words as ketch.engine.capabilities, which LLMEngine raises at start-up."""
     [problem] = problems(mixed({"dtype": "bfloat16"}))

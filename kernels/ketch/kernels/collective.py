@@ -20,10 +20,12 @@ both groups to it).
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import paddle
+
+if TYPE_CHECKING:  # paddle is imported where it is used: the operator (no paddle) sizes segments
+    import paddle
 
 CTRL_STRIDE = 16  # int64 slots per rank in the control block (csrc/comm.cc)
 DEFAULT_SLOT_BYTES = 4 << 20  # per rank and buffer: larger tensors are reduced in chunks
@@ -58,6 +60,8 @@ class ShmGroup:
             raise ValueError(f"slot_bytes must be a positive multiple of 8, not {slot_bytes}")
         if len(buffer) < self.nbytes(world, slot_bytes):
             raise ValueError(f"the segment holds {len(buffer)} bytes, the group needs more")
+        import paddle
+
         from ketch.kernels import cpp_ops
 
         self._op = cpp_ops.ops().ketch_shm_all_reduce
@@ -92,7 +96,7 @@ class PaddleGroup:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = x.clone()
+        out = x.clone()  # paddle.distributed reduces in place
         self._dist.all_reduce(out)
         return out
 
@@ -103,6 +107,8 @@ class PaddleGroup:
 def _broadcast_bytes(group: Group, payload: bytes | None) -> bytes:
     """Rank 0's ``payload`` on every rank (the others pass None): an int32 all-reduce where the
     other ranks bring zeros, which adds exactly."""
+    import paddle
+
     if group.rank == 0:
         if payload is None or len(payload) > MAX_BROADCAST_BYTES:
             raise ValueError("rank 0 broadcasts bytes of at most 2 GiB")

@@ -22,6 +22,7 @@ from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import TINY_MODEL_DIR
+from ketch.kernels.collective import ShmGroup
 from ketch.operator import engine_fields
 from ketch.operator.quantity import QuantityError, parse
 
@@ -142,18 +143,22 @@ def _shm_problems(
     name: Callable[[str], str],
 ) -> list[str]:
     """The KV cache is a segment in /dev/shm: it must fit there (the worker writes all of it
-    before the engine is ready)."""
+    before the engine is ready), beside the tensor-parallel ranks' collectives segment."""
     if model is not None:
         size = kv_cache_bytes(config, model)
     elif config.num_kv_blocks is None:
         size = config.kv_cache_bytes  # the segment is at most this (whole blocks of it)
     else:
         return []  # blocks of a checkpoint whose size is not known here
-    if size <= limit:
+    tp = config.tensor_parallel_size
+    group = ShmGroup.nbytes(tp) if tp > 1 else 0
+    if size + group <= limit:
         return []
     setting = "kv_cache_memory" if config.num_kv_blocks is None else "num_kv_blocks"
+    beside = f" and the {tp} ranks' collectives segment ({group} bytes)" if group else ""
     return [
         f"{name(setting)}: {getattr(config, setting)}: the KV cache ({size} bytes) is a segment "
-        f"in the pod's /dev/shm, which {name('shm_size')} {shm_size} ({limit} bytes) cannot "
-        "hold: the engine would fail as it fills it at start-up; raise the one or lower the other"
+        f"in the pod's /dev/shm{beside}, which {name('shm_size')} {shm_size} ({limit} bytes) "
+        "cannot hold: the engine would fail as it fills it at start-up; raise the one or lower "
+        "the other"
     ]
