@@ -22,12 +22,10 @@ def stream(llm: LLM, prompt: str, params: SamplingParams) -> tuple[str, list[int
     engine.add_request("streamed", prompt, params)
     text, tokens, reason = "", [], None
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            completion = output.outputs[0]
-            text += completion.delta_text
-            tokens += completion.delta_token_ids
-            assert completion.token_ids == tokens
-            reason = completion.finish_reason
+        for delta in engine.step():
+            text += delta.new_text
+            tokens += delta.new_token_ids
+            reason = delta.finish_reason
     return text, tokens, reason
 
 

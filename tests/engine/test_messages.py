@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ketch.engine.core.messages import (
@@ -14,15 +16,27 @@ from ketch.engine.core.messages import (
     decode,
     encode,
 )
+from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.wire import MessageError
 
 MESSAGES = [
     AddRequest("a", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=3), True),
     AbortRequests(["a", "b"]),
     StepOutputs(
         [
-            RequestDelta("a", [4, 5], "hé", None, None, 3, 0, [(4, -0.1, [(4, -0.1), (9, -2.0)])]),
+            RequestDelta(
+                "a",
+                [4, 5],
+                "hé",
+                None,
+                None,
+                3,
+                0,
+                [TokenLogprob(4, -0.1, [(4, -0.1), (9, -2.0)]), TokenLogprob(5, -0.7)],
+                [TokenLogprob(3, -5.0, [(8, -0.5)])],
+            ),
             RequestDelta("b", finish_reason="stop", stop_reason="x"),
             RequestDelta("c", error="prompt is empty"),
         ]
@@ -58,3 +72,33 @@ def test_invalid_sampling_params_are_refused_on_decode() -> None:
     data = encode(AddRequest("a", [1], SamplingParams()))
     with pytest.raises(ValueError, match="temperature"):
         decode(data.replace(b'"temperature": 1.0', b'"temperature": -1'))
+
+
+def _step(delta: dict) -> bytes:
+    return json.dumps({"type": "StepOutputs", "body": {"deltas": [delta]}}).encode()
+
+
+LP = {"token_id": 4, "logprob": -0.1}
+
+
+@pytest.mark.parametrize(
+    "delta, words",
+    [
+        ({"logprobs": [[4, -0.1, []]]}, "deltas[0].logprobs[0]: expected an object"),
+        ({"logprobs": [{"token_id": 4}]}, "missing field(s) ['logprob']"),
+        ({"logprobs": [{**LP, "token_id": -1}]}, "token_id must be"),
+        ({"logprobs": [{**LP, "top": [[4]]}]}, "logprobs[0].top[0]: expected 2 items"),
+        ({"logprobs": [{**LP, "top": [["4", 1.0]]}]}, "top[0][0]: expected an integer"),
+        ({"logprobs": [{**LP, "rank": 1}]}, "unknown field"),
+        ({"prompt_logprobs": LP}, "prompt_logprobs: expected a list"),
+        ({"error": "x", "error_code": 200}, "error_code must be an HTTP error"),
+        ({"new_token_ids": [True]}, "new_token_ids[0]: expected an integer"),
+        ({"new_text": 5}, "new_text: expected str"),
+    ],
+)
+def test_bad_deltas_are_refused_naming_the_field(delta: dict, words: str) -> None:
+    """What the engine process sends is checked by the API server like any peer's frame: a
+    malformed delta is a MessageError (the reader counts and drops it), never another error."""
+    with pytest.raises(MessageError) as refused:
+        decode(_step({"request_id": "a", **delta}))
+    assert words in str(refused.value) and "engine" in str(refused.value)

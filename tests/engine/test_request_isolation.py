@@ -40,11 +40,13 @@ def test_a_failing_request_fails_alone_and_its_blocks_come_back(poisoned) -> Non
     engine.add_request("bad", "Down the rabbit hole", _greedy(POISON_SEED))
     engine.add_request("good-1", prompts[1], _greedy())
     got: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
     failures: list[tuple[str, str]] = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                got[output.request_id] = output.outputs[0].token_ids
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.finished:
+                got[delta.request_id] = tokens[delta.request_id]
         failures += engine.take_failures()
     assert [rid for rid, _ in failures] == ["bad"]
     assert "OverflowError" in failures[0][1]
@@ -74,11 +76,12 @@ def test_a_failure_reported_for_an_id_the_engine_does_not_track_is_ignored(monke
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     engine.add_request("live", "The Mouse", _greedy())
-    got = {}
+    got, tokens = {}, {}
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                got[output.request_id] = output.outputs[0].token_ids
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.finished:
+                got[delta.request_id] = tokens[delta.request_id]
         assert engine.take_failures() == []
     assert got == {"live": want[0]}
     engine.scheduler.check_integrity()

@@ -22,6 +22,7 @@ from ketch.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from ketch.engine.disagg import messages as pd
+from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.worker import messages as worker
 
@@ -54,7 +55,8 @@ def test_steps_and_results_round_trip() -> None:
 def test_pd_and_cache_manager_messages_round_trip() -> None:
     for message in [
         pd.PrefillRequest(1, "r", [1, 2], PARAMS, 2**63, "m", LAYOUT, "h:1", [3, 4], 0, "e"),
-        pd.PrefillDone("r", 5, (-0.1, [(5, -0.1)]), 16, 1024, 0.5, 1.7e9),
+        pd.PrefillDone("r", 5, TokenLogprob(5, -0.1, [(5, -0.1)]), 16, 1024, 0.5, 1.7e9),
+        pd.PrefillDone("r", 5, prompt_logprobs=[TokenLogprob(2, -3.5, [(7, -0.2)])]),
         pd.PrefillFailed("r", "no", 503),
         cm.Swap(3, [(1, 2)], [(3, 4)]),
         cm.TransferHeader(2, "r", LAYOUT, [1, 2], "e", "n" * 32, layers=[0, 1], part=0, parts=1),
@@ -85,6 +87,20 @@ def _tagged(kind: str, body: object) -> bytes:
         (_tagged("PrefillDone", {"request_id": "r", "token_id": 10**30}), "64-bit"),
         (_tagged("PrefillDone", {"request_id": "r", "token_id": 1, "finished_at": "x"}), "at"),
         (_tagged("PrefillDone", {"request_id": "r", "token_id": 1, "logprob": [1.0]}), "logprob"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1, "logprob": [-1.0, []]}),
+         "logprob: expected an object"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1,
+                                 "logprob": {"token_id": 2, "logprob": -1.0}}), "of token 2"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1,
+                                 "logprob": {"token_id": 1, "logprob": "x"}}), "logprob.logprob"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1,
+                                 "logprob": {"token_id": 1, "logprob": -1.0, "top": [[1]]}}),
+         "logprob.top[0]: expected 2 items"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1,
+                                 "prompt_logprobs": [{"token_id": -4, "logprob": -1.0}]}),
+         "prompt_logprobs[0]: token_id must be >= 0"),
+        (_tagged("PrefillDone", {"request_id": "r", "token_id": 1,
+                                 "prompt_logprobs": [{"logprob": -1.0}]}), "missing field"),
         (_tagged("PrefillFailed", {"request_id": "r", "error": "", "status_code": 200}), "status"),
         (_tagged("PrefillFailed", {"request_id": "r", "error": "", "status_code": 10**9}), "code"),
     ],

@@ -111,9 +111,8 @@ def test_worker_survives_hostile_steps_and_then_serves_exactly() -> None:
             engine.add_request(str(i), prompt, GREEDY)
         done: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    done[output.request_id] = output.outputs[0].token_ids
+            for delta in engine.step():
+                done.setdefault(delta.request_id, []).extend(delta.new_token_ids)
         assert [done[str(i)] for i in range(len(PROMPTS))] == expected
         pool = engine.scheduler.kv_cache.pool
         assert pool.num_free_blocks == pool.num_usable_blocks

@@ -30,11 +30,10 @@ def free_port() -> int:
 def run(engine: LLMEngine) -> dict[str, list[int]]:
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
-    done = {}
+    done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0].token_ids
+        for delta in engine.step():
+            done.setdefault(delta.request_id, []).extend(delta.new_token_ids)
     return done
 
 

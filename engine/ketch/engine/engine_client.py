@@ -36,6 +36,7 @@ from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.shm import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
+        self.bad_messages = BadMessages("api-server")
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         # Called with each EngineSnapshot the engine sends (the server feeds its metrics).
@@ -173,11 +175,21 @@ class EngineClient:
                         data = self._outputs.recv(zmq.NOBLOCK).result()
                     except zmq.Again:
                         break
-                    self._dispatch(decode(data))
+                    self._take(data)
             elif not self._process or not self._process.is_alive():
                 code = self._process.exitcode if self._process else None
                 self._fail_all(f"the engine process exited (exit code {code})")
                 return
+
+    def _take(self, data: bytes) -> None:
+        """Routes one frame from the engine; a malformed one is counted and dropped (its
+        requests time out or end with the engine), never the end of the reader."""
+        try:
+            message = decode(data)
+        except MessageError as exc:
+            self.bad_messages.note("the engine process", exc)
+            return
+        self._dispatch(message)
 
     def _dispatch(self, message: object) -> None:
         if not isinstance(message, StepOutputs):
@@ -225,23 +237,29 @@ def _coalesce(delta: RequestDelta, queue: asyncio.Queue[RequestDelta]) -> Reques
     Under load the engine steps faster than a client can be written to; sending what piled up
     as one update keeps per-token overhead from growing with the backlog.
     """
-    while not delta.finished and not queue.empty():
+    if delta.finished or queue.empty():
+        return delta
+    pending = [delta]
+    while not pending[-1].finished and not queue.empty():
         nxt = queue.get_nowait()
         if nxt.error is not None:
             return nxt
-        logprobs = delta.logprobs
-        if nxt.logprobs is not None:
-            logprobs = [*(logprobs or []), *nxt.logprobs]
-        delta = RequestDelta(
-            request_id=delta.request_id,
-            new_token_ids=[*delta.new_token_ids, *nxt.new_token_ids],
-            new_text=delta.new_text + nxt.new_text,
-            finish_reason=nxt.finish_reason,
-            stop_reason=nxt.stop_reason,
-            num_prompt_tokens=nxt.num_prompt_tokens,
-            num_cached_tokens=nxt.num_cached_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=delta.prompt_logprobs or nxt.prompt_logprobs,
-            metrics=nxt.metrics,
-        )
-    return delta
+        pending.append(nxt)
+    last = pending[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in pending):
+        logprobs = [lp for d in pending for lp in d.logprobs or ()]
+    return RequestDelta(
+        request_id=delta.request_id,
+        new_token_ids=[t for d in pending for t in d.new_token_ids],
+        new_text="".join(d.new_text for d in pending),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=next(
+            (d.prompt_logprobs for d in pending if d.prompt_logprobs is not None), None
+        ),
+        metrics=last.metrics,
+    )

@@ -29,7 +29,6 @@ from ketch.engine.core.messages import (
 )
 from ketch.engine.disagg.coordinator import PDCoordinator
 from ketch.engine.lifecycle import exit_with_parent
-from ketch.engine.outputs import RequestOutput
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot
 from ketch.engine.wire import BadMessages, MessageError
@@ -174,7 +173,7 @@ class _Links:
         if self.pd is None:
             return []
         outputs, errors = self.pd.tick()
-        return [*(_delta(o) for o in outputs), *errors]
+        return [*outputs, *errors]
 
     def failures(self) -> list[tuple[str, str]]:
         """Requests that failed alone; a peer's prefills are answered to that peer."""
@@ -183,7 +182,7 @@ class _Links:
             failures = self.pd.prefill.on_failures(failures)
         return failures
 
-    def after_step(self, outputs: list) -> None:
+    def after_step(self, outputs: list[RequestDelta]) -> None:
         if self.pd is None:
             return
         self.pd.on_step_outputs(outputs)
@@ -252,7 +251,7 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
         if engine.has_unfinished_requests():
             step_outputs = engine.step()
             links.after_step(step_outputs)
-            deltas += [_delta(o) for o in step_outputs]
+            deltas += step_outputs
             for request_id, error in links.failures():  # one request's fault, not the engine's
                 deltas.append(
                     RequestDelta(request_id, error=f"internal error: {error}", error_code=500)
@@ -296,26 +295,3 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
             metrics += links.pd.abort(message.request_ids)
         for m in metrics:
             rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=m))
-
-
-def _delta(output: RequestOutput) -> RequestDelta:
-    completion = output.outputs[0]
-    new = completion.delta_token_ids
-    logprobs = None
-    if completion.logprobs is not None and new:
-        logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in completion.logprobs[-len(new) :]]
-    prompt_logprobs = None
-    if output.prompt_logprobs is not None and len(new) == len(completion.token_ids):  # first
-        prompt_logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in output.prompt_logprobs]
-    return RequestDelta(
-        request_id=output.request_id,
-        new_token_ids=new,
-        new_text=completion.delta_text,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(output.prompt_token_ids),
-        num_cached_tokens=output.num_cached_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        metrics=output.metrics,
-    )

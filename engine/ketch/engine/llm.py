@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from ketch.engine.choices import Choice, expand, group
 from ketch.engine.config import EngineConfig
 from ketch.engine.llm_engine import LLMEngine
 from ketch.engine.outputs import RequestOutput
@@ -35,27 +36,27 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
-        for prompt in prompt_list:
-            self.engine.tokenize_prompt(prompt)
-        groups: list[list[str]] = []
-        for prompt, p in zip(prompt_list, params_list, strict=True):
-            ids = []
-            for i in range(p.n):
-                request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p.for_choice(i), final_only=True)
-                ids.append(request_id)
-            groups.append(ids)
-        finished: dict[str, RequestOutput] = {}
+        tokenized = [self.engine.tokenize_prompt(prompt) for prompt in prompt_list]
+        choices = expand([ids for _, ids in tokenized], params_list)
+        by_id: dict[str, Choice] = {}
+        for choice in choices:
+            choice.request_id = str(next(self._ids))
+            self.engine.add_request(
+                choice.request_id, choice.prompt_token_ids, choice.params, final_only=True
+            )
+            by_id[choice.request_id] = choice
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+            for delta in self.engine.step():
+                by_id[delta.request_id].add(delta)
             failures = self.engine.take_failures()
             if failures:  # the others of this call are not left running behind the error
                 self.engine.abort_request(list(self.engine.scheduler.requests))
                 request_id, error = failures[0]
                 raise RuntimeError(f"request {request_id} failed: {error}")
-        return [_merge(ids, finished) for ids in groups]
+        outputs = group(choices, len(prompt_list))
+        for output, (text, _) in zip(outputs, tokenized, strict=True):
+            output.prompt = text
+        return outputs
 
     def chat(
         self,
@@ -95,22 +96,3 @@ def _as_params_list(
     if not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError("params must be a SamplingParams or a list of one per prompt")
     return params
-
-
-def _merge(ids: list[str], finished: dict[str, RequestOutput]) -> RequestOutput:
-    first = finished[ids[0]]
-    outputs = []
-    for index, request_id in enumerate(ids):
-        completion = finished[request_id].outputs[0]
-        completion.index = index
-        outputs.append(completion)
-    return RequestOutput(
-        request_id=first.request_id,
-        prompt=first.prompt,
-        prompt_token_ids=first.prompt_token_ids,
-        outputs=outputs,
-        finished=True,
-        num_cached_tokens=first.num_cached_tokens,
-        metrics=first.metrics,
-        prompt_logprobs=first.prompt_logprobs,
-    )

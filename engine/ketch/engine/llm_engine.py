@@ -15,7 +15,7 @@ from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
-from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.outputs import RequestDelta, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
@@ -29,13 +29,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Tracked:
-    """Engine-side bookkeeping for one request's outputs."""
+    """Engine-side bookkeeping for one request's outputs: what its next delta will carry."""
 
-    prompt: str | None
     detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenLogprob] | None  # of the tokens since the last delta
     final_only: bool = False
-    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
     emitted_tokens: int = 0
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -132,7 +131,7 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
-        text, token_ids = self.tokenize_prompt(prompt)
+        _, token_ids = self.tokenize_prompt(prompt)
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
@@ -154,7 +153,6 @@ class LLMEngine:
         elif request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._tracked[request_id] = _Tracked(
-            prompt=text,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.stop, params.skip_special_tokens
             ),
@@ -170,7 +168,7 @@ class LLMEngine:
         logprob: TokenLogprob | None,
         handover_seconds: float | None,
         prompt_logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput | None:
+    ) -> RequestDelta | None:
         """A request whose prompt a prefill peer computed (its KV is in ``request.block_ids``,
         its first token appended, its prompt scored if asked): emits that token, then decodes
         it here unless it is done."""
@@ -258,7 +256,9 @@ class LLMEngine:
 
     # ---- the step ----
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """Runs one step; returns a delta for each request it advanced (``final_only`` ones:
+        when they finish)."""
         sched = self.scheduler.schedule()
         self._last_batch_size = len(sched.num_scheduled_tokens)
         self.kv_cache.flush()  # evicted blocks reach the host swap before the worker reuses them
@@ -268,12 +268,16 @@ class LLMEngine:
         self._take_prompt_logprobs(runner_output.prompt_logprobs)
         updated = self.scheduler.update_from_output(sched, runner_output)
         if runner_output.logprobs:
-            for request_id, lp in zip(
-                runner_output.request_ids, runner_output.logprobs, strict=True
-            ):
+            sampled = zip(
+                runner_output.request_ids,
+                runner_output.sampled_token_ids,
+                runner_output.logprobs,
+                strict=True,
+            )
+            for request_id, token_id, lp in sampled:
                 tracked = self._tracked.get(request_id)
                 if lp is not None and tracked is not None and tracked.logprobs is not None:
-                    tracked.logprobs.append(TokenLogprob(-1, lp[0], lp[1]))
+                    tracked.logprobs.append(TokenLogprob(token_id, lp[0], lp[1]))
         outputs = []
         for request in updated:
             try:
@@ -312,13 +316,11 @@ class LLMEngine:
         failures, self.failures = self.failures, []
         return failures
 
-    def _process(self, request: Request) -> RequestOutput | None:
+    def _process(self, request: Request) -> RequestDelta | None:
         tracked = self._tracked[request.request_id]
         if tracked.first_token_time is None:
             tracked.first_token_time = time.monotonic()
         token_id = request.token_ids[-1]
-        if tracked.logprobs:
-            tracked.logprobs[-1].token_id = token_id
         detokenizer = tracked.detokenizer
         deferred = tracked.final_only and not detokenizer.has_stop_strings
         if not deferred and detokenizer.add_token(token_id):
@@ -335,34 +337,31 @@ class LLMEngine:
             if deferred:
                 detokenizer.add_tokens_unchecked(request.output_token_ids)
             detokenizer.finish()
-        output = self._make_output(request, tracked, finished)
+        delta = self._make_delta(request, tracked, finished)
         if finished:
             del self._tracked[request.request_id]
-        return output
+        return delta
 
-    def _make_output(self, request: Request, tracked: _Tracked, finished: bool) -> RequestOutput:
-        token_ids = request.output_token_ids
-        delta_ids = token_ids[tracked.emitted_tokens :]
-        tracked.emitted_tokens = len(token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.text,
-            token_ids=token_ids,
+    def _make_delta(self, request: Request, tracked: _Tracked, finished: bool) -> RequestDelta:
+        """What is new since the request's last delta; nothing the engine keeps is copied."""
+        start = request.num_prompt_tokens + tracked.emitted_tokens
+        new_token_ids = request.token_ids[start:]
+        tracked.emitted_tokens += len(new_token_ids)
+        logprobs = tracked.logprobs
+        if logprobs is not None:
+            tracked.logprobs = []
+        prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, None
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_text=tracked.detokenizer.take_delta(finished),
             finish_reason=request.finish_reason,
             stop_reason=tracked.stop_reason,
-            logprobs=tracked.logprobs,
-            delta_text=tracked.detokenizer.take_delta(finished),
-            delta_token_ids=delta_ids,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
-            outputs=[completion],
-            finished=finished,
+            num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             metrics=self._request_metrics(request, tracked) if finished else None,
-            prompt_logprobs=tracked.prompt_logprobs,
         )
 
     @staticmethod

@@ -12,7 +12,7 @@ import pytest
 
 from ketch.engine.disagg.messages import MAX_PD_PROMPT_SCORES
 from ketch.engine.models.loader import TINY_MODEL_DIR
-from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
 from ketch.engine.sampling_params import MAX_LOGPROBS
 from ketch.engine.serving.generation import make_choices
 from ketch.engine.serving.protocol import (
@@ -206,19 +206,13 @@ def test_echo_stream_starts_each_choice_with_its_prompt(tokenizer: Tokenizer) ->
     meta = ResponseMeta.completion("tiny")
     echo = Echo(prompt, ids[0], scored)
     first_ids, next_ids = tokenizer.encode(" very"), tokenizer.encode(" tired")
-    first = CompletionOutput(
-        0, " very", first_ids, logprobs=[TokenLogprob(t, -0.1) for t in first_ids],
-        delta_text=" very", delta_token_ids=first_ids,
-    )  # fmt: skip
-    chunk = completion_chunk(meta, 0, first, tokenizer, echo)["choices"][0]
+    scores = {t: TokenLogprob(t, -0.1) for t in first_ids + next_ids}
+    first = RequestDelta("r", first_ids, " very", logprobs=[scores[t] for t in first_ids])
+    chunk = completion_chunk(meta, 0, first, tokenizer, first=True, echo=echo)["choices"][0]
     assert chunk["text"] == prompt + " very"
     assert chunk["logprobs"]["token_logprobs"][0] is None
     assert len(chunk["logprobs"]["tokens"]) == len(ids) + len(first_ids)
-    later = CompletionOutput(
-        0, " very tired", first_ids + next_ids,
-        logprobs=[TokenLogprob(t, -0.1) for t in first_ids + next_ids],
-        delta_text=" tired", delta_token_ids=next_ids,
-    )  # fmt: skip
-    chunk = completion_chunk(meta, 0, later, tokenizer, echo)["choices"][0]
+    later = RequestDelta("r", next_ids, " tired", logprobs=[scores[t] for t in next_ids])
+    chunk = completion_chunk(meta, 0, later, tokenizer, text_offset=5, echo=echo)["choices"][0]
     assert chunk["text"] == " tired"
     assert chunk["logprobs"]["text_offset"][0] == len(prompt + " very")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ketch.engine.models.loader import TINY_MODEL_DIR
-from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -376,8 +376,6 @@ def _output(
         token_ids=ids,
         finish_reason="length",
         logprobs=entries,
-        delta_text=text,
-        delta_token_ids=ids,
     )
 
 
@@ -454,8 +452,8 @@ def test_chat_completion_response(tokenizer: Tokenizer) -> None:
     ) + len(ids) + len(output.outputs[1].token_ids)
 
 
-def _streamed(tokenizer: Tokenizer, text: str, logprobs: bool) -> list[CompletionOutput]:
-    """The cumulative outputs an engine emits for ``text``, one token at a time."""
+def _streamed(tokenizer: Tokenizer, text: str, logprobs: bool) -> list[RequestDelta]:
+    """The deltas an engine emits for ``text``, one token at a time."""
     full = _output(tokenizer, text, logprobs=logprobs)
     steps = []
     for i in range(1, len(full.token_ids) + 1):
@@ -463,14 +461,12 @@ def _streamed(tokenizer: Tokenizer, text: str, logprobs: bool) -> list[Completio
         done = tokenizer.decode(ids)
         before = tokenizer.decode(ids[:-1])
         steps.append(
-            CompletionOutput(
-                index=0,
-                text=done,
-                token_ids=ids,
+            RequestDelta(
+                "r0",
+                ids[-1:],
+                done[len(before) :],
                 finish_reason="stop" if i == len(full.token_ids) else None,
-                logprobs=full.logprobs,  # the engine's list is shared and grows
-                delta_text=done[len(before) :],
-                delta_token_ids=ids[-1:],
+                logprobs=None if full.logprobs is None else full.logprobs[i - 1 : i],
             )
         )
     return steps
@@ -489,7 +485,13 @@ def _finished(chunk: dict[str, Any]) -> dict[str, Any]:
 def test_completion_chunks(tokenizer: Tokenizer) -> None:
     meta = ResponseMeta.completion("tiny", include_usage=True)
     steps = _streamed(tokenizer, "hello world", logprobs=True)
-    chunks = [completion_chunk(meta, 3, step, tokenizer) for step in steps]
+    offsets = [0]
+    for step in steps:
+        offsets.append(offsets[-1] + len(step.new_text))
+    chunks = [
+        completion_chunk(meta, 3, step, tokenizer, text_offset=offset)
+        for step, offset in zip(steps, offsets, strict=False)
+    ]
     texts = []
     assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "stop"]
     for chunk in chunks:
@@ -524,7 +526,7 @@ def test_chat_chunks(tokenizer: Tokenizer) -> None:
         logprobs = chunk.choices[0].logprobs
         assert logprobs is not None and logprobs.content is not None
         assert [e.token for e in logprobs.content] == [
-            tokenizer.decode(step.delta_token_ids, skip_special_tokens=False)
+            tokenizer.decode(step.new_token_ids, skip_special_tokens=False)
         ]
     last = ChatCompletionChunk.model_validate(chat_usage_chunk(meta, usage(4, 2, 1)))
     assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 2

@@ -1,16 +1,20 @@
 """Messages between the API server and the engine process: small, typed, JSON on the wire.
 
+Each step's ``RequestDelta``s (``ketch.engine.outputs``, what the engine emits) travel as they
+are, in one ``StepOutputs``.
+
 Nothing here is pickled: each message encodes itself to a tagged JSON object and decodes back,
 so either side can be replaced (or inspected with a plain ZMQ client) without sharing objects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ketch.engine import wire
+from ketch.engine.outputs import RequestDelta
 from ketch.engine.sampling_params import SamplingParams
-from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.stats import EngineSnapshot
 
 
 @dataclass
@@ -30,30 +34,6 @@ class AddRequest:
 @dataclass
 class AbortRequests:
     request_ids: list[str]
-
-
-@dataclass
-class RequestDelta:
-    """What is new for one request since its last delta (or its rejection, in ``error``)."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    # (token id, logprob, [(token id, logprob), ...]) per new token, when asked for.
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    # The same per prompt token after the first (prompt_logprobs), on the first delta only.
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    error: str | None = None
-    error_code: int = 400  # the HTTP status ``error`` maps to (503: the engine failed)
-    metrics: RequestMetrics | None = None  # on the finishing delta
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
 
 
 @dataclass
@@ -79,6 +59,11 @@ class EngineFailed:
 
     error: str
 
+
+__all__ = [
+    "AbortRequests", "AddRequest", "EngineFailed", "EngineReady", "RequestDelta", "StepOutputs",
+    "decode", "encode",
+]  # fmt: skip
 
 Message = AddRequest | AbortRequests | StepOutputs | EngineReady | EngineFailed
 _TYPES = wire.registry(AddRequest, AbortRequests, StepOutputs, EngineReady, EngineFailed)

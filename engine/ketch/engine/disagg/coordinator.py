@@ -33,7 +33,6 @@ from ketch.engine.disagg.messages import (
     encode,
 )
 from ketch.engine.disagg.prefill import PrefillSide
-from ketch.engine.outputs import RequestOutput
 from ketch.engine.peer_auth import PeerAuth, read_peer_key
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
@@ -148,12 +147,12 @@ class PDCoordinator:
         if self.prefill is not None:
             self.prefill.on_cache_detached()
 
-    def on_step_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_step_outputs(self, outputs: list[RequestDelta]) -> None:
         if self.prefill is not None:
             self.prefill.on_step_outputs(outputs)
 
-    def tick(self) -> tuple[list[RequestOutput], list[RequestDelta]]:
-        """Handles what arrived, timeouts and reservations; returns outputs and errors for the
+    def tick(self) -> tuple[list[RequestDelta], list[RequestDelta]]:
+        """Handles what arrived, timeouts and reservations; returns deltas and errors for the
         API server."""
         while self.router.poll(0):
             identity, *frames = self.router.recv_multipart()

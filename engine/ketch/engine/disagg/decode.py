@@ -38,7 +38,6 @@ from ketch.engine.disagg.messages import (
     PrefillFailed,
     PrefillRequest,
 )
-from ketch.engine.outputs import RequestOutput, TokenLogprob
 from ketch.engine.stats import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class DecodeSide:
         self._remote: dict[str, _Remote] = {}
         self._quarantine: list[tuple[float, list[int]]] = []
         self._last_ping = 0.0
-        self.outputs: list[RequestOutput] = []
+        self.outputs: list[RequestDelta] = []
         self.errors: list[RequestDelta] = []
         self.failed_peers: set[str] = set()  # silent or restarted since the last tick
 
@@ -315,18 +314,12 @@ class DecodeSide:
         request.num_cached_tokens = max(request.num_cached_tokens, done.num_cached_tokens)
         request.first_scheduled_time = time.monotonic()
         request.token_ids.append(done.token_id)
-        logprob = None
-        if done.logprob is not None:
-            logprob = TokenLogprob(done.token_id, done.logprob[0], list(done.logprob[1]))
-        scored = None
-        if done.prompt_logprobs is not None:
-            scored = [TokenLogprob(t, lp, list(top)) for t, lp, top in done.prompt_logprobs]
         # The prompt was scored by the prefill peer: this worker has nothing more to score.
         request.sampling_params = replace(request.sampling_params, prompt_logprobs=None)
         handover = max(0.0, time.time() - done.finished_at) if done.finished_at else None
-        output = engine.accept_first_token(request, logprob, handover, scored)
-        if output is not None:
-            self.outputs.append(output)
+        delta = engine.accept_first_token(request, done.logprob, handover, done.prompt_logprobs)
+        if delta is not None:
+            self.outputs.append(delta)
 
     def _fail(self, request_id: str, error: str, status_code: int, quarantine: bool) -> None:
         remote = self._remote.get(request_id)

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from ketch.engine import wire
 from ketch.engine.cache_manager.protocol import KVLayout
+from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 
-PD_PROTOCOL_VERSION = 2
+PD_PROTOCOL_VERSION = 3  # 3: logprobs travel as TokenLogprob
 # A PrefillRequest carries one prompt: a million tokens is ~8 MB of JSON.
 MAX_PD_MESSAGE_BYTES = 16 << 20
 MAX_PD_PROMPT_SCORES = 250_000
@@ -63,14 +64,19 @@ class PrefillRequest:
 class PrefillDone:
     request_id: str
     token_id: int
-    logprob: tuple[float, list[tuple[int, float]]] | None = None
+    logprob: TokenLogprob | None = None  # of token_id, when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens the prefill engine found in its prefix cache
     num_bytes: int = 0
     transfer_seconds: float = 0.0
     finished_at: float = 0.0  # the prefill engine's wall clock when its prefill step ended
-    # The request's prompt_logprobs, scored here: (token id, logprob, top) per prompt token
-    # after the first.
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # The request's prompt_logprobs, scored here: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprob is not None and self.logprob.token_id != self.token_id:
+            raise ValueError(
+                f"logprob is of token {self.logprob.token_id}, but the token is {self.token_id}"
+            )
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ketch.engine.disagg.messages import (
     PrefillRequest,
     prompt_scores_problem,
 )
-from ketch.engine.outputs import RequestOutput
+from ketch.engine.outputs import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -161,32 +161,24 @@ class PrefillSide:
             self.engine.abort_request([message.request_id])
             self._finish(message.request_id, PrefillFailed(message.request_id, "aborted", 499))
 
-    def on_step_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Pushes the KV of prefills that just produced their token."""
-        for output in outputs:
-            prefill = self._prefills.get(output.request_id)
-            if prefill is None or not output.finished or prefill.pushing:
+    def on_step_outputs(self, deltas: list[RequestDelta]) -> None:
+        """Pushes the KV of prefills that just produced their token (their one delta)."""
+        for delta in deltas:
+            prefill = self._prefills.get(delta.request_id)
+            if prefill is None or not delta.finished or prefill.pushing:
                 continue
             message = prefill.message
             if _expired(message):
                 error = "the request's deadline passed before its KV could be sent"
                 self._finish(message.request_id, PrefillFailed(message.request_id, error, 504))
                 continue
-            completion = output.outputs[0]
-            logprob = None
-            if completion.logprobs:
-                first = completion.logprobs[0]
-                logprob = (first.logprob, [tuple(t) for t in first.top])
-            scored = output.prompt_logprobs
             prefill.done = PrefillDone(
                 message.request_id,
-                completion.token_ids[0],
-                logprob,  # type: ignore[arg-type]
-                output.num_cached_tokens,
+                delta.new_token_ids[0],
+                delta.logprobs[0] if delta.logprobs else None,
+                delta.num_cached_tokens,
                 finished_at=time.time(),
-                prompt_logprobs=None
-                if scored is None
-                else [(e.token_id, e.logprob, e.top) for e in scored],
+                prompt_logprobs=delta.prompt_logprobs,
             )
             held = self.engine.scheduler.held.get(message.request_id, [])
             start = message.start_block

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ketch.engine.choices import Choice, group, usage_counts
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
 from ketch.engine.serving import openapi, tokenization
@@ -28,13 +29,7 @@ from ketch.engine.serving.admission import (
     read_body,
 )
 from ketch.engine.serving.config import ServerConfig
-from ketch.engine.serving.generation import (
-    Choice,
-    make_choices,
-    merge_streams,
-    request_outputs,
-    run_to_end,
-)
+from ketch.engine.serving.generation import make_choices, merge_streams, run_to_end
 from ketch.engine.serving.guided import GuidedError, check_grammar
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
@@ -169,17 +164,19 @@ async def _completions(request: Request) -> Response:
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
         echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
         paired = await pairing(state.config, state.prefill_peers, request)
-        choices = make_choices(prompts, params, state.max_model_len, paired)
+        choices = make_choices(
+            prompts, params, state.max_model_len, paired, accumulate=not body.stream
+        )
         slot.resize(len(choices))
         meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
         if body.stream:
-            return _sse(slot, _completion_events(state, meta, choices, len(prompts), echoes))
+            return _sse(slot, _completion_events(state, meta, choices, echoes))
         done = await run_to_end(state.engine, choices)
     except BaseException:
         slot.release()
         raise
     slot.release()
-    outputs = request_outputs(done, len(prompts))
+    outputs = group(done, len(prompts))
     return JSONResponse(R.completion_response(meta, outputs, state.tokenizer, echoes))
 
 
@@ -232,7 +229,8 @@ async def _chat_completions(request: Request) -> Response:
         prompt = state.tokenizer.encode(text, add_special_tokens=False)
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
         paired = await pairing(state.config, state.prefill_peers, request)
-        choices = make_choices([prompt], params, state.max_model_len, paired)
+        whole = not body.stream or (plan is not None and plan.streams_whole)
+        choices = make_choices([prompt], params, state.max_model_len, paired, accumulate=whole)
         slot.resize(len(choices))
         meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
         if body.stream:
@@ -242,7 +240,7 @@ async def _chat_completions(request: Request) -> Response:
         slot.release()
         raise
     slot.release()
-    output = request_outputs(done, 1)[0]
+    output = group(done, 1)[0]
     body_json = R.chat_completion_response(meta, output, state.tokenizer)
     return JSONResponse(apply_plan(body_json, plan))
 
@@ -270,19 +268,21 @@ async def _completion_events(
     state: ServingState,
     meta: R.ResponseMeta,
     choices: list[Choice],
-    num_prompts: int,
     echoes: list[str] | None,
 ) -> AsyncIterator[str]:
-    async for choice in merge_streams(state.engine, choices):
+    async for choice, delta in merge_streams(state.engine, choices):
         echo = None
         if echoes is not None:
             text = echoes[choice.prompt_index]
             echo = R.Echo(text, choice.prompt_token_ids[0], choice.prompt_logprobs)
-        chunk = R.completion_chunk(meta, choice.index, choice.output, state.tokenizer, echo)
+        offset = choice.num_chars - len(delta.new_text)
+        chunk = R.completion_chunk(
+            meta, choice.index, delta, state.tokenizer,
+            text_offset=offset, first=choice.first, echo=echo,
+        )  # fmt: skip
         yield R.sse(chunk)
     if meta.include_usage:
-        usage = R.usage_of(request_outputs(choices, num_prompts))
-        yield R.sse(R.completion_usage_chunk(meta, usage))
+        yield R.sse(R.completion_usage_chunk(meta, R.usage(*usage_counts(choices))))
 
 
 async def _chat_events(
@@ -290,18 +290,16 @@ async def _chat_events(
 ) -> AsyncIterator[str]:
     for choice in choices:
         yield R.sse(R.chat_role_chunk(meta, choice.index))
-    started: set[int] = set()  # choices whose tool-call deltas began
-    async for choice in merge_streams(state.engine, choices):
-        chunk = R.chat_chunk(meta, choice.index, choice.output, state.tokenizer)
+    async for choice, delta in merge_streams(state.engine, choices):
+        chunk = R.chat_chunk(meta, choice.index, delta, state.tokenizer)
         if plan is not None and plan.mode != "none":
-            delta = stream_delta(plan, choice.output, choice.index not in started)
-            if delta is None:
+            tool_delta = stream_delta(plan, choice, delta)
+            if tool_delta is None:
                 continue
-            started.add(choice.index)
-            chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = delta
+            chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = tool_delta
         yield R.sse(chunk)
     if meta.include_usage:
-        yield R.sse(R.chat_usage_chunk(meta, R.usage_of(request_outputs(choices, 1))))
+        yield R.sse(R.chat_usage_chunk(meta, R.usage(*usage_counts(choices))))
 
 
 async def _models(request: Request) -> JSONResponse:

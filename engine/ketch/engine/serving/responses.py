@@ -1,7 +1,8 @@
-"""OpenAI-shaped response bodies and SSE chunks, built from the engine's RequestOutput objects.
+"""OpenAI-shaped response bodies and SSE chunks, built from the engine's outputs.
 
-Non-streaming: ``completion_response`` / ``chat_completion_response``. Streaming: one
-``completion_chunk`` / ``chat_chunk`` per engine output (a chat stream starts with
+Non-streaming: ``completion_response`` / ``chat_completion_response``, from finished
+``RequestOutput``s. Streaming: one ``completion_chunk`` / ``chat_chunk`` per engine
+``RequestDelta``, built from that delta alone (a chat stream starts with
 ``chat_role_chunk``), then ``*_usage_chunk`` when ``stream_options.include_usage``, each wrapped
 by ``sse``, and finally ``SSE_DONE``. Everything returned is a plain JSON-serialisable dict.
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Protocol
 
-from ketch.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from ketch.engine.outputs import RequestDelta, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 Json = dict[str, Any]
@@ -185,13 +186,6 @@ def chat_logprobs(entries: Sequence[TokenLogprob], tokenizer: TokenDecoder) -> J
     return {"content": content, "refusal": None}
 
 
-def _delta_logprobs(output: CompletionOutput) -> list[TokenLogprob] | None:
-    if output.logprobs is None:
-        return None
-    end = len(output.token_ids)
-    return output.logprobs[end - len(output.delta_token_ids) : end]
-
-
 # ---- non-streaming ----
 
 
@@ -275,26 +269,27 @@ def _chunk(meta: ResponseMeta, object_name: str, choices: list[Json]) -> Json:
 def completion_chunk(
     meta: ResponseMeta,
     index: int,
-    output: CompletionOutput,
+    delta: RequestDelta,
     tokenizer: TokenDecoder,
+    *,
+    text_offset: int = 0,
+    first: bool = False,
     echo: Echo | None = None,
 ) -> Json:
-    """A streamed ``text_completion`` with what ``output`` added (its delta) as choice ``index``;
-    with ``echo``, the choice's first chunk starts with the prompt."""
-    first = len(output.delta_token_ids) == len(output.token_ids)
-    text = output.delta_text
-    offset = len(output.text) - len(output.delta_text)
+    """A streamed ``text_completion`` with ``delta`` as choice ``index``. ``text_offset``: the
+    characters of output before it; with ``echo``, the choice's ``first`` chunk starts with the
+    prompt (and every offset counts it)."""
+    text = delta.new_text
     if echo is not None:
         text = echo.text + text if first else text
-        offset += len(echo.text)
-    entries = _delta_logprobs(output)
+        text_offset += len(echo.text)
     logprobs = None
-    if entries is not None:
+    if delta.logprobs is not None:
         if first and echo is not None and echo.logprobs is not None:
-            logprobs = completion_logprobs(entries, tokenizer, echo=echo)
+            logprobs = completion_logprobs(delta.logprobs, tokenizer, echo=echo)
         else:
-            logprobs = completion_logprobs(entries, tokenizer, offset)
-    choice = _completion_choice(index, text, output.finish_reason, logprobs)
+            logprobs = completion_logprobs(delta.logprobs, tokenizer, text_offset)
+    choice = _completion_choice(index, text, delta.finish_reason, logprobs)
     return _chunk(meta, "text_completion", [choice])
 
 
@@ -312,23 +307,22 @@ def chat_role_chunk(meta: ResponseMeta, index: int) -> Json:
 def chat_chunk(
     meta: ResponseMeta,
     index: int,
-    output: CompletionOutput,
+    delta: RequestDelta,
     tokenizer: TokenDecoder,
     first: bool = False,
 ) -> Json:
-    """A ``chat.completion.chunk`` with ``output``'s delta as choice ``index``.
+    """A ``chat.completion.chunk`` with ``delta`` as choice ``index``.
 
     ``first=True`` also puts ``role: "assistant"`` in the delta (OpenAI's first chunk has it);
     send ``chat_role_chunk`` first instead if you prefer a separate role chunk.
     """
-    delta: Json = {"role": "assistant"} if first else {}
-    delta["content"] = output.delta_text
-    entries = _delta_logprobs(output)
+    message: Json = {"role": "assistant"} if first else {}
+    message["content"] = delta.new_text
     choice = {
         "index": index,
-        "delta": delta,
-        "logprobs": None if entries is None else chat_logprobs(entries, tokenizer),
-        "finish_reason": output.finish_reason,
+        "delta": message,
+        "logprobs": None if delta.logprobs is None else chat_logprobs(delta.logprobs, tokenizer),
+        "finish_reason": delta.finish_reason,
     }
     return _chunk(meta, "chat.completion.chunk", [choice])
 

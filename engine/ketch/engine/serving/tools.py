@@ -29,7 +29,8 @@ from typing import Any
 
 from pydantic import PrivateAttr
 
-from ketch.engine.outputs import CompletionOutput
+from ketch.engine.choices import Choice
+from ketch.engine.outputs import RequestDelta
 from ketch.engine.serving.guided import GuidedError, GuidedFields
 from ketch.engine.serving.tool_parsers import PARSERS, ToolCall
 from ketch.engine.structured import grammars
@@ -50,6 +51,11 @@ class ToolPlan:
     name: str | None = None  # the named function
     parallel: bool = True
     parser: str = "hermes"
+
+    @property
+    def streams_whole(self) -> bool:
+        """Whether a streamed choice's calls are known only from its whole text, at its end."""
+        return self.mode in ("auto", "required")
 
     def functions(self) -> dict[str, dict[str, Any]]:
         return {t["function"]["name"]: t["function"] for t in self.tools}
@@ -181,22 +187,24 @@ def apply_plan(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
 
 
 def stream_delta(
-    plan: ToolPlan, output: CompletionOutput, first: bool
+    plan: ToolPlan, choice: Choice, delta: RequestDelta
 ) -> tuple[dict, str | None] | None:
     """A streamed choice's next delta and finish reason, or None to send nothing yet. A named
     function's output is its arguments, so they stream as generated (the first delta also has
-    the call's id and name); other modes' calls are known at the end and come whole then."""
+    the call's id and name); other modes' calls are known at the end, from the choice's whole
+    text (it accumulates: ``streams_whole``), and come whole then."""
+    finish = delta.finish_reason
     if plan.mode != "named":
-        if output.finish_reason is None:
+        if finish is None:
             return None
-        return _last_delta(plan, output.text, output.finish_reason)
-    finish = output.finish_reason
-    if not (first or output.delta_text or finish):
+        return _last_delta(plan, choice.output().text, finish)
+    first = choice.first
+    if not (first or delta.new_text or finish):
         return None
-    call: dict[str, Any] = {"index": 0, "function": {"arguments": output.delta_text}}
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.new_text}}
     if first:
         call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
-        call["function"] = {"name": plan.name, "arguments": output.delta_text}
+        call["function"] = {"name": plan.name, "arguments": delta.new_text}
     return {"tool_calls": [call]}, "tool_calls" if finish == "stop" else finish
 
 
