@@ -7,6 +7,7 @@ and from a few thousand seeded hostile frames shaped after the real classes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -63,6 +64,34 @@ def test_pd_and_cache_manager_messages_round_trip() -> None:
     ]:
         module = pd if type(message).__module__ == pd.__name__ else cm
         assert module.decode(module.encode(message)) == message
+
+
+def test_encode_writes_what_asdict_would() -> None:
+    """encode walks dataclasses shallowly (json does the rest); the bytes are those of
+    ``dataclasses.asdict`` (sets sorted), so any peer reads them as before."""
+    messages = [
+        SchedulerOutput(
+            [NewRequestData("a", [1, 2], 2, [4], 0, PARAMS, seed=7)],
+            CachedRequestData(["b"], [[6]], [True], [16]), {"a": 2, "b": 1}, 3, {"d", "c"},
+        ),
+        ModelRunnerOutput(["a"], [5], [(-0.5, [(5, -0.5)])], {"a": [(-1.0, [(2, -0.1)])]}),
+        pd.PrefillRequest(1, "r", [1, 2], PARAMS, 2**63, "m", LAYOUT, "h:1", [3, 4], 0, "e"),
+        pd.PrefillDone("r", 5, TokenLogprob(5, -0.1, [(5, -0.1)]), 16),
+        cm.Swap(3, [(1, 2)], [(3, 4)]),
+        engine_messages.StepOutputs([engine_messages.RequestDelta("a", [1], "x")]),
+    ]  # fmt: skip
+
+    def plain(value: object) -> object:
+        if isinstance(value, set | frozenset):
+            return sorted(value)
+        raise TypeError
+
+    for message in messages:
+        body = dataclasses.asdict(message)
+        want = json.dumps({"type": type(message).__name__, "body": body}, default=plain)
+        assert wire.encode(message) == want.encode()
+    with pytest.raises(TypeError):
+        wire.encode({"type": "PdPing", "body": {}})
 
 
 def _tagged(kind: str, body: object) -> bytes:

@@ -70,14 +70,24 @@ def registry(*kinds: type) -> dict[str, type]:
 
 
 def encode(message: Any) -> bytes:
-    body = dataclasses.asdict(message)
-    return json.dumps({"type": type(message).__name__, "body": body}, default=_plain).encode()
+    if not dataclasses.is_dataclass(message) or isinstance(message, type):
+        raise TypeError(f"{type(message).__name__} is not a message")
+    return json.dumps({"type": type(message).__name__, "body": message}, default=_plain).encode()
 
 
 def _plain(value: Any) -> Any:
+    """What json cannot write itself: a dataclass as the object of its fields (shallow: json
+    walks them, so nothing is copied first, as ``dataclasses.asdict`` would), a set sorted."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: getattr(value, name) for name in _field_names(type(value))}
     if isinstance(value, set | frozenset):
         return sorted(value)
     raise TypeError(f"{type(value).__name__} is not part of the wire format")
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 def decode(
