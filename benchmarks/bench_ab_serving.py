@@ -5,11 +5,14 @@ runs ``ketch serve`` from its sources through ``PYTHONPATH`` (ahead of the venv'
 install; the venv's dependencies are shared); the current checkout runs from the venv as it is.
 The two take turns (A B A B ...), each round a fresh server on the same settings, streaming the
 same token-id prompts at one concurrency. Prints output tok/s per round, medians and the ratio
-current ÷ REV. ``--runner null`` (a fixed token, instantly) measures the serving path alone.
+current ÷ REV. ``--runner null`` (a fixed token, instantly) measures the serving path alone;
+``--current-rev`` runs the current side from a worktree of that commit too (a shared checkout
+with others' work in progress).
 
 Usage:
     .venv/bin/python benchmarks/bench_ab_serving.py [--rev a897936] [--runner model|null]
-        [--concurrency 32] [--num-requests 128] [--max-tokens 64] [--rounds 3]
+        [--current-rev HEAD] [--concurrency 32] [--num-requests 128] [--max-tokens 64]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def checkout(rev: str, into: Path) -> Iterator[str]:
+def checkout(rev: str | None, into: Path) -> Iterator[str | None]:
     """``rev`` of this repository as a worktree under ``into``; yields the PYTHONPATH that
-    imports ``ketch`` from it (removed on the way out)."""
+    imports ``ketch`` from it (removed on the way out). No rev: None, the venv's install."""
+    if rev is None:
+        yield None
+        return
     tree = into / "src"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
                    check=True, capture_output=True)  # fmt: skip
@@ -62,19 +68,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runner", choices=["model", "null"], default="model")
+    parser.add_argument("--current-rev", help="run the current side from this commit")
     args = parser.parse_args()
     prompts = random_prompts(vocab=1000, count=args.num_requests)
     with (
         tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp,
-        checkout(args.rev, Path(tmp)) as old_path,
+        checkout(args.rev, Path(tmp) / "old") as old_path,
+        checkout(args.current_rev, Path(tmp) / "new") as new_path,
     ):
         runs: dict[str, list[float]] = {"current": [], args.rev: []}
         for i in range(args.rounds):
-            for label in ("current", args.rev):
-                if label == args.rev:
-                    os.environ["PYTHONPATH"] = old_path
-                else:
-                    os.environ.pop("PYTHONPATH", None)
+            for label, path in (("current", new_path), (args.rev, old_path)):
+                os.environ.pop("PYTHONPATH", None)
+                if path is not None:
+                    os.environ["PYTHONPATH"] = path
                 runs[label].append(measure(f"{label} round {i + 1}", prompts, args))
         os.environ.pop("PYTHONPATH", None)
     new, old = statistics.median(runs["current"]), statistics.median(runs[args.rev])
