@@ -40,7 +40,7 @@ def test_defaults_run():
     ("changes", "setting", "words"),
     [
         ({"dtype": "bfloat16"}, "dtype", "float32 on the CPU only"),
-        ({"dtype": "float16"}, "dtype", "GPU workers, planned in issue 17"),
+        ({"dtype": "float16"}, "dtype", "for --device gpu, written but never run"),
     ],
 )
 def test_what_the_cpu_engine_refuses(changes, setting, words):
@@ -71,6 +71,8 @@ def test_gpus_are_refused_only_when_the_caller_knows_them():
     [refusal] = refusals(EngineConfig(), gpus=2)
     assert (refusal.setting, refusal.value) == ("gpus", 2)
     assert "CPU only" in refusal.reason and "use 0" in refusal.reason
+    # why: the GPU path exists, but nobody has run it
+    assert "--device gpu" in refusal.reason and "has never been run" in refusal.reason
 
 
 def test_every_refusal_is_named_at_once():

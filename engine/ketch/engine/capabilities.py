@@ -8,27 +8,41 @@ pods that would exit at start-up. Widen what the engine runs here, and both foll
 
 Runs today: the CPU, float32, tensor parallelism across CPU worker processes (1 to
 ``MAX_TENSOR_PARALLEL_SIZE`` ranks, on models whose heads and MLP split evenly:
-``ketch.engine.models.sharding``), no GPUs. Planned (issue 17): GPU workers, bfloat16/float16 on
-them.
+``ketch.engine.models.sharding``). Written but never run (issue 17): ``--device gpu`` (bfloat16 /
+float16 / float32 on GPUs, KV blocks from ``gpu_memory_utilization``: ``ketch.engine.device``).
+It is refused on a paddle built without CUDA (every machine Ketch is built and tested on), and
+the operator renders no GPU pods (``MAX_GPUS``) until it has run.
+
+The GPU checks need facts only CUDA knows (GPU count, free memory, compute capability): they come
+from ``probe`` (default ``device.probe_gpus``; tests pass their own), asked only when the device
+is a GPU, so the operator's calls never import paddle.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ketch.engine import device as dev
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.sharding import shard_problems
+from ketch.engine.models.sharding import Shard, shard_problems
 
-DEVICE = "cpu"
-# dtype asked -> dtype computed. bfloat16/float16 need GPU workers.
-COMPUTE_DTYPES = {"auto": "float32", "float32": "float32"}
+logger = logging.getLogger(__name__)
+
+# dtype asked -> dtype computed on the CPU. A GPU's rules: ketch.engine.device.resolve_dtype.
+COMPUTE_DTYPES = dev.CPU_DTYPES
 # Worker processes per instance, one per rank; more ranks than this is a typo, not a plan.
 MAX_TENSOR_PARALLEL_SIZE = 64
-MAX_GPUS = 0  # per engine instance: the CPU engine uses none
+# GPUs per engine pod the operator may render: none until the GPU path has run somewhere.
+MAX_GPUS = 0
 PLANNED = "issue 17"
+GPU_BACKENDS = ("auto",)  # the CPU backends (native, predictor, eager) do not run on a GPU
+
+Probe = Callable[[tuple[int, ...]], tuple[dev.GpuInfo, ...]]
 
 
 @dataclass(frozen=True)
@@ -45,22 +59,25 @@ class Refusal:
 
 
 def refusals(
-    config: EngineConfig, *, model: ModelConfig | None = None, gpus: int | None = None
+    config: EngineConfig,
+    *,
+    model: ModelConfig | None = None,
+    gpus: int | None = None,
+    probe: Probe | None = None,
 ) -> list[Refusal]:
     """Every reason this build would not start ``config``; [] when it would.
 
     ``model``: the checkpoint's facts when known (the engine, or the built-in tiny model), for
-    the checks that need them. ``gpus``: the pod's GPU count, when the caller knows it."""
-    out = []
-    if config.dtype not in COMPUTE_DTYPES:
-        out.append(
-            Refusal(
-                "dtype",
-                config.dtype,
-                f"the engine computes in float32 on the CPU only: use auto or float32 "
-                f"({config.dtype} is for GPU workers, planned in {PLANNED})",
-            )
-        )
+    the checks that need them. ``gpus``: the pod's GPU count, when the caller knows it.
+    ``probe``: what CUDA reports about GPUs (only asked when ``config.device`` is a GPU)."""
+    device = dev.parse_device(config.device)
+    gpu_facts, out = None, []
+    if device.is_gpu:
+        gpu_facts, out = _gpu_refusals(config, device, probe)
+    capability = gpu_facts[0].capability if gpu_facts else None
+    problem = dev.dtype_problem(device, config.dtype, capability)
+    if problem is not None:
+        out.append(Refusal("dtype", config.dtype, problem))
     if config.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         out.append(
             Refusal(
@@ -75,26 +92,36 @@ def refusals(
             Refusal(
                 "gpus",
                 gpus,
-                "the engine runs on the CPU only: a pod given GPUs holds them unused, and the "
-                "engine has never run with one in its pod (the image's paddle GPU build would "
-                f"place tensors on it): use 0 (GPU workers are planned, {PLANNED})",
+                "the engine runs on the CPU only here: its GPU path (--device gpu) is written "
+                "against paddle's documented GPU APIs but has never been run (no paddle GPU "
+                "build could be installed where Ketch is built and tested), so the operator "
+                f"renders no pod that depends on it: use 0 (GPU workers are planned, {PLANNED})",
             )
         )
     if model is not None:
-        out += _model_refusals(config, model)
+        if device.is_gpu and (gpu_facts is None or problem is not None):
+            out += _model_refusals(config, model, kv=False)  # no GPU (or dtype) to size it by
+        else:
+            out += _model_refusals(config, model, facts=gpu_facts)
     return out
 
 
-def check_runnable(config: EngineConfig, model: ModelConfig | None = None) -> None:
+def check_runnable(
+    config: EngineConfig, model: ModelConfig | None = None, probe: Probe | None = None
+) -> None:
     """Raises ``ValueError`` naming every refusal; what ``LLMEngine`` calls first."""
-    found = refusals(config, model=model)
+    found = refusals(config, model=model, probe=probe)
     if found:
         raise ValueError("; ".join(map(str, found)))
 
 
-def compute_dtype(config: EngineConfig) -> str:
+def compute_dtype(config: EngineConfig, probe: Probe | None = None) -> str:
     """The dtype weights and KV cache use (``config`` having passed ``check_runnable``)."""
-    return COMPUTE_DTYPES[config.dtype]
+    device = dev.parse_device(config.device)
+    if not device.is_gpu:
+        return COMPUTE_DTYPES[config.dtype]
+    facts = _facts(config, device, probe)
+    return dev.resolve_dtype(device, config.dtype, facts[0].capability)
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -102,16 +129,30 @@ def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     return model.max_position_embeddings if config.max_model_len is None else config.max_model_len
 
 
-def num_kv_blocks(config: EngineConfig, model: ModelConfig) -> int:
-    """KV-cache blocks: ``num_kv_blocks`` if set, else as many as ``kv_cache_memory`` holds."""
+def num_kv_blocks(config: EngineConfig, model: ModelConfig, probe: Probe | None = None) -> int:
+    """KV-cache blocks: ``num_kv_blocks`` if set, else as many as ``kv_cache_memory`` holds (on
+    a GPU: as many as every rank's GPU holds, ``device.gpu_kv_plan``)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    return config.kv_cache_bytes // _layout(config, model).block_bytes
+    device = dev.parse_device(config.device)
+    if not device.is_gpu:
+        return config.kv_cache_bytes // _layout(config, model).block_bytes
+    plans = _gpu_plans(config, model, _facts(config, device, probe))
+    for info, plan in plans:
+        logger.info("KV cache on gpu:%d (%s): %s", info.index, info.name, plan)
+    return min(plan.num_blocks for _, plan in plans)
 
 
-def kv_cache_bytes(config: EngineConfig, model: ModelConfig) -> int:
-    """Bytes of the KV cache segment (in /dev/shm under ``ketch serve``)."""
-    return num_kv_blocks(config, model) * _layout(config, model).block_bytes
+def kv_cache_bytes(config: EngineConfig, model: ModelConfig, probe: Probe | None = None) -> int:
+    """Bytes of the KV cache: the segment in /dev/shm under ``ketch serve`` on the CPU; on a GPU,
+    what each rank holds in device memory."""
+    blocks = num_kv_blocks(config, model, probe)
+    device = dev.parse_device(config.device)
+    if not device.is_gpu:
+        return blocks * _layout(config, model).block_bytes
+    dtype = compute_dtype(config, probe)
+    shard = Shard.of(model, 0, config.tensor_parallel_size)
+    return blocks * dev.kv_block_bytes(model, shard, config.block_size, dtype)
 
 
 def _layout(config: EngineConfig, model: ModelConfig) -> KVLayout:
@@ -125,7 +166,56 @@ def _layout(config: EngineConfig, model: ModelConfig) -> KVLayout:
     )
 
 
-def _model_refusals(config: EngineConfig, model: ModelConfig) -> list[Refusal]:
+def _facts(config: EngineConfig, device: dev.Device, probe: Probe | None):
+    indices = tuple(d.index for d in dev.rank_devices(device, config.tensor_parallel_size))
+    return (probe or dev.probe_gpus)(indices)
+
+
+def _gpu_refusals(config: EngineConfig, device: dev.Device, probe: Probe | None):
+    """(the GPUs' facts or None, the refusals that come with a GPU device)."""
+    out = []
+    if config.backend not in GPU_BACKENDS:
+        out.append(
+            Refusal(
+                "backend",
+                config.backend,
+                "a CPU backend: on a GPU the model runs on paddle's GPU ops (use auto)",
+            )
+        )
+    last = device.index + config.tensor_parallel_size - 1
+    if last > dev.MAX_GPU_INDEX:
+        reason = f"its {config.tensor_parallel_size} ranks would need GPUs up to gpu:{last}"
+        return None, [*out, Refusal("device", config.device, reason)]
+    try:
+        return _facts(config, device, probe), out
+    except dev.DeviceError as exc:
+        return None, [*out, Refusal("device", config.device, str(exc))]
+
+
+def _gpu_plans(config: EngineConfig, model: ModelConfig, facts) -> list:
+    dtype = dev.resolve_dtype(dev.parse_device(config.device), config.dtype, facts[0].capability)
+    tp = config.tensor_parallel_size
+    return [
+        (
+            info,
+            dev.gpu_kv_plan(
+                info,
+                config.gpu_memory_utilization,
+                model,
+                Shard.of(model, rank, tp),
+                dtype=dtype,
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_len=max_model_len(config, model),
+            ),
+        )
+        for rank, info in enumerate(facts)
+    ]
+
+
+def _model_refusals(
+    config: EngineConfig, model: ModelConfig, *, kv: bool = True, facts=None
+) -> list[Refusal]:
     tp = config.tensor_parallel_size
     if tp <= MAX_TENSOR_PARALLEL_SIZE:
         problems = shard_problems(model, tp)
@@ -147,17 +237,28 @@ def _model_refusals(config: EngineConfig, model: ModelConfig) -> list[Refusal]:
                 f"(max_position_embeddings={limit})",
             )
         ]
-    blocks, length = num_kv_blocks(config, model), max_model_len(config, model)
+    if not kv or (facts is not None and tp > MAX_TENSOR_PARALLEL_SIZE):
+        return []  # a GPU plan needs the model split into tp shards
+    if facts is None or config.num_kv_blocks is not None:
+        blocks = num_kv_blocks(config, model)
+    else:
+        blocks = min(plan.num_blocks for _, plan in _gpu_plans(config, model, facts))
+    length = max_model_len(config, model)
     needed = -(-length // config.block_size) + 1  # block 0 is reserved
     if blocks >= needed:
         return []
-    setting = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_memory"
+    if config.num_kv_blocks is not None:
+        setting, raise_what = "num_kv_blocks", "kv_cache_memory (or num_kv_blocks)"
+    elif facts is None:
+        setting, raise_what = "kv_cache_memory", "kv_cache_memory (or num_kv_blocks)"
+    else:
+        setting, raise_what = "gpu_memory_utilization", "gpu_memory_utilization"
     return [
         Refusal(
             setting,
             getattr(config, setting),
             f"the KV cache ({blocks} blocks of {config.block_size} tokens) cannot hold one "
             f"request of max_model_len={length}; it needs {needed} blocks: raise "
-            "kv_cache_memory (or num_kv_blocks) or lower max_model_len",
+            f"{raise_what} or lower max_model_len",
         )
     ]

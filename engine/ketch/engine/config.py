@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ketch.engine.device import parse_device
+
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -79,7 +81,11 @@ class EngineConfig:
         minimum=1,
     )
     block_size: int = _opt(64, "Tokens per KV-cache block.", choices=(16, 32, 64, 128))
-    kv_cache_memory: str = _opt("1GiB", "Memory for the KV cache on CPU, e.g. '512MiB' or '4GiB'.")
+    kv_cache_memory: str = _opt(
+        "1GiB",
+        "Memory for the KV cache on CPU, e.g. '512MiB' or '4GiB' (with --device gpu the cache "
+        "is sized by --gpu-memory-utilization instead).",
+    )
     num_kv_blocks: int | None = _opt(
         None,
         "Exact number of KV-cache blocks; overrides --kv-cache-memory (for testing).",
@@ -91,13 +97,31 @@ class EngineConfig:
         "Tensor-parallel ranks per engine instance: one worker process per rank, each holding "
         "its share of the attention heads and MLP columns (they must divide evenly; KV heads are "
         "replicated when there are fewer than ranks). On the CPU each rank gets (cores - 1) / N "
-        "threads unless --num-threads says otherwise. GPU workers are planned (issue 17).",
+        "threads unless --num-threads says otherwise. GPU workers (--device gpu:N, rank r on "
+        "GPU N + r) are written but have never been run (issue 17).",
         minimum=1,
+    )
+    device: str = _opt(
+        "cpu",
+        "Where the model runs: 'cpu', or 'gpu' / 'gpu:N' (GPU N; tensor-parallel rank r on GPU "
+        "N + r). The GPU path (bfloat16/float16 compute, flash attention over the paged KV cache "
+        "in device memory, NCCL between ranks) is written against paddle's documented GPU APIs "
+        "but has NEVER BEEN RUN: no paddle GPU build could be installed where Ketch is built "
+        "and tested. On a paddle without CUDA, gpu is refused at start-up (docs/gpu.md).",
+        crd=False,  # the operator renders CPU pods only (capabilities: the gpus refusal)
+    )
+    gpu_memory_utilization: float = _opt(
+        0.9,
+        "With --device gpu: the fraction of each GPU's free memory (at start-up) the instance "
+        "takes for weights, activations and the KV cache; the KV cache gets what the weights "
+        "and an activation reserve leave (0 < x <= 1; ignored on the CPU; never run).",
+        crd=False,
     )
     dtype: str = _opt(
         "auto",
-        "Compute dtype. The engine computes in float32 on the CPU: auto or float32. bfloat16 and "
-        "float16 are for GPU workers, planned (issue 17); the engine refuses them at start-up.",
+        "Compute dtype. The engine computes in float32 on the CPU: auto or float32 there. With "
+        "--device gpu (written, never run): auto (bfloat16 on GPUs of compute capability 8.0+, "
+        "else float16), bfloat16, float16 or float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     runner: str = _opt(
@@ -140,6 +164,12 @@ class EngineConfig:
                     f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        parse_device(self.device)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(
                 "model must be 'tiny' or a path to a Hugging Face checkpoint directory"

@@ -72,6 +72,8 @@ class LLMEngine:
             num_threads=config.num_threads,
             backend=config.backend,
             tensor_parallel_size=config.tensor_parallel_size,
+            device=config.device,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner_config = runner_config
         if config.runner == "null":

@@ -86,14 +86,20 @@ class ShmGroup:
 
 class PaddleGroup:
     """``paddle.distributed`` over the ranks the environment names (``PADDLE_TRAINER_ID``,
-    ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ENDPOINTS``, ``PADDLE_CURRENT_ENDPOINT``)."""
+    ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ENDPOINTS``, ``PADDLE_CURRENT_ENDPOINT``; on a
+    GPU also ``FLAGS_selected_gpus`` and ``PADDLE_DISTRI_BACKEND=nccl``: ``tp_environment``).
 
-    def __init__(self) -> None:
+    ``on_gpu``: the tensors it reduces live on the GPU (NCCL takes no host tensors), so
+    ``broadcast_bytes`` copies its words there. The NCCL path has never been run."""
+
+    def __init__(self, on_gpu: bool = False) -> None:
+        import paddle
         import paddle.distributed as dist
 
         dist.init_parallel_env()
         self._dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._words = paddle.to_tensor if on_gpu else None
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         out = x.clone()  # paddle.distributed reduces in place
@@ -101,13 +107,16 @@ class PaddleGroup:
         return out
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        return _broadcast_bytes(self, payload)
+        return _broadcast_bytes(self, payload, self._words)
 
 
-def _broadcast_bytes(group: Group, payload: bytes | None) -> bytes:
+def _broadcast_bytes(group: Group, payload: bytes | None, words_tensor=None) -> bytes:
     """Rank 0's ``payload`` on every rank (the others pass None): an int32 all-reduce where the
-    other ranks bring zeros, which adds exactly."""
+    other ranks bring zeros, which adds exactly. ``words_tensor`` makes the words a tensor
+    (default ``paddle.from_dlpack``, no copy)."""
     import paddle
+
+    words_tensor = words_tensor or paddle.from_dlpack
 
     if group.rank == 0:
         if payload is None or len(payload) > MAX_BROADCAST_BYTES:
@@ -119,16 +128,21 @@ def _broadcast_bytes(group: Group, payload: bytes | None) -> bytes:
     words = np.zeros((n + 3) // 4, dtype=np.int32)
     if group.rank == 0:
         words.view(np.uint8)[:n] = np.frombuffer(payload, dtype=np.uint8)
-    out = group.all_reduce(paddle.from_dlpack(words))
+    out = group.all_reduce(words_tensor(words))
     return out.numpy().view(np.uint8)[:n].tobytes()
 
 
-def tp_environment(rank: int, endpoints: list[str]) -> dict[str, str]:
-    """The environment ``PaddleGroup`` initialises from, for rank ``rank`` of ``endpoints``."""
-    return {
+def tp_environment(rank: int, endpoints: list[str], gpu: int | None = None) -> dict[str, str]:
+    """The environment ``PaddleGroup`` initialises from, for rank ``rank`` of ``endpoints``;
+    with ``gpu``, NCCL on that GPU (``init_parallel_env`` reads ``FLAGS_selected_gpus`` for the
+    rank's device: paddle.distributed.ParallelEnv's documented ``device_id``)."""
+    environment = {
         "PADDLE_TRAINER_ID": str(rank),
         "PADDLE_TRAINERS_NUM": str(len(endpoints)),
         "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
         "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
         "PADDLE_DISTRI_BACKEND": os.environ.get("PADDLE_DISTRI_BACKEND", "gloo"),
     }
+    if gpu is not None:
+        environment.update(PADDLE_DISTRI_BACKEND="nccl", FLAGS_selected_gpus=str(gpu))
+    return environment

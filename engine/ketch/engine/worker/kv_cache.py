@@ -1,4 +1,5 @@
-"""KV cache tensors: one host buffer, viewed per layer by paddle without copies.
+"""KV cache tensors: on the CPU one host buffer, viewed per layer by paddle without copies; on a
+GPU, device memory (``DeviceKVCache``).
 
 The buffer is a numpy array (later: shared memory another process maps), and each layer's key
 and value caches are ``from_dlpack`` views of it, so paddle's in-place slot writes land in the
@@ -67,3 +68,38 @@ class KVCache:
         num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: str
     ) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * _BYTES[dtype]
+
+
+class DeviceKVCache:
+    """The KV cache in device memory (``--device gpu``; never run on a GPU): per layer, keys and
+    values as two ``[num_blocks * block_size, kv_heads * head_dim]`` tensors on paddle's
+    current device, in the compute dtype. ``kv_heads``: the heads this tensor-parallel rank
+    holds (each rank has its own GPU, so nothing is shared between ranks, and nothing lives in
+    /dev/shm). The layout is the one ``ketch.kernels.gpu_attention`` gathers from: one row per
+    token slot."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> None:
+        if dtype not in _BYTES:
+            raise ValueError(f"the KV cache holds one of {sorted(_BYTES)}, not {dtype}")
+        shape = [num_blocks * block_size, kv_heads * head_dim]
+        self.num_blocks = num_blocks
+        self.layers = [
+            (paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype))
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def nbytes(
+        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str
+    ) -> int:
+        return num_blocks * KVCache.bytes_per_block(
+            num_layers, block_size, kv_heads, head_dim, dtype
+        )

@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ketch.engine.device import parse_device, rank_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
@@ -45,6 +46,9 @@ class RunnerConfig:
     num_threads: int | None = None
     backend: str = "auto"
     tensor_parallel_size: int = 1
+    # 'cpu' or 'gpu:N' (rank r on gpu:N+r: ketch.engine.device). The GPU path has never run.
+    device: str = "cpu"
+    max_num_batched_tokens: int = 2048  # bounds a GPU step's attention gathers
 
 
 @dataclass
@@ -94,11 +98,33 @@ class ModelRunner:
         (the worker processes of ``RemoteRunner``); rank 0 samples."""
         self.config = config
         mc = config.model_config
+        self.device = rank_device(parse_device(config.device), rank)
         threads = configure_paddle(config.num_threads)
         self.shard = Shard.of(mc, rank, config.tensor_parallel_size)
         self.sync = StepSync(group) if self.shard.world > 1 else None
+        if self.device.is_gpu:  # never run: docs/gpu.md
+            from ketch.engine.worker.gpu_worker import gpu_model_and_cache
+
+            self.model, self.kv_cache = gpu_model_and_cache(config, self.device, self.shard, group)
+        else:
+            self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
+        self.requests: dict[str, RequestState] = {}
+        self._grammars: GrammarCompiler | None = None  # built for the first grammar request
+        logger.info(
+            "model runner ready: %s on the %s backend%s, %d KV blocks x %d tokens, %d threads%s",
+            mc.architecture,
+            self.model.backend_name,
+            f" ({self.device}, {config.dtype})" if self.device.is_gpu else "",
+            config.num_blocks,
+            config.block_size,
+            threads,
+            f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
+        )
+
+    def _cpu_model_and_cache(self, threads: int, kv_buffer: memoryview | None, group):
+        config, mc = self.config, self.config.model_config
         weights = load_weights(config.model_path, mc, config.dtype, self.shard)
-        self.model = build_model(
+        model = build_model(
             config.backend,
             mc,
             weights,
@@ -107,7 +133,7 @@ class ModelRunner:
             shard=self.shard,
             group=group,
         )
-        self.kv_cache = KVCache(
+        kv_cache = KVCache(
             mc.num_hidden_layers,
             config.num_blocks,
             config.block_size,
@@ -117,17 +143,7 @@ class ModelRunner:
             buffer=kv_buffer,
             heads=self.shard.kv_heads,
         )
-        self.requests: dict[str, RequestState] = {}
-        self._grammars: GrammarCompiler | None = None  # built for the first grammar request
-        logger.info(
-            "model runner ready: %s on the %s backend, %d KV blocks x %d tokens, %d threads%s",
-            mc.architecture,
-            self.model.backend_name,
-            config.num_blocks,
-            config.block_size,
-            threads,
-            f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
-        )
+        return model, kv_cache
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """The step's sampled tokens (on a tensor-parallel rank other than 0: what rank 0

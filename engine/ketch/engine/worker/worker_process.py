@@ -32,6 +32,7 @@ import zmq
 
 from ketch.engine import rundir
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ketch.engine.device import parse_device, rank_devices
 from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.kv_cache import KVCache
@@ -85,13 +86,16 @@ def run_worker(
     prefix = f"worker {rank}" if config.tensor_parallel_size > 1 else "worker"
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {prefix}: %(message)s")
     kv_name, status_name = shm_names(port)
-    kv_shm, status_shm = attach_segment(kv_name), attach_segment(status_name)  # the engine's
+    gpu = parse_device(config.device).is_gpu  # a GPU's KV cache is device memory, not /dev/shm
+    kv_shm = None if gpu else attach_segment(kv_name)  # the engine's
+    status_shm = attach_segment(status_name)
     status = np.ndarray((STATUS_SLOTS,), dtype=np.float64, buffer=status_shm.buf)
     # Replaces paddle's fatal-error report. os._exit: nothing here needs cleaning up, and an
     # interpreter shutdown could wait forever on a reply queued for a dead engine.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    group = _group(config.tensor_parallel_size, rank, port, parent_pid)
-    runner = ModelRunner(config, kv_buffer=kv_shm.buf, rank=rank, group=group)
+    group = _group(config.tensor_parallel_size, rank, port, parent_pid, gpu)
+    kv_buffer = None if kv_shm is None else kv_shm.buf
+    runner = ModelRunner(config, kv_buffer=kv_buffer, rank=rank, group=group)
     socket = zmq.Context().socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, _POLL_MS * 4)  # never block forever on a dead engine
@@ -120,14 +124,14 @@ def run_worker(
             os._exit(0)
 
 
-def _group(world: int, rank: int, port: int, parent_pid: int) -> Group | None:
+def _group(world: int, rank: int, port: int, parent_pid: int, gpu: bool = False) -> Group | None:
     """The ranks' collectives: the shared-memory group, or paddle.distributed where
     ``KETCH_TP_COLLECTIVE=paddle`` (gloo on the CPU: 1-3 ms an all-reduce here, against tens of
-    microseconds; the reference, and what GPUs would use with NCCL)."""
+    microseconds; the reference) or the device is a GPU (NCCL; never run)."""
     if world == 1:
         return None
-    if os.environ.get(COLLECTIVE_ENV) == "paddle":
-        return PaddleGroup()
+    if gpu or os.environ.get(COLLECTIVE_ENV) == "paddle":
+        return PaddleGroup(on_gpu=gpu)
     segment = attach_segment(group_segment_name(port))
     group = ShmGroup(segment.buf, rank, world, parent_pid=parent_pid)
     group.segment = segment  # closing the mapping under the group's views would crash it
@@ -158,6 +162,9 @@ class RemoteRunner:
                 f"{COLLECTIVE_ENV}={os.environ[COLLECTIVE_ENV]!r}: choose one of "
                 f"{', '.join(COLLECTIVES)}"
             )
+        self.device = parse_device(config.device)
+        if self.device.is_gpu and os.environ.get(COLLECTIVE_ENV) == "shm":
+            raise ValueError(f"{COLLECTIVE_ENV}=shm: the shared-memory all-reduce is CPU only")
         if config.num_threads is None:
             # The API server and the engine need a core too: a worker that takes them all
             # stalls in its own thread barriers (measured on 2 cores: 1 thread serves 1.46x
@@ -182,15 +189,15 @@ class RemoteRunner:
         try:
             for rank in range(world):
                 self._sockets.append(self._bind(context, port, rank))
-            self._segments += [
-                fresh_segment(kv_name, size),
-                fresh_segment(status_name, STATUS_BYTES),
-            ]
-            if world > 1:
+            status = fresh_segment(status_name, STATUS_BYTES)
+            self._segments.append(status)
+            if not self.device.is_gpu:  # a GPU's KV cache is device memory
+                self._segments.append(fresh_segment(kv_name, size))
+            if world > 1 and not self.device.is_gpu:
                 self._segments.append(
                     fresh_segment(group_segment_name(port), ShmGroup.nbytes(world))
                 )
-            self.status = np.ndarray((STATUS_SLOTS,), np.float64, buffer=self._segments[1].buf)
+            self.status = np.ndarray((STATUS_SLOTS,), np.float64, buffer=status.buf)
             self.status[ENGINE_HEARTBEAT] = time.monotonic()
             self.status[PID_NAMESPACE] = pid_namespace()
             self._start(config, port, world)
@@ -225,9 +232,10 @@ class RemoteRunner:
     def _start(self, config: RunnerConfig, port: int, world: int) -> None:
         spawn = multiprocessing.get_context("spawn")
         environments: list[dict[str, str]] = [{} for _ in range(world)]
-        if world > 1 and os.environ.get(COLLECTIVE_ENV) == "paddle":
+        if world > 1 and (self.device.is_gpu or os.environ.get(COLLECTIVE_ENV) == "paddle"):
             endpoints = [f"127.0.0.1:{free_tcp_port()}" for _ in range(world)]
-            environments = [tp_environment(rank, endpoints) for rank in range(world)]
+            gpus = [d.index if d.is_gpu else None for d in rank_devices(self.device, world)]
+            environments = [tp_environment(r, endpoints, gpus[r]) for r in range(world)]
         for rank in range(world):
             process = spawn.Process(
                 target=run_worker,
