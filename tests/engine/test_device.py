@@ -278,3 +278,30 @@ def test_ketch_generate_with_device_gpu_is_a_one_line_error(tmp_path: Path):
     assert "Traceback" not in result.stderr
     [error] = [line for line in result.stderr.splitlines() if line.startswith("ketch: error:")]
     assert "device=gpu:0" in error and NO_CUDA in error
+
+
+# ----------------------------------------------------------------- the worker side, unrun
+
+
+def test_nccl_environment_per_rank():
+    from ketch.kernels.collective import tp_environment
+
+    endpoints = ["127.0.0.1:1", "127.0.0.1:2"]
+    cpu = tp_environment(1, endpoints)
+    assert "FLAGS_selected_gpus" not in cpu and cpu["PADDLE_TRAINER_ID"] == "1"
+    gpu = tp_environment(1, endpoints, gpu=5)
+    assert gpu["PADDLE_DISTRI_BACKEND"] == "nccl" and gpu["FLAGS_selected_gpus"] == "5"
+    assert {k: v for k, v in gpu.items() if k not in cpu or k == "PADDLE_DISTRI_BACKEND"} == {
+        "PADDLE_DISTRI_BACKEND": "nccl",
+        "FLAGS_selected_gpus": "5",
+    }
+
+
+def test_the_shared_memory_all_reduce_is_refused_on_a_gpu(monkeypatch):
+    from ketch.engine.worker.model_runner import RunnerConfig
+    from ketch.engine.worker.worker_process import COLLECTIVE_ENV, RemoteRunner
+
+    monkeypatch.setenv(COLLECTIVE_ENV, "shm")
+    config = RunnerConfig(TINY_MODEL_DIR, TINY, 128, 8, 16, device="gpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="shared-memory all-reduce is CPU only"):
+        RemoteRunner(config, port=1)
