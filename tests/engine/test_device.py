@@ -305,3 +305,14 @@ def test_the_shared_memory_all_reduce_is_refused_on_a_gpu(monkeypatch):
     config = RunnerConfig(TINY_MODEL_DIR, TINY, 128, 8, 16, device="gpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="shared-memory all-reduce is CPU only"):
         RemoteRunner(config, port=1)
+
+
+def test_the_oldest_gpu_decides_the_dtype():
+    def mixed(indices):
+        caps = {0: (9, 0), 1: (7, 5)}
+        return tuple(GpuInfo(i, "fake", 40 * GIB, 80 * GIB, caps[i]) for i in indices)
+
+    config = EngineConfig(device="gpu", tensor_parallel_size=2)
+    assert compute_dtype(config, mixed) == "float16"
+    [refusal] = refusals(dataclasses.replace(config, dtype="bfloat16"), model=TINY, probe=mixed)
+    assert refusal.setting == "dtype" and "is 7.5" in refusal.reason

@@ -74,7 +74,7 @@ def refusals(
     gpu_facts, out = None, []
     if device.is_gpu:
         gpu_facts, out = _gpu_refusals(config, device, probe)
-    capability = gpu_facts[0].capability if gpu_facts else None
+    capability = _capability(gpu_facts) if gpu_facts else None
     problem = dev.dtype_problem(device, config.dtype, capability)
     if problem is not None:
         out.append(Refusal("dtype", config.dtype, problem))
@@ -120,8 +120,7 @@ def compute_dtype(config: EngineConfig, probe: Probe | None = None) -> str:
     device = dev.parse_device(config.device)
     if not device.is_gpu:
         return COMPUTE_DTYPES[config.dtype]
-    facts = _facts(config, device, probe)
-    return dev.resolve_dtype(device, config.dtype, facts[0].capability)
+    return dev.resolve_dtype(device, config.dtype, _capability(_facts(config, device, probe)))
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -171,6 +170,11 @@ def _facts(config: EngineConfig, device: dev.Device, probe: Probe | None):
     return (probe or dev.probe_gpus)(indices)
 
 
+def _capability(facts) -> tuple[int, int]:
+    """The oldest of the ranks' GPUs decides what they all compute in."""
+    return min(info.capability for info in facts)
+
+
 def _gpu_refusals(config: EngineConfig, device: dev.Device, probe: Probe | None):
     """(the GPUs' facts or None, the refusals that come with a GPU device)."""
     out = []
@@ -193,7 +197,7 @@ def _gpu_refusals(config: EngineConfig, device: dev.Device, probe: Probe | None)
 
 
 def _gpu_plans(config: EngineConfig, model: ModelConfig, facts) -> list:
-    dtype = dev.resolve_dtype(dev.parse_device(config.device), config.dtype, facts[0].capability)
+    dtype = dev.resolve_dtype(dev.parse_device(config.device), config.dtype, _capability(facts))
     tp = config.tensor_parallel_size
     return [
         (
