@@ -64,6 +64,12 @@ def test_tensor_parallel_sizes_the_model_can_be_split_into():
     assert huge.setting == "tensor_parallel_size" and "at most 64" in huge.reason
     [huge] = refusals(EngineConfig(tensor_parallel_size=10**9), model=TINY)  # named once
     assert "at most 64" in huge.reason
+    for backend in ("eager", "predictor"):
+        [serial] = refusals(EngineConfig(tensor_parallel_size=2, backend=backend), model=TINY)
+        assert (serial.setting, serial.value) == ("backend", backend)
+        assert "native backend only" in serial.reason
+    for backend in ("auto", "native"):
+        assert refusals(EngineConfig(tensor_parallel_size=2, backend=backend), model=TINY) == []
 
 
 def test_gpus_are_refused_only_when_the_caller_knows_them():

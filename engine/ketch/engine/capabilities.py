@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 COMPUTE_DTYPES = dev.CPU_DTYPES
 # Worker processes per instance, one per rank; more ranks than this is a typo, not a plan.
 MAX_TENSOR_PARALLEL_SIZE = 64
+CPU_SERIAL = ("eager", "predictor")  # CPU backends with no tensor-parallel path
 # GPUs per engine pod the operator may render: none until the GPU path has run somewhere.
 MAX_GPUS = 0
 PLANNED = "issue 17"
@@ -85,6 +86,16 @@ def refusals(
                 config.tensor_parallel_size,
                 f"at most {MAX_TENSOR_PARALLEL_SIZE} tensor-parallel ranks (worker processes) "
                 "per instance",
+            )
+        )
+    if config.tensor_parallel_size > 1 and not device.is_gpu and config.backend in CPU_SERIAL:
+        out.append(
+            Refusal(
+                "backend",
+                config.backend,
+                f"tensor_parallel_size {config.tensor_parallel_size} on the CPU runs on the "
+                "native backend only (its layers hold the ranks' shards and all-reduces): use "
+                "auto or native",
             )
         )
     if gpus is not None and gpus > MAX_GPUS:

@@ -144,8 +144,9 @@ class EngineConfig:
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(
         None,
-        "CPU threads for the model. Default: every core offline; all but one under "
-        "'ketch serve', whose API server and engine need the other.",
+        "CPU threads for the model, per worker process (per tensor-parallel rank). Default: "
+        "every core offline; all but one under 'ketch serve', whose API server and engine need "
+        "the other, shared by the ranks ((cores - 1) // tensor_parallel_size, at least 1).",
         minimum=1,
     )
 
