@@ -12,6 +12,7 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
+from ketch.engine.core.scheduler_output import ModelRunnerOutput
 from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
@@ -259,8 +260,7 @@ class LLMEngine:
     # ---- the step ----
 
     def step(self) -> list[RequestDelta]:
-        """Runs one step; returns a delta for each request it advanced (``final_only`` ones:
-        when they finish)."""
+        """Runs one step: a delta per request it advanced (``final_only`` ones: at the end)."""
         sched = self.scheduler.schedule()
         self._last_batch_size = len(sched.num_scheduled_tokens)
         self.kv_cache.flush()  # evicted blocks reach the host swap before the worker reuses them
@@ -269,17 +269,7 @@ class LLMEngine:
             self._fail(runner_output.failed)
         self._take_prompt_logprobs(runner_output.prompt_logprobs)
         updated = self.scheduler.update_from_output(sched, runner_output)
-        if runner_output.logprobs:
-            sampled = zip(
-                runner_output.request_ids,
-                runner_output.sampled_token_ids,
-                runner_output.logprobs,
-                strict=True,
-            )
-            for request_id, token_id, lp in sampled:
-                tracked = self._tracked.get(request_id)
-                if lp is not None and tracked is not None and tracked.logprobs is not None:
-                    tracked.logprobs.append(TokenLogprob(token_id, lp[0], lp[1]))
+        self._take_logprobs(runner_output)
         outputs = []
         for request in updated:
             try:
@@ -291,6 +281,16 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _take_logprobs(self, out: ModelRunnerOutput) -> None:
+        """The sampler's (logprob, top) of each sampled token, as the TokenLogprob it sends."""
+        if not out.logprobs:
+            return
+        rows = zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True)
+        for request_id, token_id, lp in rows:
+            tracked = self._tracked.get(request_id)
+            if lp is not None and tracked is not None and tracked.logprobs is not None:
+                tracked.logprobs.append(TokenLogprob(token_id, lp[0], lp[1]))
 
     def _take_prompt_logprobs(self, scored: dict[str, list]) -> None:
         """Appends what a step scored of each prompt (the tokens after those scored before)."""
@@ -350,8 +350,7 @@ class LLMEngine:
         new_token_ids = request.token_ids[start:]
         tracked.emitted_tokens += len(new_token_ids)
         logprobs = tracked.logprobs
-        if logprobs is not None:
-            tracked.logprobs = []
+        tracked.logprobs = None if logprobs is None else []
         prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, None
         return RequestDelta(
             request_id=request.request_id,
