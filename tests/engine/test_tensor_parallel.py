@@ -106,7 +106,7 @@ def test_shards_cover_the_model_once() -> None:
         Shard.of(config, 2, 2)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-mqa"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-mqa"])
 def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str) -> None:
     path = checkpoint(name)
     prompts = make_prompts(ModelConfig.from_dir(path).vocab_size)
