@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 import pytest
 from test_model_exactness import TOLERANCE, reference_logits
-from test_tensor_parallel import sequences_for
+from test_tensor_parallel_exactness import sequences_for
 from tp_harness import BLOCK, chunked_logits, num_blocks_for, run_ranks
 
 from ketch.engine.models.config import ModelConfig
