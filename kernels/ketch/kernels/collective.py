@@ -22,10 +22,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-if TYPE_CHECKING:  # paddle is imported where it is used: the operator (no paddle) sizes segments
-    import paddle
+if TYPE_CHECKING:  # numpy and paddle are imported where they are used: the operator (whose
+    import paddle  # image has neither) sizes the segment with ShmGroup.nbytes
 
 CTRL_STRIDE = 16  # int64 slots per rank in the control block (csrc/comm.cc)
 DEFAULT_SLOT_BYTES = 4 << 20  # per rank and buffer: larger tensors are reduced in chunks
@@ -60,6 +58,7 @@ class ShmGroup:
             raise ValueError(f"slot_bytes must be a positive multiple of 8, not {slot_bytes}")
         if len(buffer) < self.nbytes(world, slot_bytes):
             raise ValueError(f"the segment holds {len(buffer)} bytes, the group needs more")
+        import numpy as np
         import paddle
 
         from ketch.kernels import cpp_ops
@@ -114,6 +113,7 @@ def _broadcast_bytes(group: Group, payload: bytes | None, words_tensor=None) -> 
     """Rank 0's ``payload`` on every rank (the others pass None): an int32 all-reduce where the
     other ranks bring zeros, which adds exactly. ``words_tensor`` makes the words a tensor
     (default ``paddle.from_dlpack``, no copy)."""
+    import numpy as np
     import paddle
 
     words_tensor = words_tensor or paddle.from_dlpack
