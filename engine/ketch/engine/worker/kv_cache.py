@@ -61,7 +61,9 @@ class KVCache:
     def nbytes(
         num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     ) -> int:
-        return 2 * num_layers * num_blocks * block_size * kv_heads * head_dim * 4
+        return num_blocks * KVCache.bytes_per_block(
+            num_layers, block_size, kv_heads, head_dim, "float32"
+        )
 
     @staticmethod
     def bytes_per_block(

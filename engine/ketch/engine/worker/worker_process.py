@@ -248,14 +248,14 @@ class RemoteRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         data = encode_step(sched)
+        self.check_alive()
         for socket in self._sockets:  # the same bytes to every rank
             while True:
-                self.check_alive()
                 try:
                     socket.send(data)  # PAIR blocks while no peer is connected: bounded
                     break
                 except zmq.Again:
-                    continue
+                    self.check_alive()  # a rank that never reads again has exited
         output = decode_result(self._receive(None, what="step"))
         if output.refused is not None:  # nothing was applied: fail what the step named
             logger.error("the worker refused a step: %s", output.refused)
