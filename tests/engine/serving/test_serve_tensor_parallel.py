@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from serve_harness import greedy, running_server
+from test_structured_outputs import MESSAGES, City
 
 from ketch.engine.worker.shm import group_segment_name, shm_names
 from procs import wait_for
@@ -47,6 +48,13 @@ def test_two_ranks_serve_what_one_worker_serves(reference_llm) -> None:
             for _ in range(2)
         ]
         assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+        # Grammars live on rank 0 only (it samples); the other rank follows its tokens.
+        for seed in (None, 3):
+            parsed = client.chat.completions.parse(
+                model="tiny", messages=MESSAGES, response_format=City, max_tokens=300,
+                temperature=0 if seed is None else 1.0, seed=seed,
+            )  # fmt: skip
+            assert isinstance(parsed.choices[0].message.parsed, City)
         port = srv.worker_port
     assert not any(p.exists() for p in segments(port))
 
