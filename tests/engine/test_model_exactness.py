@@ -124,12 +124,12 @@ def native_kernels(request) -> CpuKernels:
     return kernels
 
 
-@pytest.mark.parametrize("matmul", ["openblas", "paddle"])
+@pytest.mark.parametrize("matmul", ["packed", "openblas", "paddle"])
 @pytest.mark.parametrize("name", [*CHECKPOINT_NAMES, "tiny"])
 def test_native_backend_matches_transformers(
     checkpoint, name: str, native_kernels, matmul: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every matmul through the GEMM kernel (OpenBLAS) or paddle.matmul, whichever the backend
+    """Every matmul through the packed GEMM, OpenBLAS's or paddle.matmul, whichever the backend
     would measure faster on some machine, forced here; attention in the C++ kernel."""
     from ketch.kernels.linear import ENV
 

@@ -88,6 +88,15 @@ for m in (1, 37):
     ref = paddle.matmul(x, w).numpy()
     out = Linear(1)(x, w).numpy()
     print("linear", float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
+from ketch.kernels.packed_linear import PackedLinear, select_packed_linear
+packed = select_packed_linear()
+print(packed.isa)
+for kernel in (packed, PackedLinear("generic")):
+    x = paddle.to_tensor(rng.standard_normal((9, 300), np.float32))
+    w = paddle.to_tensor(rng.standard_normal((300, 130), np.float32))
+    out = kernel(x, kernel.prepare(w)).numpy()
+    ref = paddle.matmul(x, w).numpy()
+    print("packed", float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
 print(blas.scipy_openblas_get_corename().decode().lower())
 """
 
@@ -100,6 +109,9 @@ def test_cpp_kernels_run_without_avx512() -> None:
     out = _emulated("-c", _KERNELS_PROBE)
     assert out.returncode == 0, out.stderr[-3000:]
     *checks, core = out.stdout.split()
-    assert checks == ["avx2", "True", "generic", "True", "linear", "True", "linear", "True"]
+    assert checks == [
+        "avx2", "True", "generic", "True", "linear", "True", "linear", "True",
+        "avx2", "packed", "True", "packed", "True",
+    ]  # fmt: skip
     # OpenBLAS picked its kernels from the emulated CPUID: an AVX2 core, not an AVX-512 one.
     assert core not in ("skylakex", "cooperlake", "sapphirerapids"), core

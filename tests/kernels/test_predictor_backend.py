@@ -23,6 +23,7 @@ from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
 from ketch.kernels import CpuKernels, dense_graph, predictor_backend
 from ketch.kernels.dense_graph import DenseShape
+from ketch.kernels.linear import ENV, Linear
 from ketch.kernels.predictor_backend import DensePrograms, export_programs, program_key
 
 SHAPE = DenseShape(
@@ -172,10 +173,16 @@ def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
     model, records = build_auto()
     assert model.backend_name == "native" and not records
 
-    # Without OpenBLAS the native backend keeps paddle.matmul: still native, no backend line.
+    # Without OpenBLAS the native backend keeps its packed GEMM or paddle.matmul: still native,
+    # no backend line; forced to paddle.matmul, it runs on that alone.
     monkeypatch.setattr(cpp_ops, "gemm_ops", refuse("no OpenBLAS on this machine"))
     model, records = build_auto()
+    assert model.backend_name == "native" and not isinstance(model.linear, Linear)
+    assert not records
+    monkeypatch.setenv(ENV, "paddle")
+    model, records = build_auto()
     assert model.backend_name == "native" and model.linear is paddle.matmul and not records
+    monkeypatch.delenv(ENV)
 
     monkeypatch.setattr(llama_native, "NativeLlamaModel", refuse("no native kernels here"))
     model, (record,) = build_auto()

@@ -63,7 +63,7 @@ class Library:
 
 ATTENTION = Library(
     "ketch_ops",
-    ("paged_attention.cc", "fused.cc", "comm.cc"),
+    ("paged_attention.cc", "fused.cc", "comm.cc", "packed_gemm.cc"),
     ("simd.h", "attention_kernel.inc"),
 )
 

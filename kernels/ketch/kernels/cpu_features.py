@@ -36,6 +36,9 @@ ISA_SPECIFIC_OPS: Mapping[str, frozenset[str]] = {
     # built for the x86-64 baseline: these names are the callables that run them.
     "ketch.kernels.paged_attention.paged_attention_avx512": AVX512,
     "ketch.kernels.paged_attention.paged_attention_avx2": AVX2_FMA,
+    # csrc/packed_gemm.cc: the packed-weight GEMM's AVX-512 and AVX2 + FMA micro-kernels.
+    "ketch.kernels.packed_linear.packed_linear_avx512": AVX512,
+    "ketch.kernels.packed_linear.packed_linear_avx2": AVX2_FMA,
 }
 
 # Fused ops the engine calls that run on every x86-64 CPU paddle supports: seen on an AVX2-only

@@ -1,17 +1,20 @@
-"""The native backend's matmul: ``x @ w`` through OpenBLAS (``csrc/gemm.cc``) or paddle's own
-matmul, whichever measures faster on this machine, and the reference.
+"""The native backend's matmul: ``x @ w`` through Ketch's packed-weight GEMM (``packed_linear``),
+OpenBLAS (``csrc/gemm.cc``) or paddle's own matmul, whichever measures faster on this machine,
+and the reference.
 
-``linear_reference`` (``paddle.matmul``) is the spec. ``Linear`` calls the C++ op with a fixed
-number of OpenBLAS threads; ``select_linear()`` returns it where the GEMM library builds and
-loads, else None (the caller keeps paddle.matmul).
+``linear_reference`` (``paddle.matmul``) is the spec. ``Linear`` calls the OpenBLAS op with a
+fixed number of threads; ``select_linear()`` returns it where the GEMM library builds and loads,
+else None. A matmul may carry ``prepare(w)``: the weight in the layout it computes from (the
+packed GEMM's panels), made once at load; the model then keeps only that form.
 
 Which one is faster depends on the CPU, not on its instruction set alone: on a 2-core AMD EPYC
 (Zen 3, AVX2) OpenBLAS ran 75-80 GFLOP/s on one thread against 24 for paddle's dygraph matmul;
-on a 2-core Intel Xeon with AVX-512 paddle's matmul (MKL) ran 170-190 against OpenBLAS's 80-110
-(``[32, 512] x [512, 2816]``: 0.54 against 1.07 ms). So ``choose_matmul`` times both on the
-model's own weight shapes at a few row counts when the model is built (tens of milliseconds)
+on a 2-core Intel Xeon with AVX-512 paddle's matmul (MKL) ran 170-190 against OpenBLAS's 80-110;
+on a 2-core AMD EPYC with AVX-512 (Zen 4) the packed GEMM ran 90-108 at 4-256 rows against
+OpenBLAS's 35-100 (which repacks the weight on every call). So ``choose_matmul`` times them on
+the model's own weight shapes at a few row counts when the model is built (tens of milliseconds)
 and dispatches each call by its row count to the winner of the nearest measured count.
-``KETCH_MATMUL=openblas|paddle`` skips the measurement.
+``KETCH_MATMUL=packed|openblas|paddle`` skips the measurement.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from dataclasses import dataclass
 
 import paddle
 
+from ketch.kernels import cpp_ops
+
 logger = logging.getLogger(__name__)
 
 Matmul = Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]
 ENV = "KETCH_MATMUL"
-CHOICES = ("auto", "openblas", "paddle")
+CHOICES = ("auto", "packed", "openblas", "paddle")
 # Row counts measured: decode of one sequence, small and large decode batches, a prefill chunk.
 MEASURED_ROWS = (1, 8, 32, 256)
 # Measurement stops adding rounds once one implementation has spent this long on one row count.
@@ -37,6 +42,9 @@ _ROUND_BUDGET_S = 0.05
 # Weights above this many elements are timed on their first columns only, so that measuring a
 # large model (a 150k-word lm_head) costs milliseconds, not seconds, at start-up.
 _MAX_MEASURED_ELEMENTS = 1 << 22
+# A matmul with its own weight layout (the packed GEMM) is taken over a faster one at a row count
+# where it is at most this much slower: measured differences of a few percent are noise.
+PREFER_OWN_LAYOUT = 1.1
 
 
 def linear_reference(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
@@ -51,21 +59,34 @@ class Linear:
     num_threads: int = 1
 
     def __call__(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        from ketch.kernels import cpp_ops
-
         return cpp_ops.gemm_ops().ketch_linear(x, w, self.num_threads)
 
 
 def select_linear(num_threads: int = 1) -> Linear | None:
     """The GEMM kernel if its library can be built and loaded here, else None (logged once)."""
-    from ketch.kernels import cpp_ops
-
     try:
         cpp_ops.gemm_ops()
     except RuntimeError as exc:
         logger.warning("linear: paddle.matmul (%s)", exc)
         return None
     return Linear(max(1, int(num_threads)))
+
+
+def prepared(matmul: Matmul, w: paddle.Tensor):
+    """``w`` in the layout ``matmul`` computes from (itself for a matmul without ``prepare``)."""
+    prepare = getattr(matmul, "prepare", None)
+    return w if prepare is None else prepare(w)
+
+
+@dataclass(frozen=True)
+class Forms:
+    """One weight in the layouts of a RowDispatch's matmuls (one entry per matmul)."""
+
+    forms: tuple
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.forms[0].shape)
 
 
 @dataclass(frozen=True)
@@ -87,14 +108,26 @@ class RowDispatch:
         object.__setattr__(self, "_edges", edges)
 
     def pick(self, rows: int) -> Matmul:
-        return self.matmuls[bisect.bisect_right(self._edges, rows)]
+        return self.matmuls[self._band(rows)]
 
-    def __call__(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    def _band(self, rows: int) -> int:
+        return bisect.bisect_right(self._edges, rows)
+
+    def prepare(self, w: paddle.Tensor) -> Forms:
+        """``w`` in every layout the bands need (each distinct matmul prepares it once)."""
+        made: dict[int, object] = {}
+        for m in self.matmuls:
+            if id(m) not in made:
+                made[id(m)] = prepared(m, w)
+        return Forms(tuple(made[id(m)] for m in self.matmuls))
+
+    def __call__(self, x: paddle.Tensor, w) -> paddle.Tensor:
         shape = x.shape
         rows = 1
         for d in shape[:-1]:
             rows *= d
-        return self.pick(rows)(x, w)
+        band = self._band(rows)
+        return self.matmuls[band](x, w.forms[band] if isinstance(w, Forms) else w)
 
 
 def _seconds(matmul: Matmul, xs: Sequence[paddle.Tensor], ws: Sequence[paddle.Tensor]) -> float:
@@ -127,12 +160,14 @@ def choose_matmul(
         forced = os.environ.get(ENV, "auto").strip().lower() or "auto"
         if forced not in CHOICES:
             raise ValueError(f"{ENV}={forced!r}: expected one of {', '.join(CHOICES)}")
-        if forced != "paddle":
-            blas = select_linear(num_threads)
-            if blas is not None:
-                candidates["openblas"] = blas
-            elif forced == "openblas":
-                raise RuntimeError(f"{ENV}=openblas but the GEMM library cannot be built here")
+        for name, select in (("packed", _select_packed), ("openblas", select_linear)):
+            if forced not in ("auto", name):
+                continue
+            kernel = select(num_threads)
+            if kernel is not None:
+                candidates[name] = kernel
+            elif forced == name:
+                raise RuntimeError(f"{ENV}={name} but its kernel cannot be built here")
         if forced != "auto":
             return candidates[forced], f"matmul: {forced} ({ENV})"
     names = list(candidates)
@@ -141,10 +176,16 @@ def choose_matmul(
     weights = [_measured_part(w) for w in weights]
     winners: list[str] = []
     parts = []
+    forms = {n: [prepared(candidates[n], w) for w in weights] for n in names}
     for m in rows:
         xs = [paddle.randn([m, int(w.shape[0])], dtype=w.dtype) for w in weights]
-        times = {n: _seconds(candidates[n], xs, weights) for n in names}
+        times = {n: _seconds(candidates[n], xs, forms[n]) for n in names}
         best = min(names, key=times.__getitem__)
+        # Within the noise, a matmul with its own layout wins: a dispatch mixing layouts keeps
+        # each weight twice.
+        own = [n for n in names if getattr(candidates[n], "prepare", None) is not None]
+        if own and best not in own and times[own[0]] <= PREFER_OWN_LAYOUT * times[best]:
+            best = own[0]
         winners.append(best)
         parts.append(
             f"{m} rows " + "/".join(f"{n} {times[n] * 1e3:.2f}" for n in names) + f" ms: {best}"
@@ -154,6 +195,18 @@ def choose_matmul(
     if len(set(winners)) == 1:
         return candidates[winners[0]], line
     return RowDispatch(tuple(rows), tuple(candidates[n] for n in winners)), line
+
+
+def _select_packed(num_threads: int):
+    """The packed GEMM for this CPU where Ketch's op library builds here, else None (logged)."""
+    from ketch.kernels.packed_linear import select_packed_linear
+
+    try:
+        cpp_ops.ops()
+    except RuntimeError as exc:
+        logger.warning("linear: no packed GEMM (%s)", exc)
+        return None
+    return select_packed_linear(num_threads=num_threads)
 
 
 def _measured_part(w: paddle.Tensor) -> paddle.Tensor:

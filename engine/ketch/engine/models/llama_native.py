@@ -4,8 +4,9 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul, one fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
 (SwiGLU between two matmuls), and the next fused add + RMSNorm. Every matmul goes through the
-``linear`` it is given: OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured
-faster for that row count on this machine.
+``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
+``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
+(the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
 microseconds where the predictor takes 40-80 (on the AMD EPYC of docs/backend.md its oneDNN
@@ -15,6 +16,8 @@ layer in plain paddle ops).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import paddle
 from paddle.nn.functional import embedding, swiglu
@@ -26,7 +29,8 @@ from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
 from ketch.kernels.collective import Group
 from ketch.kernels.dense_graph import Matmul
-from ketch.kernels.linear import choose_matmul
+from ketch.kernels.linear import choose_matmul, prepared
+from ketch.kernels.packed_linear import PackedLinear
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 
 
@@ -36,6 +40,21 @@ def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
     first = weights.layers[0]
     shapes = [first.qkv, first.o, first.gate_up, first.down, weights.lm_head]
     return choose_matmul([w for w in shapes if w is not None], threads)
+
+
+def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
+    """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
+    has no ``prepare``); norms, biases and embeddings stay as they are."""
+    if getattr(linear, "prepare", None) is None:
+        return weights
+
+    def layer(lw: LayerWeights) -> LayerWeights:
+        names = ("qkv", "o", "gate_up", "down")
+        return dataclasses.replace(lw, **{n: prepared(linear, getattr(lw, n)) for n in names})
+
+    lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
+    layers = [layer(lw) for lw in weights.layers]
+    return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
 
 
 class NativeLlamaModel:
@@ -63,10 +82,10 @@ class NativeLlamaModel:
                 f"{config.head_dim}, kernels {eager.kernels.paged_attention})"
             )
         self.config = config
-        self.eager = eager
         self.kernels = eager.kernels
-        self.weights = weights
+        self.weights = _prepared_weights(weights, linear)
         self.linear = linear
+        self._fused_bias = isinstance(linear, PackedLinear)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -86,6 +105,8 @@ class NativeLlamaModel:
         )
 
     def _dense(self, x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
+        if self._fused_bias:
+            return self.linear(x, w, b)
         y = self.linear(x, w)
         return y if b is None else y + b
 

@@ -1,0 +1,85 @@
+"""The native backend's matmul on weights packed once at load (``csrc/packed_gemm.cc``).
+
+``x @ w`` where ``w`` [K, N] was rearranged by ``PackedLinear.prepare`` into panels of NR
+columns ([ceil(N / NR), K, NR], zero-padded): each panel is one contiguous block the micro-kernel
+streams once per register tile of rows. A library GEMM does that rearranging on every call; at
+serving batch sizes it costs as much as the arithmetic (docs/backend.md has the figures).
+
+The panel width belongs to the instruction set (AVX-512: 32, AVX2 + FMA: 16, generic: 8), so a
+weight is packed by the ``PackedLinear`` that will run it, and ``select_packed_linear`` picks the
+instruction set from the CPU's features (never assumed). ``linear_reference`` (paddle.matmul on
+the unpacked weight) is the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+
+from ketch.kernels import cpp_ops
+from ketch.kernels.cpu_features import CpuFeatures
+
+AVX512_OP = "ketch.kernels.packed_linear.packed_linear_avx512"
+AVX2_OP = "ketch.kernels.packed_linear.packed_linear_avx2"
+PANEL_WIDTH = {"avx512": 32, "avx2": 16, "generic": 8}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [K, N] weight in one instruction set's panel layout."""
+
+    data: paddle.Tensor  # [ceil(N / NR), K, NR]
+    k: int
+    n: int
+    isa: str
+
+    @property
+    def shape(self) -> list[int]:
+        """The unpacked weight's shape, [K, N]."""
+        return [self.k, self.n]
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """``x @ w`` (+ ``bias``) for float32 CPU tensors, ``w`` packed by ``prepare``."""
+
+    isa: str
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.isa not in PANEL_WIDTH:
+            raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
+
+    def prepare(self, w: paddle.Tensor) -> PackedWeight:
+        """``w`` [K, N] in this instruction set's layout (a copy; ``w`` may be dropped)."""
+        if len(w.shape) != 2:
+            raise ValueError(f"a weight to pack must be [K, N], got {list(w.shape)}")
+        packed = cpp_ops.ops().ketch_pack_weight(w, self.isa)
+        return PackedWeight(packed, int(w.shape[0]), int(w.shape[1]), self.isa)
+
+    def __call__(
+        self, x: paddle.Tensor, w: PackedWeight, bias: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
+        """x [..., K] -> [..., N]."""
+        if not isinstance(w, PackedWeight) or w.isa != self.isa:
+            raise TypeError(f"expects a weight packed for {self.isa} by PackedLinear.prepare")
+        return cpp_ops.ops().ketch_packed_linear(
+            x, w.data, bias, w.n, self.isa, int(self.num_threads)
+        )
+
+
+packed_linear_avx512 = PackedLinear("avx512")
+packed_linear_avx2 = PackedLinear("avx2")
+packed_linear_generic = PackedLinear("generic")
+
+
+def select_packed_linear(
+    features: CpuFeatures | None = None, num_threads: int = 1
+) -> PackedLinear:
+    """The widest micro-kernel ``features`` (default: this CPU's) allow."""
+    features = features or CpuFeatures.detect()
+    for isa, op in (("avx512", AVX512_OP), ("avx2", AVX2_OP)):
+        if features.can_run(op):
+            return PackedLinear(isa, max(1, int(num_threads)))
+    return PackedLinear("generic", max(1, int(num_threads)))
