@@ -262,4 +262,5 @@ def _coalesce(delta: RequestDelta, queue: asyncio.Queue[RequestDelta]) -> Reques
             (d.prompt_logprobs for d in pending if d.prompt_logprobs is not None), None
         ),
         metrics=last.metrics,
+        embedding=last.embedding,
     )

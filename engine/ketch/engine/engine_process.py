@@ -99,8 +99,9 @@ def _run(
         engine.close()
         sys.exit(1)
     try:
+        mc = engine.model_config
         ready = EngineReady(
-            engine.max_model_len, engine.kv_cache.pool.num_blocks, engine.model_config.vocab_size
+            engine.max_model_len, engine.kv_cache.pool.num_blocks, mc.vocab_size, mc.hidden_size
         )
         outputs.send(encode(ready))
         # Gauges (KV blocks, batch limits) are right from the start, before any request.
@@ -267,6 +268,8 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
             if message.prefill is not None:
                 if links.pd is None:
                     raise ValueError("this instance is not in the decode role")
+                if message.params.pooling is not None:
+                    raise ValueError("an embedding request is computed here, not on a peer")
                 request = engine.add_request(
                     message.request_id,
                     message.prompt_token_ids,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ketch.engine.choices import Choice, expand, group
 from ketch.engine.config import EngineConfig
 from ketch.engine.llm_engine import LLMEngine
-from ketch.engine.outputs import RequestOutput
+from ketch.engine.outputs import EmbeddingOutput, RequestDelta, RequestOutput, l2_normalized
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.tokenizer import Message
 
@@ -45,18 +45,52 @@ class LLM:
                 choice.request_id, choice.prompt_token_ids, choice.params, final_only=True
             )
             by_id[choice.request_id] = choice
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                by_id[delta.request_id].add(delta)
-            failures = self.engine.take_failures()
-            if failures:  # the others of this call are not left running behind the error
-                self.engine.abort_request(list(self.engine.scheduler.requests))
-                request_id, error = failures[0]
-                raise RuntimeError(f"request {request_id} failed: {error}")
+        for delta in self._run():
+            by_id[delta.request_id].add(delta)
         outputs = group(choices, len(prompt_list))
         for output, (text, _) in zip(outputs, tokenized, strict=True):
             output.prompt = text
         return outputs
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's embedding, in order: the model's final-normed hidden state of the last
+        prompt token (``pooling="last"``) or their mean over the prompt (``"mean"``),
+        L2-normalised unless ``normalize`` is false. A prompt may fill ``max_model_len``."""
+        prompt_list = _as_prompt_list(prompts)
+        params = SamplingParams(pooling=pooling)
+        tokenized = [self.engine.tokenize_prompt(prompt, output=False) for prompt in prompt_list]
+        ids = [str(next(self._ids)) for _ in tokenized]
+        for request_id, (_, token_ids) in zip(ids, tokenized, strict=True):
+            self.engine.add_request(request_id, token_ids, params, final_only=True)
+        done = {delta.request_id: delta for delta in self._run()}
+        outputs = []
+        for request_id, (text, token_ids) in zip(ids, tokenized, strict=True):
+            delta = done[request_id]
+            vector = delta.embedding or []
+            outputs.append(
+                EmbeddingOutput(
+                    request_id,
+                    text,
+                    token_ids,
+                    l2_normalized(vector) if normalize else vector,
+                    delta.num_cached_tokens,
+                    delta.metrics,
+                )
+            )
+        return outputs
+
+    def _run(self) -> Iterator[RequestDelta]:
+        """Steps the engine until every request is done, yielding the deltas; the first request
+        that fails raises (the others of this call are not left running behind the error)."""
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+            failures = self.engine.take_failures()
+            if failures:
+                self.engine.abort_request(list(self.engine.scheduler.requests))
+                request_id, error = failures[0]
+                raise RuntimeError(f"request {request_id} failed: {error}")
 
     def chat(
         self,

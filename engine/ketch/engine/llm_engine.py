@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.capabilities import check_runnable, compute_dtype, max_model_len, num_kv_blocks
@@ -20,27 +19,13 @@ from ketch.engine.outputs import RequestDelta, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.tracked import Tracked, embedding_delta, request_metrics, take_embeddings
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.null_runner import NullRunner
 from ketch.engine.worker.shm import shm_names
 from ketch.engine.worker.worker_process import RemoteRunner, free_tcp_port
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    """Engine-side bookkeeping for one request's outputs: what its next delta will carry."""
-
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None  # of the tokens since the last delta
-    final_only: bool = False
-    prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
-    emitted_tokens: int = 0
-    stop_reason: int | str | None = None
-    first_token_time: float | None = None
-    token_ids: list[int] = field(default_factory=list)
-    kv_handover_seconds: float | None = None
 
 
 class LLMEngine:
@@ -79,7 +64,10 @@ class LLMEngine:
         self.runner_config = runner_config
         if config.runner == "null":
             self.runner: ModelRunner | RemoteRunner | NullRunner = NullRunner.for_model(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                self.model_config.hidden_size,
             )
         elif worker_port is None and config.tensor_parallel_size == 1:
             self.runner = ModelRunner(runner_config)
@@ -90,7 +78,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv_cache,
         )
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self.failures: list[tuple[str, str]] = []  # requests that failed alone (take_failures)
         self._last_batch_size = 0
         self._num_seeded = 0
@@ -134,7 +122,7 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
-        _, token_ids = self.tokenize_prompt(prompt)
+        _, token_ids = self.tokenize_prompt(prompt, params.pooling is None)
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
@@ -155,13 +143,14 @@ class LLMEngine:
             self.scheduler.add_request(request)
         elif request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._tracked[request_id] = _Tracked(
+        self._tracked[request_id] = Tracked(
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.stop, params.skip_special_tokens
             ),
             logprobs=[] if params.logprobs is not None else None,
             final_only=final_only,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            pooling=params.pooling is not None,
         )
         return request
 
@@ -194,7 +183,7 @@ class LLMEngine:
     def drop_tracked(self, request: Request) -> RequestMetrics | None:
         """Forgets a request that never reached the scheduler; its metrics if it was live."""
         tracked = self._tracked.pop(request.request_id, None)
-        return None if tracked is None else self._request_metrics(request, tracked)
+        return None if tracked is None else request_metrics(request, tracked)
 
     @property
     def model_fingerprint(self) -> str:
@@ -218,8 +207,11 @@ class LLMEngine:
             segment=shm_names(self.worker_port)[0] if self.worker_port is not None else "",
         )
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Checks a prompt (text or token ids); returns (text, token ids) or raises ValueError."""
+    def tokenize_prompt(
+        self, prompt: str | list[int], output: bool = True
+    ) -> tuple[str | None, list[int]]:
+        """Checks a prompt (text or token ids); returns (text, token ids) or raises ValueError.
+        ``output``: it must leave room for an output token (an embedding's prompt need not)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -236,10 +228,10 @@ class LLMEngine:
             raise ValueError("prompt must be a string or a list of token ids")
         if not token_ids:
             raise ValueError("prompt is empty (it encodes to no tokens)")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len + (not output):
             raise ValueError(
-                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "it must be shorter to leave room for output"
+                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}"
+                + (": it must be shorter to leave room for output" if output else "")
             )
         return text, token_ids
 
@@ -251,7 +243,7 @@ class LLMEngine:
         for request in requests:
             tracked = request and self._tracked.pop(request.request_id, None)
             if tracked:
-                aborted.append(self._request_metrics(request, tracked))
+                aborted.append(request_metrics(request, tracked))
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -268,6 +260,8 @@ class LLMEngine:
         if runner_output.failed:  # before any progress is recorded: nothing of theirs is cached
             self._fail(runner_output.failed)
         self._take_prompt_logprobs(runner_output.prompt_logprobs)
+        if runner_output.pooled:  # a bad vector fails its request
+            self._fail(take_embeddings(self._tracked, runner_output.pooled, self.model_config))
         updated = self.scheduler.update_from_output(sched, runner_output)
         self._take_logprobs(runner_output)
         outputs = []
@@ -320,6 +314,11 @@ class LLMEngine:
 
     def _process(self, request: Request) -> RequestDelta | None:
         tracked = self._tracked[request.request_id]
+        if tracked.pooling:
+            if tracked.embedding is None:  # the runner's reply lacked it
+                raise ValueError("the prompt is computed, but no embedding came back")
+            del self._tracked[request.request_id]
+            return embedding_delta(request, tracked)
         if tracked.first_token_time is None:
             tracked.first_token_time = time.monotonic()
         token_id = request.token_ids[-1]
@@ -344,7 +343,7 @@ class LLMEngine:
             del self._tracked[request.request_id]
         return delta
 
-    def _make_delta(self, request: Request, tracked: _Tracked, finished: bool) -> RequestDelta:
+    def _make_delta(self, request: Request, tracked: Tracked, finished: bool) -> RequestDelta:
         """What is new since the request's last delta; nothing the engine keeps is copied."""
         start = request.num_prompt_tokens + tracked.emitted_tokens
         new_token_ids = request.token_ids[start:]
@@ -362,22 +361,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            metrics=self._request_metrics(request, tracked) if finished else None,
-        )
-
-    @staticmethod
-    def _request_metrics(request: Request, tracked: _Tracked) -> RequestMetrics:
-        return RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=tracked.first_token_time,
-            finished_time=time.monotonic(),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generation_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            finish_reason=request.finish_reason or "abort",
-            kv_handover_seconds=tracked.kv_handover_seconds,
+            metrics=request_metrics(request, tracked) if finished else None,
         )
 
     def snapshot(self, extra_waiting: int = 0, cache_attached: bool = False) -> EngineSnapshot:

@@ -10,9 +10,13 @@ the HTTP body, on every wire in between.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ketch.engine.stats import RequestMetrics
+
+MAX_EMBEDDING_SIZE = 1 << 16
+"""Most values an embedding may have on a wire (the engine checks the model's hidden size)."""
 
 
 @dataclass
@@ -34,6 +38,8 @@ class RequestDelta:
 
     ``logprobs`` (when asked for) has one entry per token of ``new_token_ids``;
     ``prompt_logprobs`` (when asked for) comes on the request's first delta only.
+    An embedding request (``SamplingParams.pooling``) has one delta, its finishing one, with
+    no tokens and its pooled vector in ``embedding``.
     """
 
     request_id: str
@@ -49,10 +55,16 @@ class RequestDelta:
     error: str | None = None
     error_code: int = 400  # the HTTP status ``error`` maps to (503: the engine failed)
     metrics: RequestMetrics | None = None  # on the finishing delta
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not 400 <= self.error_code <= 599:  # relayed to a client as its HTTP status
             raise ValueError(f"error_code must be an HTTP error status, got {self.error_code}")
+        if self.embedding is not None:  # decoded from the engine process: bounded, finite
+            if not 0 < len(self.embedding) <= MAX_EMBEDDING_SIZE:
+                raise ValueError(f"embedding must have 1 to {MAX_EMBEDDING_SIZE} values")
+            if not all(map(math.isfinite, self.embedding)):
+                raise ValueError("embedding values must be finite")
 
     @property
     def finished(self) -> bool:
@@ -88,3 +100,27 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # the first choice's
     # With SamplingParams.prompt_logprobs: one entry per prompt token after the first.
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding, as ``LLM.embed`` returns it: the pooled final-normed hidden
+    state (L2-normalised unless asked not to)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def outputs(self) -> EmbeddingOutput:
+        """Itself: vLLM's ``LLM.embed`` outputs are read as ``output.outputs.embedding``."""
+        return self
+
+
+def l2_normalized(values: list[float]) -> list[float]:
+    """``values`` scaled to unit length (a zero vector stays zero)."""
+    norm = math.sqrt(math.fsum(v * v for v in values))
+    return [v / max(norm, 1e-12) for v in values]

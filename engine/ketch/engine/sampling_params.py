@@ -10,6 +10,8 @@ MAX_LOGPROBS = 20
 """The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for per position."""
 LOGIT_BIAS_LIMIT = 100.0
 """``logit_bias`` values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT], as in OpenAI's API."""
+POOLINGS = ("last", "mean")
+"""How an embedding request pools its prompt's final hidden states (``SamplingParams.pooling``)."""
 
 
 @dataclass
@@ -28,6 +30,11 @@ class SamplingParams:
     ``ketch.engine.structured.grammars`` write it (a JSON schema, a regex, choices, Lark):
     every token is drawn from those the grammar allows next, end of sequence only where it
     accepts the output so far.
+    ``pooling`` makes the request an embedding request: no token is sampled; it finishes when
+    its prompt is computed, with the model's final-normed hidden state of the last prompt token
+    (``"last"``) or their mean over the prompt (``"mean"``). Settings that shape sampled output
+    (logprobs, prompt_logprobs, grammar, logit_bias, stop, n > 1) are refused beside it; the
+    others change nothing.
     """
 
     n: int = 1
@@ -49,6 +56,7 @@ class SamplingParams:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
     skip_special_tokens: bool = True
     grammar: str | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +103,25 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative token ids")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise ValueError("grammar must be a non-empty string")
+        if self.pooling is not None:
+            self._validate_pooling()
+
+    def _validate_pooling(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        sampled = [
+            name
+            for name in ("logprobs", "prompt_logprobs", "grammar")
+            if getattr(self, name) is not None
+        ]
+        sampled += ["logit_bias"] if self.logit_bias else []
+        sampled += ["stop"] if self.stop else []
+        sampled += ["n"] if self.n != 1 else []
+        if sampled:
+            raise ValueError(
+                f"pooling (an embedding request samples no token) does not combine with "
+                f"{', '.join(sampled)}"
+            )
 
 
 def _bias_pairs(value: object) -> list[tuple[int, float]]:

@@ -51,6 +51,7 @@ class EngineReady:
     max_model_len: int
     num_kv_blocks: int
     vocab_size: int = 0  # the model's: the API server checks token ids against it
+    hidden_size: int = 0  # the model's: the size of its embeddings (/v1/embeddings)
 
 
 @dataclass

@@ -145,9 +145,10 @@ class Scheduler:
         bs = self.block_size
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             request = waiting[0]
-            # Handed over by a prefill peer: its prompt KV is here. Asking for prompt_logprobs:
-            # every prompt position is computed, for its logits.
-            if request.block_ids or request.sampling_params.prompt_logprobs is not None:
+            # Handed over by a prefill peer: its prompt KV is here. Asking for prompt_logprobs
+            # or a mean-pooled embedding: every prompt position is computed, for its logits or
+            # its hidden state.
+            if request.block_ids or _scores_every_position(request):
                 hits: list[int] = []
                 host: list[int] = []
             else:
@@ -191,8 +192,10 @@ class Scheduler:
     ) -> list[Request]:
         """Advances progress, appends sampled tokens and finishes requests that stopped.
 
-        Returns the requests that got a new token (finished ones included).
+        Returns the requests that got a new token (finished ones included), and the embedding
+        requests whose prompt this step finished (``SamplingParams.pooling``).
         """
+        pooled: list[Request] = []
         requests = self.requests
         kv_cache = self.kv_cache
         bs = self.block_size
@@ -203,7 +206,13 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
                 kv_cache.cache_full_blocks(request)
-        updated = []
+            done = request.num_computed_tokens >= request.num_tokens
+            if done and request.sampling_params.pooling is not None:
+                # An embedding request ends with its prompt; it samples no token.
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._release(request)
+                pooled.append(request)
+        updated = pooled
         for request_id, token_id in zip(
             runner_output.request_ids, runner_output.sampled_token_ids, strict=True
         ):
@@ -255,6 +264,11 @@ class Scheduler:
         self.kv_cache.pool.check_integrity([*owners, *self.held.values()])
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")
+
+
+def _scores_every_position(request: Request) -> bool:
+    params = request.sampling_params
+    return params.prompt_logprobs is not None or params.pooling == "mean"
 
 
 def _new_request_data(request: Request) -> NewRequestData:

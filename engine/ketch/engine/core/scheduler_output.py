@@ -74,6 +74,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(
         default_factory=dict
     )
+    # Embedding requests (SamplingParams.pooling) whose prompt this step finished: the pooled
+    # final-normed hidden state, one float per hidden unit (rank 0's; the engine checks the size).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     # Requests the runner could not take (request id -> why); nothing of theirs was computed.
     failed: dict[str, str] = field(default_factory=dict)
     # The whole step was refused (a frame the worker could not decode): why. Nothing was applied.

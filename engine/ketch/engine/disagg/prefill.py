@@ -138,6 +138,8 @@ class PrefillSide:
         mismatch = engine.kv_layout.mismatch(message.layout, "the decode instance")
         if mismatch is not None:
             return mismatch
+        if message.params.pooling is not None:
+            return "an embedding request (pooling) is computed where it is sent, not prefilled"
         scores = prompt_scores_problem(
             len(message.prompt_token_ids), message.params.prompt_logprobs
         )

@@ -90,8 +90,12 @@ class LlamaModel:
         kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         logit_rows: paddle.Tensor,
-    ) -> paddle.Tensor:
-        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        hidden_rows: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32.
+
+        With ``hidden_rows`` (embeddings): (logits, the final-normed hidden states of those
+        rows [len(hidden_rows), hidden] in float32), what HF's ``last_hidden_state`` holds."""
         c = self.config
         rms_norm = self.kernels.rms_norm
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
@@ -114,7 +118,11 @@ class LlamaModel:
             h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
         last = paddle.gather(h, logit_rows)
         last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
-        return paddle.matmul(last, self.weights.lm_head).astype("float32")
+        logits = paddle.matmul(last, self.weights.lm_head).astype("float32")
+        if hidden_rows is None:
+            return logits
+        hidden = rms_norm(paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps)
+        return logits, hidden.astype("float32")
 
 
 def _rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:

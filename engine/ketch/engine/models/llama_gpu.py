@@ -111,9 +111,11 @@ class GpuLlamaModel:
         kv_caches: list[Cache],
         meta: GpuAttentionMetadata,
         logit_rows: paddle.Tensor,
-    ) -> paddle.Tensor | None:
+        hidden_rows: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor] | None:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32 (None
-        on a tensor-parallel rank other than 0)."""
+        on a tensor-parallel rank other than 0); with ``hidden_rows``, (logits, those rows'
+        final-normed hidden states in float32), as ``LlamaModel.forward``."""
         w = self.weights
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
@@ -127,7 +129,11 @@ class GpuLlamaModel:
         if w.lm_head is None:
             return None  # a rank other than 0: no logits
         last = rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
-        return paddle.matmul(last, w.lm_head).astype("float32")
+        logits = paddle.matmul(last, w.lm_head).astype("float32")
+        if hidden_rows is None:
+            return logits
+        hidden = rms_norm(paddle.gather(h, hidden_rows), w.norm, self.eps)
+        return logits, hidden.astype("float32")
 
     def _attend(self, layer: LayerWeights, x, cos, sin, cache: Cache, meta) -> paddle.Tensor:
         heads, kv, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim

@@ -136,9 +136,11 @@ class NativeLlamaModel:
         kv_caches: list[LayerCache],
         meta: PagedAttentionMetadata,
         logit_rows: paddle.Tensor,
-    ) -> paddle.Tensor | None:
+        hidden_rows: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor] | None:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32 (None
-        on a tensor-parallel rank other than 0)."""
+        on a tensor-parallel rank other than 0); with ``hidden_rows``, (logits, those rows'
+        final-normed hidden states), as ``LlamaModel.forward``."""
         w = self.weights
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
@@ -159,4 +161,7 @@ class NativeLlamaModel:
             else:
                 h = h + mlp
         x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
-        return self.linear(x, w.lm_head)
+        logits = self.linear(x, w.lm_head)
+        if hidden_rows is None:
+            return logits
+        return logits, fused.rms_norm(paddle.gather(h, hidden_rows), w.norm, self.eps)

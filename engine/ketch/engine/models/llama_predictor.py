@@ -109,6 +109,7 @@ class PredictorLlamaModel:
             for prev, layer in itertools.pairwise(layers)
         ]
         self._last = [*_finish_weights(layers[-1]), weights.norm, weights.lm_head]
+        self._identity: paddle.Tensor | None = None  # built for the first embedding step
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int
@@ -131,13 +132,17 @@ class PredictorLlamaModel:
         kv_caches: list[LayerCache],
         meta: AttentionMetadata | PagedAttentionMetadata,
         logit_rows: paddle.Tensor,
-    ) -> paddle.Tensor:
-        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32."""
+        hidden_rows: paddle.Tensor | None = None,
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32; with
+        ``hidden_rows``, (logits, those rows' final-normed hidden states), as the eager model."""
         small = self.programs is None or input_ids.shape[0] < self.eager_below_tokens
         if isinstance(meta, PagedAttentionMetadata):
             attend = self._kernel_attention
         elif small:
-            return self.eager.forward(input_ids, positions, kv_caches, meta, logit_rows)
+            return self.eager.forward(
+                input_ids, positions, kv_caches, meta, logit_rows, hidden_rows
+            )
         else:
             attend = paged_attention
         run = self._run_dygraph if small else self.programs.run
@@ -149,7 +154,17 @@ class PredictorLlamaModel:
         for weights, cache in zip(self._middle, kv_caches[1:], strict=True):
             h, q, k, v = run("middle", [h, attn, cos, sin, *weights])
             attn = attend(q, k, v, cache, meta)
-        return run("last", [h, attn, logit_rows, *self._last])[0]
+        logits = run("last", [h, attn, logit_rows, *self._last])[0]
+        if hidden_rows is None:
+            return logits
+        return logits, self._hidden(h, attn, hidden_rows)
+
+    def _hidden(self, h: paddle.Tensor, attn: paddle.Tensor, rows: paddle.Tensor) -> paddle.Tensor:
+        """The last layer's output at ``rows``, final-normed: the "last" program's own function
+        (in dygraph) with an identity matrix for the lm_head, which multiplies exactly."""
+        if self._identity is None:
+            self._identity = paddle.eye(self.config.hidden_size, dtype="float32")
+        return self._run_dygraph("last", [h, attn, rows, *self._last[:-1], self._identity])[0]
 
     def _run_dygraph(self, kind: str, inputs: list[paddle.Tensor]) -> list[paddle.Tensor]:
         split = 4 if kind == "middle" else 3  # the programs' leading token inputs

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ketch.engine.choices import Choice, group, usage_counts
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
-from ketch.engine.serving import openapi, tokenization
+from ketch.engine.serving import embeddings, openapi, tokenization
 from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     Slot,
@@ -63,6 +63,7 @@ class ServingState:
     metrics: EngineMetrics
     max_model_len: int
     vocab_size: int = 0  # the model's, as the engine announced it
+    hidden_size: int = 0  # the model's (its embeddings' size), as the engine announced it
     api_key: str | None = None
     admin_key: str | None = None  # for /pause and /resume; None: loopback clients only
     in_flight: int = 0
@@ -102,6 +103,7 @@ def create_app(state: ServingState) -> FastAPI:
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/embeddings", _embeddings, methods=["POST"])
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
     app.add_api_route("/version", tokenization.version, methods=["GET"])
@@ -178,6 +180,15 @@ async def _completions(request: Request) -> Response:
     slot.release()
     outputs = group(done, len(prompts))
     return JSONResponse(R.completion_response(meta, outputs, state.tokenizer, echoes))
+
+
+async def _embeddings(request: Request) -> Response:
+    state = _state(request)
+    slot = _admit(state)
+    try:
+        return await embeddings.create(state, request, slot)
+    finally:
+        slot.release()
 
 
 async def _check_grammar(state: ServingState, source: tuple[str, str] | None) -> None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ketch.engine.sampling_params import POOLINGS
+
 ROLES = ("mixed", "prefill", "decode")
 
 
@@ -112,6 +114,13 @@ class ServerConfig:
     max_stop_length: int = _opt(256, "Longest stop string, in characters.", minimum=1)
     max_stop_token_ids: int = _opt(256, "Most stop token ids one request may give.", minimum=1)
     max_logit_bias: int = _opt(1024, "Most logit_bias entries one request may give.", minimum=1)
+    embedding_pooling: str = _opt(
+        "last",
+        "How /v1/embeddings pools a prompt's final-normed hidden states: 'last' (the last "
+        "token's, the usual choice for a decoder) or 'mean' (averaged over the prompt; it "
+        "takes no prefix-cache hits). A request's 'pooling' field overrides it.",
+        choices=POOLINGS,
+    )
     drain_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
@@ -161,6 +170,10 @@ class ServerConfig:
             raise ValueError(f"ports must be distinct; {clashes} used more than once")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.embedding_pooling not in POOLINGS:
+            raise ValueError(
+                f"embedding_pooling must be one of {list(POOLINGS)}, got {self.embedding_pooling!r}"
+            )
         for name in (
             "max_concurrency",
             "max_request_bytes",

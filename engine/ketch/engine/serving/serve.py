@@ -96,6 +96,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         metrics=EngineMetrics(name),
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size,
+        hidden_size=ready.hidden_size,
         api_key=api_key,
         admin_key=admin_key,
         prefill_peers=PrefillPeers(config.pd_prefill_peers, config.pd_comm_port),

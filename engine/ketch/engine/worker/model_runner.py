@@ -24,6 +24,7 @@ from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.pooling import HiddenRows, Pooler
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
 from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
 from ketch.engine.worker.tensor_parallel import StepSync
@@ -64,6 +65,7 @@ class StepInputs:
     # (request id, index of the first prompt token scored, how many), in row order.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    hidden: HiddenRows = field(default_factory=HiddenRows)  # embedding requests'
 
 
 @dataclass
@@ -72,6 +74,7 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingState
     next_prompt_logprob: int = 1  # the next prompt token to score (prompt_logprobs)
+    pooler: Pooler | None = None  # an embedding request's (SamplingParams.pooling)
 
 
 def configure_paddle(num_threads: int | None) -> int:
@@ -157,11 +160,14 @@ class ModelRunner:
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
         # one throwaway logits row.
         rows = batch.logit_rows + batch.prompt_rows
-        logits = self._forward(batch, rows or [0])
+        logits, hidden = self._forward(batch, rows or [0])
         if logits is None:  # a tensor-parallel rank other than 0
             return self._follow(failed)
         before = set(failed)
         output = self._sample(batch, logits, failed)
+        if hidden is not None:
+            poolers = {r: s.pooler for r, s in self.requests.items() if s.pooler is not None}
+            output.pooled = batch.hidden.pool(hidden, poolers)
         if self.sync is not None:
             self.sync.share(output, before)
         return output
@@ -224,17 +230,28 @@ class ModelRunner:
             start += count
         return scored
 
-    def _forward(self, batch: StepInputs, logit_rows: list[int]) -> np.ndarray | None:
+    def _forward(
+        self, batch: StepInputs, logit_rows: list[int]
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(logits, the hidden rows embedding requests asked for, or None); (None, None) on
+        a tensor-parallel rank other than 0."""
         meta = self.model.metadata(batch.spans, self.config.block_size, self.config.num_blocks)
+        extra = {}
+        if batch.hidden.spans:  # only then: the models' forward returns a pair
+            extra["hidden_rows"] = paddle.to_tensor(np.asarray(batch.hidden.rows, np.int64))
         with paddle.no_grad():
-            logits = self.model.forward(
+            out = self.model.forward(
                 paddle.to_tensor(batch.input_ids),
                 paddle.to_tensor(batch.positions),
                 self.kv_cache.layers,
                 meta,
                 paddle.to_tensor(np.asarray(logit_rows, dtype=np.int64)),
+                **extra,
             )
-        return None if logits is None else logits.numpy()
+        if out is None:
+            return None, None
+        logits, hidden = out if extra else (out, None)
+        return logits.numpy(), None if hidden is None else hidden.astype("float32").numpy()
 
     def _apply_changes(self, sched: SchedulerOutput) -> dict[str, str]:
         """Takes the step's changes; returns the new requests it could not take (id -> why):
@@ -312,10 +329,12 @@ class ModelRunner:
             sampling.grammar = self._grammar_compiler().matcher(
                 new.sampling_params.grammar, new.token_ids[new.num_prompt_tokens :]
             )
+        pooling = new.sampling_params.pooling
         return RequestState(
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling=sampling,
+            pooler=None if pooling is None else Pooler(pooling, new.num_prompt_tokens),
         )
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -338,7 +357,9 @@ class ModelRunner:
             batch.input_ids[start : start + n] = tokens[begin : begin + n]
             batch.positions[start : start + n] = np.arange(begin, begin + n)
             batch.spans.append(SequenceSpan(start, n, begin + n, state.block_ids))
-            if begin + n == len(tokens):
+            if state.pooler is not None:
+                batch.hidden.add(request_id, state.pooler, begin, n, start)
+            elif begin + n == len(tokens):
                 batch.sampling_ids.append(request_id)
                 batch.logit_rows.append(start + n - 1)
             if state.sampling.params.prompt_logprobs is not None:

@@ -33,6 +33,10 @@ def check_new(new: NewRequestData, vocab_size: int, num_blocks: int, max_model_l
     if params.prompt_logprobs is not None and new.num_computed_tokens > 0:
         # Positions computed elsewhere (a prefix-cache hit, a prefill peer) have no logits here.
         raise StepError("prompt_logprobs need the prompt computed here, from its start")
+    if params.pooling is not None and new.num_prompt_tokens != len(tokens):
+        raise StepError("an embedding request (pooling) has no output tokens")
+    if params.pooling == "mean" and new.num_computed_tokens > 0:
+        raise StepError("mean pooling needs the prompt computed here, from its start")
     check_blocks(new.block_ids, num_blocks)
 
 
