@@ -170,6 +170,23 @@ def test_logit_bias_echo_and_prompt_logprobs_through_the_router(cluster: dict) -
                     assert mine[key]["logprob"] == pytest.approx(theirs[key]["logprob"], abs=1e-4)
 
 
+def test_embeddings_through_the_router_equal_mixed(cluster: dict) -> None:
+    """/v1/embeddings needs no pair: the router sends it to the prefill instance, which computes
+    it alone (no KV moves); a decode instance asked directly computes it too."""
+    inputs = [*[p for p in _prompts(4) if isinstance(p, str)][:6], [5] * 80]
+    moved = cluster["decode"].cm_metric("cache_manager_kv_received_bytes_total")
+    for extra in ({}, {"pooling": "mean"}):
+        want = _client(cluster["mixed"].url).embeddings.create(
+            model="tiny", input=inputs, extra_body=extra
+        )
+        for url in (cluster["router"].url, cluster["decode"].url):
+            got = _client(url).embeddings.create(model="tiny", input=inputs, extra_body=extra)
+            assert got.usage == want.usage
+            for a, b in zip(got.data, want.data, strict=True):
+                assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
+    assert cluster["decode"].cm_metric("cache_manager_kv_received_bytes_total") == moved
+
+
 def test_decode_instance_refuses_unpaired_requests(cluster: dict) -> None:
     with pytest.raises(openai.BadRequestError, match="ketch router"):
         _complete(cluster["decode"].url, "Hello", stream=False)

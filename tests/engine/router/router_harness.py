@@ -180,7 +180,8 @@ class FakeInstance:
     """A real HTTP server in a thread that answers like an instance and records requests.
 
     ``/ready`` answers 200 with ``role`` (and ``pd_comm_port`` when given). Completions answer
-    a fixed JSON body, or with ``break_stream`` an SSE stream that sends two events and then
+    a fixed JSON body (so do embeddings: the router passes any body on), or with
+    ``break_stream`` an SSE stream that sends two events and then
     drops the connection mid-stream. ``answer`` (settable while it runs) makes completions
     misbehave instead: "503" refuses with an OpenAI error body, "hangup" drops the connection
     after reading the request, "slow" answers after ``SLOW_S`` seconds. A body that is not
@@ -223,6 +224,7 @@ class FakeInstance:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/embeddings", self._completions)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -41,6 +41,38 @@ def test_prefill_decode_headers_reach_the_decode_instance() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_embeddings_go_to_one_instance_that_computes_them_alone() -> None:
+    """/v1/embeddings samples nothing: no prefill/decode pair, no x-ketch-prefill header; a
+    mixed instance first, else a prefill one, else a decode one."""
+    prefill = FakeInstance("prefill", pd_comm_port=7777)
+    decode = FakeInstance("decode")
+    mixed = FakeInstance("mixed")
+    running = [prefill, decode, mixed]
+    body = {"model": "tiny", "input": ["hello", "world"]}
+
+    def embed(router) -> None:
+        reply = httpx.post(f"{router.url}/v1/embeddings", json=body, timeout=20)
+        assert reply.status_code == 200, reply.text
+
+    try:
+        with running_router("--mixed", mixed.url, "--prefill", prefill.url,
+                            "--decode", decode.url) as r:  # fmt: skip
+            embed(r)
+        assert len(mixed.requests) == 1 and not prefill.requests and not decode.requests
+        with running_router("--prefill", prefill.url, "--decode", decode.url) as r:
+            embed(r)
+            running.remove(prefill)
+            prefill.stop()  # its connection is refused: the decode instance computes them
+            embed(r)
+        for fake in (prefill, decode):
+            (seen,) = fake.requests
+            assert seen["body"] == body and "x-ketch-prefill" not in seen["headers"]
+    finally:
+        for fake in running:
+            fake.stop()
+
+
+@pytest.mark.timeout(60)
 def test_refused_connection_is_retried_on_another_instance() -> None:
     first, second = FakeInstance(), FakeInstance()
     try:  # no health polls after the first: only the failed request can mark it down

@@ -2,7 +2,9 @@
 
 Mixed and prefill/decode requests share one forwarding path: read the body (bounded in size
 and in time), pick the target (and, for prefill/decode, a prefill peer named in
-``x-ketch-prefill``), send the body unchanged, and pass the answer back. The router parses a
+``x-ketch-prefill``), send the body unchanged, and pass the answer back. ``/v1/embeddings``
+samples nothing, so it needs no pair: it goes to a mixed instance, else a prefill one, else a
+decode one, which computes it where it is (no KV handoff). The router parses a
 body only for prefix-hash, and only to hash its prompt; the instances validate requests. SSE
 streams are passed through chunk by chunk; a stream that breaks mid-way ends with an in-stream
 error event, so clients fail promptly instead of hanging.
@@ -90,6 +92,10 @@ def create_app(state: RouterState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await forward(state, request, "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await forward(state, request, "/v1/embeddings", paired=False)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         serving = state.registry.healthy("mixed") or state.registry.healthy("decode")
@@ -171,15 +177,18 @@ def _no_instance_message(state: RouterState) -> str:
 
 
 def _pick(
-    state: RouterState, chunks: list[bytes] | None, exclude: set[str]
+    state: RouterState, chunks: list[bytes] | None, exclude: set[str], paired: bool = True
 ) -> tuple[Instance, Instance | None] | None:
-    """(target, prefill peer or None); None when nothing healthy is left."""
+    """(target, prefill peer or None); None when nothing healthy is left. Without ``paired``
+    (a prompt-only request) any one instance will do, a prefill one before a decode one."""
     reg = state.registry
     mixed = [i for i in reg.healthy("mixed") if i.url not in exclude]
     if mixed:
         return _choose(state, state.policy, mixed, chunks), None
     prefill = [i for i in reg.healthy("prefill") if i.url not in exclude]
     decode = [i for i in reg.healthy("decode") if i.url not in exclude]
+    if not paired and (prefill or decode):
+        return _choose(state, state.policy, prefill or decode, chunks), None
     if not prefill or not decode:
         return None
     p = _choose(state, state.policy, prefill, chunks)
@@ -198,9 +207,11 @@ def _choose(
     return inst
 
 
-async def forward(state: RouterState, request: Request, path: str) -> Response:
+async def forward(state: RouterState, request: Request, path: str, paired: bool = True) -> Response:
     """Forwards one OpenAI request. Only a failed connection (nothing of the request reached
-    the instance) sends it to another, once; see the module docstring for why no more."""
+    the instance) sends it to another, once; see the module docstring for why no more.
+    ``paired``: in a prefill/decode deployment the request needs a prefill and a decode
+    instance (else any instance computes it alone)."""
     started = time.monotonic()
     if state.draining:
         return error_response(503, "the router is shutting down; retry shortly")
@@ -215,7 +226,7 @@ async def forward(state: RouterState, request: Request, path: str) -> Response:
     tried: set[str] = set()
     unreachable = ""
     for _ in range(2):
-        picked = _pick(state, chunks, tried)
+        picked = _pick(state, chunks, tried, paired)
         if picked is None:
             break
         target = picked[0]

@@ -109,14 +109,14 @@ def make_policy(name: str, max_entries: int = 65536, slack: int = 8) -> Policy:
 def prompt_chunks(path: str, body: bytes, chunk_chars: int) -> list[bytes] | None:
     """Cumulative chunk hashes of a request's prompt; None when there is no usable prompt.
 
-    Completions: ``prompt`` as a string, a list of strings (the first), a token-id list, or a
-    list of token-id lists (the first). Chat: ``messages`` serialised. Token ids are chunked
-    ``chunk_chars // 4`` at a time. Only whole chunks count, unless the prompt is shorter than
-    one chunk (then it is one chunk); at most ``MAX_CHUNKS`` count, and bodies past
-    ``MAX_PARSE_SEPARATORS`` are not parsed, so the work per request is bounded whatever the
-    body. A body this cannot read (not JSON, nested past the parser's depth, odd types) is
-    None: the policy falls back to least-requests and the instance, which gets the body
-    unchanged, judges it.
+    Completions (and embeddings, whose prompt is ``input``): ``prompt`` as a string, a list of
+    strings (the first), a token-id list, or a list of token-id lists (the first). Chat:
+    ``messages`` serialised. Token ids are chunked ``chunk_chars // 4`` at a time. Only whole
+    chunks count, unless the prompt is shorter than one chunk (then it is one chunk); at most
+    ``MAX_CHUNKS`` count, and bodies past ``MAX_PARSE_SEPARATORS`` are not parsed, so the work
+    per request is bounded whatever the body. A body this cannot read (not JSON, nested past
+    the parser's depth, odd types) is None: the policy falls back to least-requests and the
+    instance, which gets the body unchanged, judges it.
     """
     if sum(body.count(sep) for sep in _SEPARATORS) > MAX_PARSE_SEPARATORS:
         return None
@@ -145,7 +145,7 @@ def _prompt_units(path: str, data: object, chunk_chars: int) -> tuple[Sequence, 
         if messages is None:
             return "", chunk_chars
         return json.dumps(messages, sort_keys=True, ensure_ascii=False), chunk_chars
-    prompt = data.get("prompt")
+    prompt = data.get("input" if path.endswith("/embeddings") else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
