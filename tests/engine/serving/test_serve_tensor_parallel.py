@@ -55,6 +55,14 @@ def test_two_ranks_serve_what_one_worker_serves(reference_llm) -> None:
                 temperature=0 if seed is None else 1.0, seed=seed,
             )  # fmt: skip
             assert isinstance(parsed.choices[0].message.parsed, City)
+        # Embeddings: rank 0 holds the whole final hidden state and answers.
+        for pooling in ("last", "mean"):
+            got = client.embeddings.create(
+                model="tiny", input=PROMPTS, extra_body={"pooling": pooling}
+            )
+            want = reference_llm.embed(PROMPTS, pooling=pooling)
+            for a, b in zip(got.data, want, strict=True):
+                assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
         port = srv.worker_port
     assert not any(p.exists() for p in segments(port))
 
