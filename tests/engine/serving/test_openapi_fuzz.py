@@ -1,10 +1,11 @@
 """The HTTP API fuzzed from its own OpenAPI schema (issue 13, acceptance 2).
 
-Bodies for ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize`` and
-``POST /detokenize`` are drawn by hypothesis from the request schemas the server publishes at
-``/openapi.json`` (every declared field, of its type or broken with an extreme value),
-derandomized and bounded. Each gets a 200 or a clear 4xx, never a 5xx; afterwards the instance
-answers a plain request exactly as ``LLM.generate`` does and every KV block is free.
+Bodies for ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
+``POST /tokenize`` and ``POST /detokenize`` are drawn by hypothesis from the request schemas the
+server publishes at ``/openapi.json`` (every declared field, of its type or broken with an
+extreme value), derandomized and bounded. Each gets a 200 or a clear 4xx, never a 5xx;
+afterwards the instance answers a plain request exactly as ``LLM.generate`` does and every KV
+block is free.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from hypothesis import strategies as st
 from openapi_strategies import body_strategy
 from serve_harness import assert_exact_and_idle
 
-EXAMPLES = 300  # 75 per path
+EXAMPLES = 375  # 75 per path
 GENERATION_PATHS = ["/v1/completions", "/v1/chat/completions"]
-PATHS = [*GENERATION_PATHS, "/tokenize", "/detokenize"]
+PATHS = [*GENERATION_PATHS, "/v1/embeddings", "/tokenize", "/detokenize"]
 MINIMAL = {
     "/v1/completions": {"model": "tiny", "prompt": "Alice", "max_tokens": 2},
     "/v1/chat/completions": {
         "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
     },
+    "/v1/embeddings": {"model": "tiny", "input": "Alice"},
     "/tokenize": {"prompt": "Alice"},
     "/detokenize": {"tokens": [1, 2]},
 }  # fmt: skip
@@ -57,6 +59,9 @@ def test_published_schema_describes_the_bodies(server) -> None:
     assert "messages" in properties("/v1/chat/completions")
     assert {"prompt", "messages", "add_special_tokens"} <= properties("/tokenize")
     assert properties("/detokenize") >= {"tokens"}
+    assert {"input", "encoding_format", "dimensions", "pooling", "normalize"} <= properties(
+        "/v1/embeddings"
+    )
     assert "get" in document["paths"]["/version"]
 
 

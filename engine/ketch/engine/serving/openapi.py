@@ -2,7 +2,8 @@
 
 The handlers read raw bodies (for the size limit, the read timeout and OpenAI-shaped errors),
 so FastAPI cannot see their body models; this adds them: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /tokenize`` and ``POST /detokenize`` carry the JSON schema
+``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /tokenize`` and
+``POST /detokenize`` carry the JSON schema
 of the pydantic models that ``protocol.parse_request`` validates with. Clients and fuzzers (the
 test suite's) read it.
 """
@@ -15,12 +16,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from ketch.engine.serving.embeddings import EmbeddingRequest
 from ketch.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from ketch.engine.serving.tokenization import DetokenizeRequest, TokenizeRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
