@@ -102,7 +102,10 @@ def test_pooling_normalize_dimensions_and_user(server, reference_llm, hf) -> Non
 
 
 def test_the_server_default_pooling_comes_from_its_flag(reference_llm, hf) -> None:
-    with running_server("--embedding-pooling", "mean") as srv:
+    with running_server("--embedding-pooling", "mean", "--max-concurrency", "2") as srv:
+        with pytest.raises(openai.BadRequestError, match="max-concurrency") as info:
+            client_for(srv).embeddings.create(model="tiny", input=TEXTS)  # 3 inputs > 2
+        assert info.value.body["param"] == "input"
         prompt = reference_llm.tokenizer.encode(TEXTS[1])
         out = client_for(srv).embeddings.create(model="tiny", input=TEXTS[1])
         assert_close(out.data[0].embedding, want(hf, prompt, "mean"))

@@ -75,7 +75,11 @@ async def create(state: ServingState, request: Request, slot: Slot) -> JSONRespo
             "request (--max-choices)",
             param="input",
         )
-    slot.resize(len(body.input))
+    try:
+        slot.resize(len(body.input))
+    except ProtocolError as exc:  # over --max-concurrency: the inputs are the sequences
+        exc.param = "input" if exc.status_code == 400 else exc.param
+        raise
     prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.input]
     _check_prompts(prompts, state.vocab_size or state.tokenizer.vocab_size, state.max_model_len)
     params = SamplingParams(pooling=body.pooling or state.config.embedding_pooling)
