@@ -20,8 +20,13 @@ import pytest
 from ketch.engine import LLM, SamplingParams
 from ketch.engine.models.loader import TINY_MODEL_DIR
 from ketch.engine.structured import grammars
-from ketch.engine.structured.compiler import GrammarCompiler, GrammarError
-from ketch.engine.worker.sampler import SamplingState, sample
+from ketch.engine.structured.compiler import (
+    GrammarCompiler,
+    GrammarError,
+    next_bitmasks,
+    precompute_masks,
+)
+from ketch.engine.worker.sampler import SamplingState, _masked_argmax, sample
 
 TOKENIZER = TINY_MODEL_DIR / "tokenizer.json"
 VOCAB = 1024
@@ -86,6 +91,18 @@ def test_builders_refuse_naming_the_problem(build, value, words: str):
         build(value)
 
 
+def test_schema_grammars_are_cached_by_the_schema_text():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}}
+    first = grammars.json_schema(schema, strict=True)
+    assert grammars.json_schema(json.dumps(schema), strict=True) == first
+    assert grammars.json_schema(schema) != first  # strict is part of the key
+    reordered = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    assert grammars.json_schema(reordered, strict=True) != first  # the order orders the output
+    for _ in range(2):  # a refusal is never cached as an answer
+        with pytest.raises(ValueError, match="invalid JSON schema"):
+            grammars.json_schema({"type": "strin"})
+
+
 @pytest.mark.parametrize(
     ("grammar", "words"),
     [
@@ -127,6 +144,70 @@ def test_greedy_picks_the_best_allowed_token_and_leaves_the_batch_alone(compiler
     tokens, _ = sample(logits, [state, plain])
     assert tokens == [no, 7]
     np.testing.assert_array_equal(logits, before)  # each row is masked in a copy
+
+
+@pytest.mark.parametrize("vocab", [37, 64, 1024, 1030])
+def test_the_batched_greedy_mask_equals_masking_every_row(vocab: int):
+    rng = np.random.default_rng(vocab)
+    for case in range(60):
+        rows = rng.normal(size=(int(rng.integers(1, 9)), vocab)).astype(np.float32)
+        words = rng.integers(-(2**31), 2**31, size=(len(rows), (vocab + 31) // 32))
+        bitmasks = words.astype(np.int32) & [-1, 0x10001, 0x7FFFFFFF][case % 3]
+        allowed = np.unpackbits(bitmasks.view(np.uint8), axis=-1, bitorder="little")
+        allowed = allowed[:, :vocab].astype(bool)
+        if case % 4 == 0:  # some rows' own argmax allowed, the others' not
+            allowed[::2, rows[::2].argmax(axis=-1)] = True
+            bitmasks = np.packbits(allowed, axis=-1, bitorder="little")
+            bitmasks = np.pad(bitmasks, [(0, 0), (0, (-bitmasks.shape[1]) % 4)])
+            bitmasks = np.ascontiguousarray(bitmasks).view(np.int32)
+        want = np.where(allowed, rows.astype(np.float64), -np.inf).argmax(axis=-1)
+        assert _masked_argmax(rows, bitmasks) == want.tolist(), case
+    padded = np.zeros((2, 96), dtype=np.float32)  # logits past the bitmask's 64 tokens
+    padded[:, 70], padded[:, 3] = 9.0, 1.0
+    assert _masked_argmax(padded, np.full((2, 2), -1, dtype=np.int32)) == [3, 3]
+
+
+def test_masks_are_kept_until_the_matcher_advances(compiler):
+    grammar = grammars.json_schema(SCHEMA)
+    batch = [compiler.matcher(grammar) for _ in range(3)]
+    for g in batch:
+        g.ready()
+    masks = next_bitmasks(batch)
+    assert next_bitmasks(batch) is masks  # what the sampler finds after precompute_masks
+    np.testing.assert_array_equal(next_bitmasks(batch[::-1]), masks[::-1])
+    token = int(np.flatnonzero(batch[1].allowed())[0])
+    batch[1].accept(token)
+    fresh = compiler.matcher(grammar)
+    fresh.accept(token)
+    np.testing.assert_array_equal(next_bitmasks(batch)[1], next_bitmasks([fresh])[0])
+
+
+def test_masks_computed_ahead_sample_what_masks_computed_late_do(compiler):
+    grammar = grammars.json_schema(SCHEMA)
+    runs = []
+    for ahead in (False, True):
+        rng = np.random.default_rng(5)
+        states = [
+            _state(compiler, grammar, temperature=0),
+            _state(compiler, grammar, temperature=0.8, seed=2),
+            SamplingState.create(SamplingParams(temperature=0), [5, 6], 2, 0, (0,)),
+            _state(compiler, grammar, temperature=0, repetition_penalty=1.3),
+        ]
+        for g in states:
+            if g.grammar is not None:
+                g.grammar.ready()
+        for step in range(40):
+            batch = states if step % 5 else states[::-1]  # the batch's order changes too
+            logits = rng.normal(size=(len(batch), VOCAB)).astype(np.float32) * 4
+            for state, token in zip(batch, sample(logits, batch)[0], strict=True):
+                state.accept(token)
+            if ahead:
+                precompute_masks([s.grammar for s in batch if s.grammar is not None])
+        runs.append([s.token_ids for s in states])
+    assert runs[0] == runs[1]
+    for tokens in runs[1][:2] + runs[1][3:]:
+        text = compiler.tokenizer.decode_str([t for t in tokens[2:] if t != 0])
+        jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_sampled_tokens_are_all_allowed_and_eos_only_at_the_end(compiler):

@@ -22,7 +22,7 @@ from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
-from ketch.engine.structured.compiler import GrammarCompiler
+from ketch.engine.structured.compiler import GrammarCompiler, RequestGrammar, precompute_masks
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.pooling import HiddenRows, Pooler
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
@@ -113,6 +113,7 @@ class ModelRunner:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
+        self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
         logger.info(
             "model runner ready: %s on the %s backend%s, %d KV blocks x %d tokens, %d threads%s",
             mc.architecture,
@@ -192,6 +193,7 @@ class ModelRunner:
         tokens, logprobs = sample(rows, states)
         for state, token in zip(states, tokens, strict=True):
             state.accept(token)
+        self._advanced = [s.grammar for s in states if s.grammar is not None]
         return ModelRunnerOutput(
             request_ids=ids,
             sampled_token_ids=tokens,
@@ -199,6 +201,13 @@ class ModelRunner:
             failed=failed,
             prompt_logprobs=scored,
         )
+
+    def prepare_next_step(self) -> None:
+        """What the next step needs that can be done while the engine schedules it (the worker
+        calls this once a step's result is sent): the masks of the grammars that just advanced
+        (the sampler finds them computed; one that fails here fails when it is sampled)."""
+        advanced, self._advanced = self._advanced, []
+        precompute_masks(advanced)
 
     def _grammars_ready(
         self, ids: list[str], logits: np.ndarray, failed: dict[str, str]

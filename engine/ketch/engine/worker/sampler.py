@@ -6,17 +6,21 @@ sampled token, so what it samples does not depend on which other requests share 
 Rows that need no processing (greedy, no penalties, no bias, no grammar) are decided by one
 batched argmax. A request with a grammar draws only among the tokens its grammar allows next,
 greedy included, and its matcher advances with every token appended (``SamplingState.accept``).
+Greedy rows whose only processing is a grammar are decided together too: the batch's argmax,
+kept where its bit in the grammar's mask is set (then it is the masked argmax as well), the
+masked argmax of the other rows otherwise.
 Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ketch.engine.sampling_params import SamplingParams
-from ketch.engine.structured.compiler import RequestGrammar
+from ketch.engine.structured.compiler import RequestGrammar, next_bitmasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -70,6 +74,20 @@ class SamplingState:
 
     @property
     def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits: the batched argmax decides."""
+        return self.grammar is None and self.greedy_unprocessed
+
+    @property
+    def greedy_unprocessed(self) -> bool:
+        """Greedy with nothing but (maybe) a grammar to apply to the logits."""
+        return (
+            self._greedy_as_is
+            and len(self.token_ids) - self.num_prompt_tokens >= self.params.min_tokens
+        )
+
+    @functools.cached_property
+    def _greedy_as_is(self) -> bool:
+        """Greedy with no penalties and no bias: what of ``greedy_unprocessed`` never changes."""
         p = self.params
         return (
             p.greedy
@@ -77,8 +95,6 @@ class SamplingState:
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
             and not self.bias_ids.size
-            and self.grammar is None
-            and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens
         )
 
 
@@ -90,12 +106,24 @@ def sample(
 ) -> tuple[list[int], list[Logprobs | None] | None]:
     """logits: [len(states), vocab] float32. Returns token ids and, if asked, logprobs."""
     tokens = np.empty(len(states), dtype=np.int64)
-    plain = [i for i, s in enumerate(states) if s.plain_greedy]
+    plain, masked, other = [], [], []
+    for i, state in enumerate(states):
+        if not state.greedy_unprocessed:
+            other.append(i)
+        else:
+            (plain if state.grammar is None else masked).append(i)
     if plain:
         tokens[plain] = logits[plain].argmax(axis=-1)
-    for i, state in enumerate(states):
-        if not state.plain_greedy:
-            tokens[i] = _sample_row(logits[i], state)
+    constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+    row_of = {i: row for row, i in enumerate(constrained)}  # in the batch's bitmasks
+    bitmasks = next_bitmasks([states[i].grammar for i in constrained]) if constrained else None
+    if masked:
+        own = bitmasks if masked == constrained else bitmasks[[row_of[i] for i in masked]]
+        rows = logits if len(masked) == len(states) else logits[masked]
+        tokens[masked] = _masked_argmax(rows, own)
+    for i in other:
+        own = bitmasks[row_of[i]] if i in row_of else None
+        tokens[i] = _sample_row(logits[i], states[i], own)
     chosen = tokens.tolist()
     if all(s.params.logprobs is None for s in states):
         return chosen, None
@@ -105,20 +133,52 @@ def sample(
     ]
 
 
-def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
+def _masked_argmax(rows: np.ndarray, bitmasks: np.ndarray) -> list[int]:
+    """Per row, the best token its bitmask (llguidance's layout) allows. Where the row's argmax
+    is allowed it is the answer (masking only lowers the others), so only the other rows are
+    unpacked and masked. (Each numpy call costs microseconds here, more after a forward pass
+    has evicted the caches, so a few rows are checked one by one.)"""
+    best = rows.argmax(axis=-1).tolist()
+    limit = 32 * bitmasks.shape[1]
+    denied = [
+        i
+        for i, t in enumerate(best)
+        if t >= limit or not (int(bitmasks[i, t >> 5]) >> (t & 31)) & 1
+    ]
+    if len(denied) == len(best):
+        return _masked(rows, bitmasks).argmax(axis=-1).tolist()
+    if denied:
+        masked = _masked(rows[denied], bitmasks[denied]).argmax(axis=-1).tolist()
+        for i, token in zip(denied, masked, strict=True):
+            best[i] = token
+    return best
+
+
+def _masked(rows: np.ndarray, bitmasks: np.ndarray) -> np.ndarray:
+    """``rows`` with -inf for every token ``bitmasks`` does not allow (a new array)."""
+    return np.where(_unpack(bitmasks, rows.shape[-1]), rows, -np.inf)
+
+
+def _unpack(bitmasks: np.ndarray, vocab: int) -> np.ndarray:
+    """Bitmasks [..., words] as bools [..., vocab] (tokens past the bitmask: not allowed)."""
+    bits = np.unpackbits(bitmasks.view(np.uint8), axis=-1, count=vocab, bitorder="little")
+    return bits.view(bool)
+
+
+def _sample_row(raw: np.ndarray, state: SamplingState, bitmask: np.ndarray | None) -> int:
     p = state.params
     row = raw.astype(np.float64)  # a copy: what one request does to it stays its own
     if state.bias_ids.size:
         inside = state.bias_ids < row.size
         row[state.bias_ids[inside]] += state.bias_values[inside]
     _apply_penalties(row, state)
-    if state.grammar is not None:
-        _apply_grammar(row, state.grammar)
+    if bitmask is not None:
+        row[~_unpack(bitmask, row.size)] = -np.inf
     if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens and state.stop_ids.size:
         stops = state.stop_ids[state.stop_ids < row.size]
         kept = row[stops].copy()
         row[stops] = -np.inf
-        if state.grammar is not None and not np.isfinite(row).any():
+        if bitmask is not None and not np.isfinite(row).any():
             row[stops] = kept  # the grammar is complete: it ends before min_tokens
     if p.greedy:
         return int(row.argmax())
@@ -138,15 +198,6 @@ def _sample_row(raw: np.ndarray, state: SamplingState) -> int:
     cumulative = np.cumsum(probs)
     draw = state.generator.random() * cumulative[-1]
     return int(min(np.searchsorted(cumulative, draw, side="right"), row.size - 1))
-
-
-def _apply_grammar(row: np.ndarray, grammar: RequestGrammar) -> None:
-    """Rules out every token the grammar does not allow next (padding rows past the vocabulary
-    included)."""
-    allowed = grammar.allowed()
-    size = min(allowed.size, row.size)
-    row[:size][~allowed[:size]] = -np.inf
-    row[size:] = -np.inf
 
 
 def _apply_penalties(row: np.ndarray, state: SamplingState) -> None:

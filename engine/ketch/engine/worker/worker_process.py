@@ -120,6 +120,7 @@ def run_worker(
             except zmq.Again:
                 os._exit(0)  # the engine stopped listening
             status[1] += 1
+            runner.prepare_next_step()  # while the engine schedules the next step
         if os.getppid() != parent:
             os._exit(0)
 
