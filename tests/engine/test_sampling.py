@@ -176,14 +176,15 @@ def test_logprobs_give_the_chosen_token_and_a_sorted_top_n() -> None:
     assert logprobs is not None and logprobs[1] is None
     expected = [np.log(softmax(row.astype(np.float64))) for row in logits]
 
-    chosen, top = logprobs[0]
+    assert logprobs[0].token_id == tokens[0]  # a TokenLogprob, as the engine sends it on
+    chosen, top = logprobs[0].logprob, logprobs[0].top
     assert tokens[0] == int(logits[0].argmax())
     assert chosen == pytest.approx(expected[0][tokens[0]], abs=1e-5)
     assert [t for t, _ in top] == np.argsort(-expected[0])[:3].tolist()
     assert top[0] == (tokens[0], pytest.approx(chosen))
     assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
 
-    chosen, top = logprobs[2]
+    chosen, top = logprobs[2].logprob, logprobs[2].top
     assert chosen == pytest.approx(expected[2][tokens[2]], abs=1e-5)
     assert sorted(t for t, _ in top) == list(range(vocab))
     assert sum(np.exp(lp) for _, lp in top) == pytest.approx(1.0, abs=1e-6)
@@ -195,7 +196,7 @@ def test_logprobs_zero_returns_only_the_chosen_token() -> None:
     row = logits_row({3: 4.0})
     tokens, logprobs = sample(row, [make_state(SamplingParams(temperature=0.0, logprobs=0))])
     assert tokens == [3] and logprobs is not None and logprobs[0] is not None
-    chosen, top = logprobs[0]
+    chosen, top = logprobs[0].logprob, logprobs[0].top
     assert top == [] and chosen == pytest.approx(float(np.log(softmax(row[0])[3])), abs=1e-6)
 
 
@@ -231,7 +232,7 @@ def test_logit_bias_shifts_sampling_and_keeps_logprobs_the_models_own() -> None:
         tokens, logprobs = sample(row, [state])
         assert tokens == [5]
         assert logprobs is not None and logprobs[0] is not None
-        chosen, top = logprobs[0]
+        chosen, top = logprobs[0].logprob, logprobs[0].top
         assert chosen == pytest.approx(float(np.log(softmax(row[0].astype(np.float64))[5])))
         assert top[0][0] == 1  # the most likely token without the bias
     small = SamplingParams(temperature=1.0, logit_bias={2: 1.0})

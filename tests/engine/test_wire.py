@@ -48,7 +48,9 @@ def test_steps_and_results_round_trip() -> None:
         preempted_request_ids=["e"],
     )
     assert worker.decode_step(worker.encode_step(step)) == step
-    result = ModelRunnerOutput(["a", "b"], [5, 6], [(-0.5, [(5, -0.5), (9, -1.5)]), None])
+    scored = {"a": [TokenLogprob(2, -3.5, [(7, -0.2)])]}
+    logprobs = [TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.5)]), None]
+    result = ModelRunnerOutput(["a", "b"], [5, 6], logprobs, prompt_logprobs=scored)
     assert worker.decode_result(worker.encode_result(result)) == result
     assert worker.decode_result(worker.encode_result(ModelRunnerOutput([], []))).logprobs is None
 

@@ -277,27 +277,20 @@ class LLMEngine:
         return outputs
 
     def _take_logprobs(self, out: ModelRunnerOutput) -> None:
-        """The sampler's (logprob, top) of each sampled token, as the TokenLogprob it sends."""
+        """The sampler's TokenLogprob of each sampled token, for the requests that asked."""
         if not out.logprobs:
             return
-        rows = zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True)
-        for request_id, token_id, lp in rows:
+        for request_id, logprob in zip(out.request_ids, out.logprobs, strict=True):
             tracked = self._tracked.get(request_id)
-            if lp is not None and tracked is not None and tracked.logprobs is not None:
-                tracked.logprobs.append(TokenLogprob(token_id, lp[0], lp[1]))
+            if logprob is not None and tracked is not None and tracked.logprobs is not None:
+                tracked.logprobs.append(logprob)
 
-    def _take_prompt_logprobs(self, scored: dict[str, list]) -> None:
+    def _take_prompt_logprobs(self, scored: dict[str, list[TokenLogprob]]) -> None:
         """Appends what a step scored of each prompt (the tokens after those scored before)."""
         for request_id, entries in scored.items():
             tracked = self._tracked.get(request_id)
-            request = self.scheduler.requests.get(request_id)
-            if tracked is None or request is None or tracked.prompt_logprobs is None:
-                continue
-            first = len(tracked.prompt_logprobs) + 1
-            tokens = request.token_ids[first : first + len(entries)]
-            tracked.prompt_logprobs += [
-                TokenLogprob(t, lp, top) for t, (lp, top) in zip(tokens, entries, strict=True)
-            ]
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                tracked.prompt_logprobs += entries
 
     def _fail(self, failed: dict[str, str]) -> None:
         """Ends these tracked requests with an error (blocks go back); see ``take_failures``."""

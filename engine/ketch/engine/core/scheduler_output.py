@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 
 
@@ -67,13 +68,11 @@ class ModelRunnerOutput:
 
     request_ids: list[str]
     sampled_token_ids: list[int]
-    # Per sampled request: (chosen token logprob, [(token id, logprob), ...]) when asked for.
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # Per sampled request: its sampled token's logprob and top ones, when asked for.
+    logprobs: list[TokenLogprob | None] | None = None
     # Requests that asked for prompt_logprobs: the same per prompt token this step computed the
     # logits for, continuing from where the last step left off (the first prompt token has none).
-    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(
-        default_factory=dict
-    )
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Embedding requests (SamplingParams.pooling) whose prompt this step finished: the pooled
     # final-normed hidden state, one float per hidden unit (rank 0's; the engine checks the size).
     pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -9,7 +9,8 @@ greedy included, and its matcher advances with every token appended (``SamplingS
 Greedy rows whose only processing is a grammar are decided together too: the batch's argmax,
 kept where its bit in the grammar's mask is set (then it is the masked argmax as well), the
 masked argmax of the other rows otherwise.
-Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties.
+Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties,
+as the ``TokenLogprob`` that goes on to the HTTP body.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.structured.compiler import RequestGrammar, next_bitmasks
 
@@ -98,12 +100,9 @@ class SamplingState:
         )
 
 
-Logprobs = tuple[float, list[tuple[int, float]]]
-
-
 def sample(
     logits: np.ndarray, states: list[SamplingState]
-) -> tuple[list[int], list[Logprobs | None] | None]:
+) -> tuple[list[int], list[TokenLogprob | None] | None]:
     """logits: [len(states), vocab] float32. Returns token ids and, if asked, logprobs."""
     tokens = np.empty(len(states), dtype=np.int64)
     plain, masked, other = [], [], []
@@ -215,11 +214,11 @@ def _apply_penalties(row: np.ndarray, state: SamplingState) -> None:
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _logprobs(raw: np.ndarray, chosen: int, top_n: int) -> Logprobs:
+def _logprobs(raw: np.ndarray, chosen: int, top_n: int) -> TokenLogprob:
     row = raw.astype(np.float64)
     shifted = row - row.max()
     logp = shifted - np.log(np.exp(shifted).sum())
-    return float(logp[chosen]), _top(logp, top_n)
+    return TokenLogprob(chosen, float(logp[chosen]), _top(logp, top_n))
 
 
 def _top(logp: np.ndarray, top_n: int) -> list[tuple[int, float]]:
@@ -232,11 +231,14 @@ def _top(logp: np.ndarray, top_n: int) -> list[tuple[int, float]]:
     return [(int(t), float(logp[t])) for t in ids]
 
 
-def prompt_logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[Logprobs]:
+def prompt_logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
     """Per row of ``logits`` [rows, vocab]: the log-probability of ``token_ids[row]`` (the token
     that followed that position) and the ``top_n`` most likely tokens there."""
     rows = logits.astype(np.float64)
     rows -= rows.max(axis=-1, keepdims=True)
     rows -= np.log(np.exp(rows).sum(axis=-1, keepdims=True))
     chosen = rows[np.arange(len(token_ids)), np.asarray(token_ids, dtype=np.int64)]
-    return [(float(lp), _top(row, top_n)) for lp, row in zip(chosen, rows, strict=True)]
+    return [
+        TokenLogprob(token, float(lp), _top(row, top_n))
+        for token, lp, row in zip(token_ids, chosen, rows, strict=True)
+    ]
