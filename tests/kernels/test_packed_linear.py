@@ -23,6 +23,7 @@ from ketch.kernels.packed_linear import (
     PackedLinear,
     PackedWeight,
     select_packed_linear,
+    swiglu_reference,
 )
 
 TOLERANCE = 1e-5
@@ -67,6 +68,27 @@ def test_matches_the_reference(isa: str, threads: int, m: int, k: int, n: int) -
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "m,k,inter",
+    [(1, 512, 1408), (2, 33, 3), (5, 64, 8), (6, 17, 16), (12, 40, 17), (13, 96, 40),
+     (32, 512, 1408), (70, 31, 100), (300, 64, 2)],
+)  # fmt: skip
+def test_glu_matches_swiglu_of_the_product(isa: str, threads: int, m: int, k: int, inter: int):
+    """[gate | up] packed with glu: silu(x @ gate) * (x @ up), SwiGLU fused in the epilogue."""
+    x, w, _ = operands(m, k, 2 * inter, m + k + inter)
+    x, w = paddle.to_tensor(x * 2), paddle.to_tensor(w)  # spread gates over silu's curve
+    kernel = PackedLinear(isa, threads)
+    packed = kernel.prepare(w, glu=True)
+    assert packed.n == inter and packed.shape == [k, 2 * inter]
+    out = kernel(x, packed)
+    assert out.shape == [m, inter]
+    assert rel_err(out, swiglu_reference(x, w).numpy()) <= TOLERANCE
+    with pytest.raises(ValueError, match="no bias"):
+        kernel(x, packed, paddle.ones([inter]))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 def test_batched_input_views_and_empty(isa: str) -> None:
     kernel = PackedLinear(isa)
     rng = np.random.default_rng(1)
@@ -89,16 +111,21 @@ def test_bad_operands_are_refused() -> None:
     ops = __import__("ketch.kernels.cpp_ops", fromlist=["ops"]).ops()
     kernel = PackedLinear("generic")
     packed = kernel.prepare(paddle.ones([8, 3]))
+    glu = kernel.prepare(paddle.ones([8, 4]), glu=True)
     ones = paddle.ones([2, 8])
+    linear = ops.ketch_packed_linear
     cases = [
         (lambda: kernel(paddle.ones([2, 7]), packed), "last dimension"),
         (lambda: kernel(ones.astype("float64"), packed), "float32"),
         (lambda: kernel(ones, packed, paddle.ones([4])), "bias must be"),
-        (lambda: ops.ketch_packed_linear(ones, packed.data, None, 9, "generic", 1), "panels"),
-        (lambda: ops.ketch_packed_linear(ones, packed.data, None, 2**31 - 1, "generic", 1), "n ="),
-        (lambda: ops.ketch_packed_linear(ones, packed.data, None, 3, "avx2", 1), "packed must"),
-        (lambda: ops.ketch_packed_linear(ones, packed.data, None, 3, "sse9", 1), "unknown isa"),
-        (lambda: ops.ketch_pack_weight(paddle.ones([8]), "generic"), r"\[K, N\]"),
+        (lambda: linear(ones, packed.data, None, 9, "generic", 1, False), "panels"),
+        (lambda: linear(ones, packed.data, None, 2**31 - 1, "generic", 1, False), "n ="),
+        (lambda: linear(ones, packed.data, None, 3, "avx2", 1, False), "packed must"),
+        (lambda: linear(ones, packed.data, None, 3, "sse9", 1, False), "unknown isa"),
+        (lambda: ops.ketch_pack_weight(paddle.ones([8]), "generic", False), r"\[K, N\]"),
+        (lambda: ops.ketch_pack_weight(paddle.ones([8, 5]), "generic", True), "even N"),
+        (lambda: linear(ones, glu.data, paddle.ones([2]), 2, "generic", 1, True),
+         "no bias"),
     ]
     for call, message in cases:
         with pytest.raises(Exception, match=message):

@@ -27,17 +27,19 @@ PANEL_WIDTH = {"avx512": 32, "avx2": 16, "generic": 8}
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A [K, N] weight in one instruction set's panel layout."""
+    """A [K, N] weight in one instruction set's panel layout. ``glu``: a [gate | up] weight
+    packed so that the product comes out as SwiGLU's ``silu(x @ gate) * (x @ up)``, N / 2 wide."""
 
-    data: paddle.Tensor  # [ceil(N / NR), K, NR]
+    data: paddle.Tensor  # [ceil(outputs / (NR or NR / 2)), K, NR]
     k: int
-    n: int
+    n: int  # output columns
     isa: str
+    glu: bool = False
 
     @property
     def shape(self) -> list[int]:
         """The unpacked weight's shape, [K, N]."""
-        return [self.k, self.n]
+        return [self.k, 2 * self.n if self.glu else self.n]
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,15 @@ class PackedLinear:
         if self.isa not in PANEL_WIDTH:
             raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
 
-    def prepare(self, w: paddle.Tensor) -> PackedWeight:
-        """``w`` [K, N] in this instruction set's layout (a copy; ``w`` may be dropped)."""
-        if len(w.shape) != 2:
-            raise ValueError(f"a weight to pack must be [K, N], got {list(w.shape)}")
-        packed = cpp_ops.ops().ketch_pack_weight(w, self.isa)
-        return PackedWeight(packed, int(w.shape[0]), int(w.shape[1]), self.isa)
+    def prepare(self, w: paddle.Tensor, glu: bool = False) -> PackedWeight:
+        """``w`` [K, N] in this instruction set's layout (a copy; ``w`` may be dropped);
+        ``glu``: ``w`` is [gate | up] and the product is SwiGLU's (see ``swiglu_reference``)."""
+        if len(w.shape) != 2 or (glu and int(w.shape[1]) % 2):
+            want = "[K, 2I]" if glu else "[K, N]"
+            raise ValueError(f"a weight to pack must be {want}, got {list(w.shape)}")
+        packed = cpp_ops.ops().ketch_pack_weight(w, self.isa, glu)
+        n = int(w.shape[1]) // 2 if glu else int(w.shape[1])
+        return PackedWeight(packed, int(w.shape[0]), n, self.isa, glu)
 
     def __call__(
         self, x: paddle.Tensor, w: PackedWeight, bias: paddle.Tensor | None = None
@@ -64,9 +69,16 @@ class PackedLinear:
         """x [..., K] -> [..., N]."""
         if not isinstance(w, PackedWeight) or w.isa != self.isa:
             raise TypeError(f"expects a weight packed for {self.isa} by PackedLinear.prepare")
+        if w.glu and bias is not None:
+            raise ValueError("a glu-packed weight takes no bias")
         return cpp_ops.ops().ketch_packed_linear(
-            x, w.data, bias, w.n, self.isa, int(self.num_threads)
+            x, w.data, bias, w.n, self.isa, int(self.num_threads), w.glu
         )
+
+
+def swiglu_reference(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+    """What a glu-packed ``w`` ([K, 2I] = [gate | up]) computes: ``swiglu(x @ w)``."""
+    return paddle.nn.functional.swiglu(paddle.matmul(x, w))
 
 
 packed_linear_avx512 = PackedLinear("avx512")

@@ -42,15 +42,25 @@ def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
     return choose_matmul([w for w in shapes if w is not None], threads)
 
 
+def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
+    """The packed GEMM computes the MLP's SwiGLU in its epilogue (no bias to add first)."""
+    return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
+
+
 def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
     has no ``prepare``); norms, biases and embeddings stay as they are."""
     if getattr(linear, "prepare", None) is None:
         return weights
 
+    fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
+
     def layer(lw: LayerWeights) -> LayerWeights:
         names = ("qkv", "o", "gate_up", "down")
-        return dataclasses.replace(lw, **{n: prepared(linear, getattr(lw, n)) for n in names})
+        forms = {n: prepared(linear, getattr(lw, n)) for n in names}
+        if fuse:
+            forms["gate_up"] = linear.prepare(lw.gate_up, glu=True)
+        return dataclasses.replace(lw, **forms)
 
     lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
     layers = [layer(lw) for lw in weights.layers]
@@ -86,6 +96,7 @@ class NativeLlamaModel:
         self.weights = _prepared_weights(weights, linear)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
+        self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -152,7 +163,10 @@ class NativeLlamaModel:
             h, x = fused.add_rms_norm(
                 h, self._row_parallel(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
             )
-            up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
+            if self._fused_swiglu:
+                up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
+            else:
+                up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
             mlp = self._row_parallel(up, layer.down, layer.down_bias)
             if i < last:
                 h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)

@@ -1,7 +1,12 @@
 // Dense matmul on weights packed once at load: y[M, N] = x[M, K] . w[K, N] (+ bias), float32, CPU.
 //
-//   ketch_pack_weight(w [K, N], isa)                       -> packed [P, K, NR], P = ceil(N / NR)
-//   ketch_packed_linear(x [.., K], packed, bias?, n, isa, num_threads) -> y [.., n]
+//   ketch_pack_weight(w [K, N], isa, glu)                  -> packed [P, K, NR]
+//   ketch_packed_linear(x [.., K], packed, bias?, n, isa, num_threads, glu) -> y [.., n]
+//
+// glu = false: P = ceil(N / NR) panels of NR consecutive columns, y = x . w (+ bias), n = N.
+// glu = true (SwiGLU fused into the epilogue): w = [gate | up], [K, 2I]; each panel holds NR/2
+// gate columns and the NR/2 up columns of the same outputs, P = ceil(I / (NR/2)), and
+// y = silu(x . gate) * (x . up), n = I: the MLP's activation costs no pass of its own.
 //
 // Why our own GEMM: a library GEMM (OpenBLAS, MKL) packs the weight matrix into its panel layout
 // on every call. At serving batch sizes (1-64 rows) that copy of the whole weight costs as much
@@ -25,8 +30,7 @@
 #include <immintrin.h>
 
 #include "paddle/extension.h"
-
-#define KETCH_INLINE inline __attribute__((always_inline))
+#include "simd.h"
 
 namespace ketch {
 
@@ -42,10 +46,16 @@ int PanelWidth(const std::string& isa) {
 struct Gemm {
   const float* x;       // [m, k]
   const float* packed;  // [panels, k, nr]
-  const float* bias;    // [n] or nullptr
+  const float* bias;    // [n] or nullptr (never with glu)
   float* y;             // [m, n]
   int64_t m, k, n, nr;
+  bool glu;             // panels of (gate, up) halves; y = silu(gate) * up
 };
+
+// Output columns per panel.
+KETCH_INLINE int64_t PanelOutputs(const Gemm& g) { return g.glu ? g.nr / 2 : g.nr; }
+
+KETCH_INLINE float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // One (rows x nr) tile: rows <= MR of x against one packed panel; `cols` of the nr are stored.
 template <int MR>
@@ -63,6 +73,11 @@ KETCH_INLINE void TileGeneric(const Gemm& g, int64_t row, int64_t panel, int row
     }
   }
   for (int r = 0; r < rows; ++r) {
+    if (g.glu) {
+      float* out = g.y + (row + r) * g.n + panel * (NR / 2);
+      for (int j = 0; j < cols; ++j) out[j] = Silu(acc[r][j]) * acc[r][NR / 2 + j];
+      continue;
+    }
     float* out = g.y + (row + r) * g.n + panel * NR;
     for (int j = 0; j < cols; ++j) out[j] = acc[r][j] + (g.bias ? g.bias[panel * NR + j] : 0.0f);
   }
@@ -70,6 +85,11 @@ KETCH_INLINE void TileGeneric(const Gemm& g, int64_t row, int64_t panel, int row
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+KETCH_INLINE __m256 SiluAvx2(__m256 x) {
+  const __m256 e = VecAvx2::exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
 template <int MR>
 __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, int64_t panel,
                                                   int cols) {
@@ -89,6 +109,20 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, in
     }
   }
   alignas(32) float tmp[NR];
+  if (g.glu) {  // acc0: 8 gate columns, acc1: the same 8 outputs' up columns
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      float* out = g.y + (row + r) * g.n + panel * (NR / 2);
+      const __m256 v = _mm256_mul_ps(SiluAvx2(acc0[r]), acc1[r]);
+      if (cols == NR / 2) {
+        _mm256_storeu_ps(out, v);
+      } else {
+        _mm256_store_ps(tmp, v);
+        for (int j = 0; j < cols; ++j) out[j] = tmp[j];
+      }
+    }
+    return;
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     float* out = g.y + (row + r) * g.n + panel * NR;
@@ -112,9 +146,14 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, in
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,avx2,fma")
+KETCH_INLINE __m512 SiluAvx512(__m512 x) {
+  const __m512 e = VecAvx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
 template <int MR>
-__attribute__((target("avx512f"))) void TileAvx512(const Gemm& g, int64_t row, int64_t panel,
+__attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64_t row, int64_t panel,
                                                    int cols) {
   constexpr int NR = 32;
   __m512 acc0[MR], acc1[MR];
@@ -130,6 +169,15 @@ __attribute__((target("avx512f"))) void TileAvx512(const Gemm& g, int64_t row, i
       acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
     }
+  }
+  if (g.glu) {  // acc0: 16 gate columns, acc1: the same 16 outputs' up columns
+    const __mmask16 mask = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      float* out = g.y + (row + r) * g.n + panel * (NR / 2);
+      _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(SiluAvx512(acc0[r]), acc1[r]));
+    }
+    return;
   }
   const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
@@ -163,7 +211,7 @@ KETCH_TILE_SWITCH(TileAvx2, 6)
 
 void Run(const Gemm& g, const std::string& isa, int num_threads) {
   const int mr = isa == "avx512" ? 12 : isa == "avx2" ? 6 : 4;
-  const int64_t panels = (g.n + g.nr - 1) / g.nr;
+  const int64_t per_panel = PanelOutputs(g), panels = (g.n + per_panel - 1) / per_panel;
   // Row blocks of at most ~256 KiB of x (a multiple of MR rows), reused across all panels.
   const int64_t fit = std::max<int64_t>(mr, (256 * 1024 / 4 / std::max<int64_t>(g.k, 1)) / mr * mr);
   const int64_t block = std::min<int64_t>(g.m, fit);
@@ -171,7 +219,7 @@ void Run(const Gemm& g, const std::string& isa, int num_threads) {
   const int64_t items = blocks * panels;
   auto work = [&](int64_t item) {
     const int64_t b = item / panels, panel = item % panels;
-    const int cols = static_cast<int>(std::min<int64_t>(g.nr, g.n - panel * g.nr));
+    const int cols = static_cast<int>(std::min<int64_t>(per_panel, g.n - panel * per_panel));
     const int64_t end = std::min(g.m, (b + 1) * block);
     // Tiles of balanced height (8 rows on AVX2 are 4 + 4, not 6 + 2: each tile streams the panel).
     for (int64_t row = b * block; row < end;) {
@@ -205,21 +253,26 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::string& isa) {
+std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::string& isa,
+                                       bool glu) {
   CheckFloatCpu(w_in, "w");
   PD_CHECK(w_in.shape().size() == 2, "ketch_pack_weight: w must be [K, N]");
   const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
   const int64_t k = w.shape()[0], n = w.shape()[1], nr = PanelWidth(isa);
-  const int64_t panels = (n + nr - 1) / nr;
+  PD_CHECK(!glu || n % 2 == 0, "ketch_pack_weight: a glu weight [K, 2I] needs an even N, got ", n);
+  // Each panel: `groups` runs of `width` columns; glu: gate outputs, then the same outputs' up.
+  const int64_t width = glu ? nr / 2 : nr, outputs = glu ? n / 2 : n;
+  const int64_t panels = (outputs + width - 1) / width;
   auto packed = paddle::empty({panels, k, nr}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   const float* src = w.data<float>();
   float* dst = packed.data<float>();
   for (int64_t p = 0; p < panels; ++p) {
-    const int64_t cols = std::min(nr, n - p * nr);
+    const int64_t cols = std::min(width, outputs - p * width);
     for (int64_t kk = 0; kk < k; ++kk) {
       float* out = dst + (p * k + kk) * nr;
-      std::memcpy(out, src + kk * n + p * nr, cols * sizeof(float));
-      std::fill(out + cols, out + nr, 0.0f);
+      std::fill(out, out + nr, 0.0f);
+      std::memcpy(out, src + kk * n + p * width, cols * sizeof(float));
+      if (glu) std::memcpy(out + width, src + kk * n + outputs + p * width, cols * sizeof(float));
     }
   }
   return {packed};
@@ -227,18 +280,20 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::st
 
 std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddle::Tensor& packed,
                                          const paddle::optional<paddle::Tensor>& bias, int n,
-                                         const std::string& isa, int num_threads) {
+                                         const std::string& isa, int num_threads, bool glu) {
   CheckFloatCpu(x_in, "x");
   CheckFloatCpu(packed, "packed");
-  const int64_t nr = PanelWidth(isa);
+  const int64_t nr = PanelWidth(isa), width = glu ? nr / 2 : nr;
   const auto ps = packed.shape();
   PD_CHECK(ps.size() == 3 && ps[2] == nr && packed.is_contiguous(),
            "ketch_packed_linear: packed must be [P, K, ", nr, "] as ketch_pack_weight makes it for ",
            isa);
-  PD_CHECK(n >= 0 && (static_cast<int64_t>(n) + nr - 1) / nr == ps[0], "ketch_packed_linear: n = ",
-           n, " does not match ", ps[0], " panels of ", nr, " columns");
+  PD_CHECK(n >= 0 && (static_cast<int64_t>(n) + width - 1) / width == ps[0],
+           "ketch_packed_linear: n = ", n, " does not match ", ps[0], " panels of ", width,
+           " outputs");
   PD_CHECK(!x_in.shape().empty() && x_in.shape().back() == ps[1],
            "ketch_packed_linear: x's last dimension must be K = ", ps[1]);
+  PD_CHECK(!(glu && bias), "ketch_packed_linear: no bias with glu");
   const paddle::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   const float* bias_data = nullptr;
   paddle::Tensor bias_dense;
@@ -254,8 +309,9 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
   int64_t m = 1;
   for (size_t i = 0; i + 1 < out_shape.size(); ++i) m *= out_shape[i];
   if (m == 0 || n == 0) return {y};
-  const Gemm g{x.data<float>(), packed.data<float>(), bias_data, y.data<float>(), m, ps[1], n, nr};
-  if (g.k == 0) {
+  const Gemm g{x.data<float>(), packed.data<float>(), bias_data, y.data<float>(),
+               m, ps[1], n, nr, glu};
+  if (g.k == 0) {  // x . w = 0: the bias, or silu(0) * 0
     for (int64_t r = 0; r < m; ++r)
       for (int64_t j = 0; j < n; ++j) g.y[r * n + j] = bias_data ? bias_data[j] : 0.0f;
     return {y};
@@ -265,15 +321,17 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
 }
 
 std::vector<std::vector<int64_t>> PackWeightShape(const std::vector<int64_t>& w,
-                                                  const std::string& isa) {
-  const int64_t nr = PanelWidth(isa);
-  return {{w.size() == 2 ? (w[1] + nr - 1) / nr : -1, w.size() == 2 ? w[0] : -1, nr}};
+                                                  const std::string& isa, bool glu) {
+  const int64_t nr = PanelWidth(isa), width = glu ? nr / 2 : nr;
+  if (w.size() != 2) return {{-1, -1, nr}};
+  const int64_t outputs = glu ? w[1] / 2 : w[1];
+  return {{(outputs + width - 1) / width, w[0], nr}};
 }
 
 std::vector<std::vector<int64_t>> PackedLinearShape(const std::vector<int64_t>& x,
                                                     const std::vector<int64_t>&,
                                                     const paddle::optional<std::vector<int64_t>>&,
-                                                    int n, const std::string&, int) {
+                                                    int n, const std::string&, int, bool) {
   std::vector<int64_t> out = x;
   if (!out.empty()) out.back() = n;
   return {out};
@@ -291,7 +349,7 @@ std::vector<paddle::DataType> PackedLinearDtype(const paddle::DataType& x, const
 PD_BUILD_OP(ketch_pack_weight)
     .Inputs({"w"})
     .Outputs({"packed"})
-    .Attrs({"isa: std::string"})
+    .Attrs({"isa: std::string", "glu: bool"})
     .SetKernelFn(PD_KERNEL(ketch::PackWeight))
     .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackWeightShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ketch::SameDtype));
@@ -299,7 +357,7 @@ PD_BUILD_OP(ketch_pack_weight)
 PD_BUILD_OP(ketch_packed_linear)
     .Inputs({"x", "packed", paddle::Optional("bias")})
     .Outputs({"y"})
-    .Attrs({"n: int", "isa: std::string", "num_threads: int"})
+    .Attrs({"n: int", "isa: std::string", "num_threads: int", "glu: bool"})
     .SetKernelFn(PD_KERNEL(ketch::PackedLinear))
     .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackedLinearShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ketch::PackedLinearDtype));
