@@ -4,7 +4,8 @@ For each engine (llguidance, xgrammar) and each tokenizer: the one-off tokenizer
 compile time of a typical JSON schema (cold, then a second distinct schema), and the per-token
 cost of computing the mask and advancing the matcher along a valid document. Then what the
 mask adds to Ketch's sampler: one greedy step of 8 requests, unconstrained vs constrained
-(mask, -inf fill, argmax, matcher advance). Prints tables.
+(mask, -inf fill, argmax, matcher advance), and constrained with the masks computed ahead, off
+the step (what a served worker does while the engine schedules the next step). Prints tables.
 
     python benchmarks/bench_grammar.py [--tokenizer DIR ...]
 
@@ -125,19 +126,20 @@ def bench_xgrammar(tokenizer_dir: Path, vocab: int, text_ids: list[int]) -> dict
 
 
 def bench_sampler(tokenizer_dir: Path, vocab: int, batch: int = 8, steps: int = 100) -> tuple:
-    """ms per sampler step of ``batch`` greedy requests: (unconstrained, constrained)."""
+    """ms per sampler step of ``batch`` greedy requests: (unconstrained, constrained,
+    constrained with the masks computed ahead and not timed)."""
     import numpy as np
 
     from ketch.engine import SamplingParams
     from ketch.engine.structured import grammars
-    from ketch.engine.structured.compiler import GrammarCompiler
+    from ketch.engine.structured.compiler import GrammarCompiler, precompute_masks
     from ketch.engine.worker.sampler import SamplingState, sample
 
     compiler = GrammarCompiler(tokenizer_dir / "tokenizer.json", vocab, [0])
     grammar = grammars.json_schema(SCHEMA)
     rng = np.random.default_rng(0)
     results = []
-    for constrained in (False, True):
+    for constrained, ahead in ((False, False), (True, False), (True, True)):
         states = []
         for i in range(batch):
             params = SamplingParams(temperature=0, grammar=grammar if constrained else None)
@@ -154,6 +156,8 @@ def bench_sampler(tokenizer_dir: Path, vocab: int, batch: int = 8, steps: int = 
             for state, token in zip(states, tokens, strict=True):
                 state.accept(token)
             total += time.perf_counter() - t0
+            if ahead:
+                precompute_masks([s.grammar for s in states if s.grammar is not None])
         results.append(total / steps)
     return tuple(results)
 
@@ -188,11 +192,14 @@ def main() -> None:
                 f"{name:<11} {vocab:>6} {r['setup'] * 1e3:>9.1f} {r['compile'] * 1e3:>11.2f} "
                 f"{r['compile2'] * 1e3:>8.2f} {r['mask'] * 1e6:>22.1f}"
             )
-    print(f"\n{'vocab':>6} {'sampler step, 8 plain ms':>25} {'8 constrained ms':>17}")
+    print(
+        f"\n{'vocab':>6} {'sampler step, 8 plain ms':>25} {'8 constrained ms':>17} "
+        f"{'8 constrained, masks ahead ms':>30}"
+    )
     for directory in args.tokenizer or [default]:
         vocab = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size(True)
-        plain, constrained = bench_sampler(directory, vocab)
-        print(f"{vocab:>6} {plain * 1e3:>25.3f} {constrained * 1e3:>17.3f}")
+        plain, constrained, ahead = bench_sampler(directory, vocab)
+        print(f"{vocab:>6} {plain * 1e3:>25.3f} {constrained * 1e3:>17.3f} {ahead * 1e3:>30.3f}")
 
 
 if __name__ == "__main__":
