@@ -104,11 +104,21 @@ def test_killed_engine_is_restarted_and_routed_around(cluster: LocalCluster) -> 
     # fast (/health 503, exit 1) and the harness restarts the container.
     os.kill(_spawned_child(engine.proc.pid), signal.SIGKILL)
     client = _client(cluster)
-    served = 0
+    served = lost = 0
     deadline = time.monotonic() + 120
     while engine.restarts == restarts or not victim.ready:  # meanwhile, the router serves
         assert time.monotonic() < deadline, cluster.describe()
-        out = client.completions.create(model=MODEL, prompt="Alice", max_tokens=4)
+        try:
+            out = client.completions.create(model=MODEL, prompt="Alice", max_tokens=4)
+        except openai.InternalServerError as exc:
+            # A request the victim took in the moment between the kill and its server seeing
+            # the engine gone (a SIGKILLed process is reaped only after its memory is torn
+            # down) fails with it: a retryable 503 naming the exit, and only in that window.
+            assert exc.status_code == 503 and "engine process exited" in str(exc), exc
+            assert exc.response.headers.get("retry-after") == "1"
+            lost += 1
+            assert lost <= 2, "more than the requests in flight at the kill failed"
+            continue
         assert out.choices[0].finish_reason in ("length", "stop")
         served += 1
     assert served > 0
