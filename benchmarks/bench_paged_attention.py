@@ -8,14 +8,14 @@ engine's default 64-token blocks, block ids shuffled over a cache with room to s
 - mixed: 12 decodes (2048 context) and 2 such chunks in one call.
 
 Columns are median milliseconds per layer call, all measured in the same run, taking turns in
-every round. "reference" is ``paged_attention_reference`` (the spec, a Python loop over
-sequences); "eager" is ``ketch.engine.models.attention.paged_attention`` (what the model runs
-today: block gathers into padded tensors, dense masks; its KV write included, since it cannot be
-separated); "C++ <isa> xN" is the kernel on N OpenMP threads (the KV write included in
-"+write"). Ratios are reference or eager time ÷ kernel time. Instruction sets the CPU lacks are
-left out.
+every round, each call after a 256 MB read that evicts the caches (``--warm`` skips it).
+"reference" is ``paged_attention_reference`` (the spec, a Python loop over sequences); "eager"
+is ``ketch.engine.models.attention.paged_attention`` (the eager backend's: block gathers into
+padded tensors, dense masks; its KV write included, since it cannot be separated); "C++ <isa>
+xN" is the kernel on N OpenMP threads (the KV write included in "+write"). Ratios are reference
+or eager time ÷ kernel time. Instruction sets the CPU lacks are left out.
 
-Usage: benchmarks/bench_paged_attention.py [--repeats 30] [--threads 1 2]
+Usage: benchmarks/bench_paged_attention.py [--repeats 30] [--threads 1 2] [--warm]
 """
 
 from __future__ import annotations
@@ -47,13 +47,21 @@ CASES = {
 }
 
 
-def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per function; the functions take turns within every round."""
+def timed(
+    fns: dict[str, Callable[[], object]], repeats: int, flush: np.ndarray | None = None
+) -> dict[str, float]:
+    """Median seconds per function; the functions take turns within every round. With ``flush``
+    (an array larger than the last-level cache), it is read before every call, untimed, so
+    every call finds the KV cache where a model's step does: in memory, not left in the cache
+    by the call before (which otherwise favours whichever function follows one that read the
+    same blocks)."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
@@ -114,7 +122,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="leave the caches as the previous call left them (default: read a 256 MB buffer "
+        "before every call, so the KV comes from memory as in a model's step)",
+    )
     args = parser.parse_args()
+    flush = None if args.warm else np.ones(256 << 18, np.float32)  # 256 MB
     paddle.base.core.set_num_threads(1)
     paddle.set_flags({"FLAGS_use_stride_kernel": False})  # as the worker runs
     features = CpuFeatures.detect()
@@ -127,7 +142,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for label, seqs in CASES.items():
         case = Case(seqs, rng)
-        times = timed(functions(case, kernels), args.repeats)
+        times = timed(functions(case, kernels), args.repeats, flush)
         ref, eager = times["reference"], times["eager (+write)"]
         print(f"\n{label}  ({len(seqs)} sequences, {case.q.shape[0]} query tokens)")
         print(f"| {'path':<18} | {'ms':>8} | {'ref ÷ this':>10} | {'eager ÷ this':>12} |")
