@@ -85,11 +85,13 @@ def test_embeddings_equal_transformers_under_chunking(path, pooling: str) -> Non
         assert output.prompt_token_ids == prompts[i]
         assert output.outputs.embedding is output.embedding  # vLLM's spelling
         assert_close(output.embedding, want, (pooling, i, len(prompts[i])))
-    # normalize (the default): the same vectors, L2-normalised
+    # normalize (the default): the same vectors, L2-normalised, to fp32 rounding (the second
+    # call batches differently: another row count can take another matmul in the last layer)
     unit = llm.embed(prompts[:3], pooling=pooling)
     for output, raw in zip(unit, outputs, strict=False):
         assert np.linalg.norm(output.embedding) == pytest.approx(1.0, abs=1e-6)
-        np.testing.assert_allclose(output.embedding, l2_normalized(raw.embedding), rtol=1e-6)
+        want = l2_normalized(raw.embedding)
+        np.testing.assert_allclose(output.embedding, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pooling", POOLINGS)

@@ -112,6 +112,7 @@ class ModelRunner:
         else:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
         self.requests: dict[str, RequestState] = {}
+        self.prune_last_layer = True  # the last layer on the rows read only (KeptRows)
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
         logger.info(
@@ -244,10 +245,15 @@ class ModelRunner:
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(logits, the hidden rows embedding requests asked for, or None); (None, None) on
         a tensor-parallel rank other than 0."""
-        meta = self.model.metadata(batch.spans, self.config.block_size, self.config.num_blocks)
+        block_size = self.config.block_size
+        meta = self.model.metadata(batch.spans, block_size, self.config.num_blocks)
         extra = {}
-        if batch.hidden.spans:  # only then: the models' forward returns a pair
-            extra["hidden_rows"] = paddle.to_tensor(np.asarray(batch.hidden.rows, np.int64))
+        hidden_rows = batch.hidden.rows if batch.hidden.spans else None
+        if hidden_rows is not None:  # only then: the models' forward returns a pair
+            extra["hidden_rows"] = paddle.to_tensor(np.asarray(hidden_rows, np.int64))
+        if self.prune_last_layer and hasattr(self.model, "kept_rows"):  # the native model's
+            kept = self.model.kept_rows(batch.spans, logit_rows, hidden_rows, block_size)
+            extra.update({} if kept is None else {"kept": kept})
         with paddle.no_grad():
             out = self.model.forward(
                 paddle.to_tensor(batch.input_ids),
@@ -259,7 +265,7 @@ class ModelRunner:
             )
         if out is None:
             return None, None
-        logits, hidden = out if extra else (out, None)
+        logits, hidden = out if hidden_rows is not None else (out, None)
         return logits.numpy(), None if hidden is None else hidden.astype("float32").numpy()
 
     def _apply_changes(self, sched: SchedulerOutput) -> dict[str, str]:
