@@ -52,12 +52,18 @@ one compute thread; vLLM's pinned, the other core to the frontends):
 
     TTFT at c=1 met on both; 1.5x at c=32 MISSED on both (1.07x, 1.05x)
 
+With the last layer on the rows read (ac0d9f8, docs/backend.md), the same settings, qwen2-23m:
+
+    qwen2-23m   1     8/8    113.9     75.6  1.51       1.51       76 / 83      7.7 / 12.0
+    qwen2-23m  32   64/64    509.0    453.4  1.12       1.12   1522 / 1635    38.4 / 45.1
+
 Why 1.5x at c=32 cannot be reached on one thread here (docs/backend.md, "The physical limit"):
 the core's 1-thread fp32 GEMM peak is ~108 GFLOP/s; a qwen2-23m request of this workload costs
 ~10.3 GFLOP of matmuls (45 MFLOP per prompt token, 49 per output token), a llama-63m one ~18.4
 (75 / 100), so 64 requests take at least 6.1 s and 10.9 s: <= 670 and <= 376 out tok/s, i.e.
 <= 1.48x and <= 1.39x of the vLLM figures above even at 100% of peak with everything but the
-matmuls free. Ketch runs at ~72% and ~76% of that peak end to end (vLLM ~68% and ~72%).
+matmuls free (with the last layer on the rows read: ~9.4 GFLOP, <= ~730 tok/s, 1.5x needs ~93%
+of peak end to end). Ketch runs at ~72% and ~76% of that peak end to end (vLLM ~68% and ~72%).
 
 ``--ketch-tp 2`` (two worker processes of one thread: both cores to the model, vLLM unchanged):
 
