@@ -17,10 +17,11 @@ import torch
 from tp_harness import BLOCK
 
 from hf_models import hf_model
+from ketch.engine import LLM, SamplingParams
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama_native import KeptRows
+from ketch.engine.models.llama_native import KeptRows, NativeLlamaModel
 from ketch.engine.models.loader import TINY_MODEL_DIR, load_weights
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.model_runner import configure_paddle
@@ -38,8 +39,9 @@ def native(path):
     return build_model("native", config, weights, 1024, configure_paddle(None), CpuKernels.select())
 
 
-def step(model, cache, tokens, tables, which: str, rows=None, hidden=None, kept=None):
-    """One batched forward of ``SEQUENCES``' prefixes (``which == "prefix"``) or their step."""
+def flat(tokens, tables, which: str):
+    """The flat ids, positions and spans of ``SEQUENCES``' prefixes (``which == "prefix"``) or
+    of their step."""
     ids, pos, spans = [], [], []
     for seq, (_, done, n), table in zip(tokens, SEQUENCES, tables, strict=True):
         lo, hi = (0, done) if which == "prefix" else (done, done + n)
@@ -47,13 +49,18 @@ def step(model, cache, tokens, tables, which: str, rows=None, hidden=None, kept=
             spans.append(SequenceSpan(len(ids), hi - lo, hi, table))
             ids += seq[lo:hi]
             pos += list(range(lo, hi))
+    return ids, pos, spans
+
+
+def forward(model, cache, batch, rows=None, hidden=None, kept: bool = False):
+    ids, pos, spans = batch
     rows = list(range(len(ids))) if rows is None else rows
     extra = {} if hidden is None else {"hidden_rows": paddle.to_tensor(np.asarray(hidden))}
-    if kept is not None:
+    if kept:
         extra["kept"] = KeptRows.build(spans, rows, hidden, BLOCK)
         assert extra["kept"] is not None
     with paddle.no_grad():
-        out = model.forward(
+        return model.forward(
             paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
             paddle.to_tensor(np.asarray(pos, dtype=np.int64)),
             cache.layers,
@@ -61,7 +68,11 @@ def step(model, cache, tokens, tables, which: str, rows=None, hidden=None, kept=
             paddle.to_tensor(np.asarray(rows, dtype=np.int64)),
             **extra,
         )
-    return spans, out
+
+
+def last_layer_kv(cache) -> tuple[np.ndarray, np.ndarray]:
+    layer = cache.layers[-1]
+    return layer.k_blocks.numpy().copy(), layer.v_blocks.numpy().copy()
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama-linear-bias", "tiny"])
@@ -78,19 +89,23 @@ def test_last_layer_on_kept_rows_equals_every_row(checkpoint, name: str) -> None
     cache = KVCache(
         config.num_hidden_layers, next_block, BLOCK, config.num_key_value_heads, config.head_dim
     )
-    step(model, cache, tokens, tables, "prefix")
-    spans, _ = step(model, cache, tokens, tables, "step")
-    a, _partial, decode, embed, scored = spans
+    forward(model, cache, flat(tokens, tables, "prefix"))
+    batch = flat(tokens, tables, "step")
+    a, _partial, decode, embed, scored = batch[2]
     # Rows read: a's last (it ends its prompt), none of the second (its prompt goes on), the
     # decode, every row of the embedding request (mean pooling) and its last for logits, and a
     # middle row of the last request (a scored prompt row) with its last.
     rows = [a.start + a.query_len - 1, decode.start, embed.start + embed.query_len - 1,
             scored.start + 7, scored.start + scored.query_len - 1]  # fmt: skip
     hidden = list(range(embed.start, embed.start + embed.query_len))
-    # The step's K/V are already in the cache from the call above; writing them again is the
-    # same bits, so both calls below see the same cache.
-    _, (logits, states) = step(model, cache, tokens, tables, "step", rows, hidden)
-    _, (kept_logits, kept_states) = step(model, cache, tokens, tables, "step", rows, hidden, True)
+    # The kept-rows call first, on a cache without the step's K/V: it must write every row's,
+    # the partial chunk's included (its continuation attends to them). The whole-rows call then
+    # writes the same bits again.
+    kept_logits, kept_states = forward(model, cache, batch, rows, hidden, kept=True)
+    kept_kv = last_layer_kv(cache)
+    logits, states = forward(model, cache, batch, rows, hidden)
+    for got, want in zip(kept_kv, last_layer_kv(cache), strict=True):
+        np.testing.assert_array_equal(got, want)
     for got, want in ((kept_logits, logits), (kept_states, states)):
         got, want = got.numpy(), want.numpy()
         assert got.shape == want.shape
@@ -104,10 +119,6 @@ def test_last_layer_on_kept_rows_equals_every_row(checkpoint, name: str) -> None
             want = hf(torch.tensor([tokens[seq][: at + 1]])).logits[0, -1].numpy()
             assert np.abs(got - want).max() / np.abs(want).max() <= TOLERANCE, (seq, at)
 
-    # The partial chunk's K/V reached the last layer's cache: its continuation sees them.
-    layer = cache.layers[-1]
-    assert float(paddle.abs(layer.k_blocks[:, tables[1][49 // BLOCK]]).sum()) > 0  # 48..49
-
 
 def test_every_row_needed_means_nothing_kept() -> None:
     spans = [SequenceSpan(0, 1, 30, [1, 2]), SequenceSpan(1, 1, 5, [3])]
@@ -118,3 +129,20 @@ def test_every_row_needed_means_nothing_kept() -> None:
     assert kept.rows.numpy().tolist() == [3]
     assert kept.meta.context_lens.numpy().tolist() == [4]
     assert kept.logit_rows.numpy().tolist() == [0] and kept.hidden_rows is None
+
+
+def test_the_runner_keeps_rows_on_prompt_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own steps take the kept-rows path: a prompt step keeps its last row, a
+    decode step builds nothing."""
+    built = []
+
+    def spy(*args):
+        built.append(KeptRows.build(*args))
+        return built[-1]
+
+    monkeypatch.setattr(NativeLlamaModel, "kept_rows", staticmethod(spy))
+    llm = LLM("tiny", block_size=16, kv_cache_memory="16MiB", backend="native")
+    [out] = llm.generate([list(range(1, 41))], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.outputs[0].token_ids) == 3
+    assert [k is None for k in built] == [False, True, True]
+    assert built[0].rows.numpy().tolist() == [39]

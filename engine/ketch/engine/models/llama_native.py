@@ -177,15 +177,7 @@ class NativeLlamaModel:
             y = self.group.all_reduce(y)
         return y if b is None else y + b
 
-    def kept_rows(
-        self,
-        spans: Sequence[SequenceSpan],
-        logit_rows: Sequence[int],
-        hidden_rows: Sequence[int] | None,
-        block_size: int,
-    ) -> KeptRows | None:
-        """What ``forward``'s ``kept`` takes (None: the step needs every row)."""
-        return KeptRows.build(spans, logit_rows, hidden_rows, block_size)
+    kept_rows = staticmethod(KeptRows.build)  # what forward's ``kept`` takes
 
     def _attend(
         self,

@@ -112,7 +112,6 @@ class ModelRunner:
         else:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
         self.requests: dict[str, RequestState] = {}
-        self.prune_last_layer = True  # the last layer on the rows read only (KeptRows)
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
         logger.info(
@@ -251,9 +250,10 @@ class ModelRunner:
         hidden_rows = batch.hidden.rows if batch.hidden.spans else None
         if hidden_rows is not None:  # only then: the models' forward returns a pair
             extra["hidden_rows"] = paddle.to_tensor(np.asarray(hidden_rows, np.int64))
-        if self.prune_last_layer and hasattr(self.model, "kept_rows"):  # the native model's
+        if hasattr(self.model, "kept_rows"):  # the native model: its last layer on rows read
             kept = self.model.kept_rows(batch.spans, logit_rows, hidden_rows, block_size)
-            extra.update({} if kept is None else {"kept": kept})
+            if kept is not None:
+                extra["kept"] = kept
         with paddle.no_grad():
             out = self.model.forward(
                 paddle.to_tensor(batch.input_ids),
