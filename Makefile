@@ -1,6 +1,9 @@
 # Two commands for a fresh machine (see README.md):
 #   make run    set up and serve the built-in tiny model (OpenAI API on http://localhost:8000)
 #   make test   set up and run the whole test suite (what CI runs)
+# A real Kubernetes control plane on this machine (root, Go 1.26; see README "Kubernetes"):
+#   make cluster-up     build it if needed, start it, print `export KUBECONFIG=...`
+#   make cluster-down   stop it; nothing is left running
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +11,12 @@ BIN    := $(VENV)/bin
 PORT   ?= 8000
 PROMPT ?= Alice was beginning to get
 
-.PHONY: run generate test setup setup-test lint clean
+CLUSTER_DIR ?= /tmp/ketch-cluster
+# Where hack/build-control-plane.sh puts the binaries (outside the repository, by version).
+KETCH_BIN_CACHE ?= $(HOME)/.cache/ketch
+export KETCH_BIN_CACHE
+
+.PHONY: run generate test setup setup-test lint clean control-plane cluster-up cluster-down
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +36,16 @@ generate: setup
 
 lint: setup-test
 	$(BIN)/ruff check .
+
+control-plane:
+	@hack/build-control-plane.sh >&2
+
+cluster-up: setup control-plane
+	@PATH="$$(hack/build-control-plane.sh --bin-path):$$PATH" PYTHONPATH=hack \
+	  $(BIN)/python -m localcluster up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	@PYTHONPATH=hack $(BIN)/python -m localcluster down --dir $(CLUSTER_DIR)
 
 # pytest exits 5 when a selection collects no tests: report it instead of failing obscurely.
 test: setup-test lint

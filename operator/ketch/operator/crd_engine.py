@@ -157,10 +157,13 @@ def ports_schema() -> dict[str, Any]:
     for n in optional_ports:
         listed += f" + (has(self.{n}) ? [self.{n}] : [])"
     rule = f"({listed}).all(p, ({listed}).filter(q, q == p).size() == 1)"
+    # The default spells out every defaulted port: the API server checks a default against
+    # the object's CEL rules as written (nested defaults not applied), and `{}` has no
+    # self.http for the rule to read.
     return obj(
         "Container ports of the engine pods; they must be distinct.",
         props,
-        default={},
+        default={n: props[n]["default"] for n in required_ports},
         rules=((rule, "ports must be distinct"),),
     )
 

@@ -1,0 +1,127 @@
+"""A minimal client for the cluster's API server: TLS with a client certificate from a kubeconfig.
+
+Only what starting and checking a cluster needs (readiness, a few objects); the operator under
+test uses kopf and the tests use kubectl, both real clients.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+class KubeApi:
+    """Requests to the server a kubeconfig names, as the identity it holds (client cert)."""
+
+    def __init__(self, kubeconfig: Path | str):
+        config = yaml.safe_load(Path(kubeconfig).read_text())
+        cluster = config["clusters"][0]["cluster"]
+        user = config["users"][0]["user"]
+        self.server = cluster["server"].rstrip("/")
+        self._ctx = ssl.create_default_context()
+        self._tmp = tempfile.TemporaryDirectory(prefix="kubeapi-")
+        tmp = Path(self._tmp.name)
+        ca = tmp / "ca.crt"
+        ca.write_bytes(base64.b64decode(cluster["certificate-authority-data"]))
+        self._ctx.load_verify_locations(str(ca))
+        if "client-certificate-data" in user:
+            cert, key = tmp / "client.crt", tmp / "client.key"
+            cert.write_bytes(base64.b64decode(user["client-certificate-data"]))
+            key.write_bytes(base64.b64decode(user["client-key-data"]))
+            self._ctx.load_cert_chain(str(cert), str(key))
+        self._token = user.get("token")
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        timeout: float = 10,
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        req.add_header("Accept", "application/json")
+        if self._token:
+            req.add_header("Authorization", f"Bearer {self._token}")
+        try:
+            with urllib.request.urlopen(req, context=self._ctx, timeout=timeout) as resp:
+                raw = resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw)
+
+    def apply(self, path: str, obj: dict[str, Any], manager: str = "ketch-localcluster") -> Any:
+        """Server-side apply of one object at its own path (``.../<plural>/<name>``)."""
+        return self.request(
+            "PATCH",
+            f"{path}?fieldManager={manager}&force=true",
+            obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
+def write_kubeconfig(
+    path: Path,
+    server: str,
+    ca_crt: Path,
+    *,
+    user: str,
+    cert: Path | None = None,
+    key: Path | None = None,
+    token: str | None = None,
+    namespace: str | None = None,
+) -> Path:
+    """A self-contained kubeconfig (certificates embedded) with one cluster, user and context."""
+
+    def b64(p: Path) -> str:
+        return base64.b64encode(p.read_bytes()).decode()
+
+    creds: dict[str, Any] = {}
+    if cert and key:
+        creds = {"client-certificate-data": b64(cert), "client-key-data": b64(key)}
+    if token:
+        creds["token"] = token
+    context: dict[str, Any] = {"cluster": "ketch-local", "user": user}
+    if namespace:
+        context["namespace"] = namespace
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "ketch-local", "cluster": {"server": server, "certificate-authority-data": b64(ca_crt)}}
+        ],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "ketch-local", "context": context}],
+        "current-context": "ketch-local",
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
