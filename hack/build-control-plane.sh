@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Builds the control plane the tests and `make cluster-up` run, from Go modules:
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (wrapper module hack/k8s)
+#   etcd                                                     (wrapper module hack/etcd)
+#   prometheus, prometheus-adapter (metrics for real HPAs)   (hack/prometheus, hack/prometheus-adapter)
+# Binaries go to $KETCH_BIN_CACHE/<component>/<version>/bin (default ~/.cache/ketch), never into
+# the repository; a version already built is not rebuilt. Prints one line per component:
+#   <component> <version> <bin dir> (built in Ns | cached)
+# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|all]  (default all)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cache="${KETCH_BIN_CACHE:-$HOME/.cache/ketch}"
+
+command -v go >/dev/null 2>&1 || { echo "go not found: Go 1.26 is needed to build the control plane" >&2; exit 1; }
+
+# The versions are the wrapper modules' own: one place to change them.
+mod_version() { # module-dir module-path
+  (cd "$here/$1" && go list -m -f '{{.Version}}' "$2")
+}
+
+build_k8s() {
+  local v bin start
+  v="$(mod_version k8s k8s.io/kubernetes)"
+  bin="$cache/k8s/$v/bin"
+  if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kube-controller-manager" ] && [ -x "$bin/kube-scheduler" ] && [ -x "$bin/kubectl" ]; then
+    echo "k8s $v $bin (cached)"; return
+  fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  # Without the -X flags /version says v0.0.0-master; the ldflags are what upstream's
+  # hack/lib/version.sh sets for a release build.
+  (cd "$here/k8s" && CGO_ENABLED=0 go build -trimpath \
+    -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/client-go/pkg/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$(echo "$v" | cut -d. -f2) -X k8s.io/component-base/version.gitTreeState=clean" \
+    -o "$bin.tmp/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubectl)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "k8s $v $bin (built in $((SECONDS - start))s)"
+}
+
+build_etcd() {
+  local v bin start
+  v="$(mod_version etcd go.etcd.io/etcd/server/v3)"
+  bin="$cache/etcd/$v/bin"
+  if [ -x "$bin/etcd" ]; then echo "etcd $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  (cd "$here/etcd" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$bin.tmp/etcd" go.etcd.io/etcd/server/v3)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "etcd $v $bin (built in $((SECONDS - start))s)"
+}
+
+# prometheus-adapter (wrapper module hack/prometheus-adapter): the custom metrics API the HPA
+# controller reads engine metrics from (hack/localcluster/metrics.py deploys it as a pod). The
+# binary is named as in the upstream image (/adapter); no version ldflags: upstream sets none.
+build_prometheus_adapter() {
+  local v bin start
+  v="$(mod_version prometheus-adapter sigs.k8s.io/prometheus-adapter)"
+  bin="$cache/prometheus-adapter/$v/bin"
+  if [ -x "$bin/adapter" ]; then echo "prometheus-adapter $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  (cd "$here/prometheus-adapter" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" \
+    -o "$bin.tmp/adapter" sigs.k8s.io/prometheus-adapter/cmd/adapter)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "prometheus-adapter $v $bin (built in $((SECONDS - start))s)"
+}
+
+# Prometheus (wrapper module hack/prometheus), for the monitoring stack of metrics.py. Debian's
+# package cannot serve: it is built without Kubernetes service discovery. Only that discovery
+# is compiled in (upstream's plugin build tags); no web UI assets (the API and /-/ready do not
+# need them). Module v0.3XX.Y is Prometheus v3.XX.Y: the version the cache and --version use.
+build_prometheus() {
+  local mv v bin start minor
+  mv="$(mod_version prometheus github.com/prometheus/prometheus)"
+  minor="${mv#v0.3}"; v="v3.$((10#${minor%%.*})).${minor#*.}"
+  bin="$cache/prometheus/$v/bin"
+  if [ -x "$bin/prometheus" ]; then echo "prometheus $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  (cd "$here/prometheus" && CGO_ENABLED=0 go build -trimpath -tags remove_all_sd,enable_kubernetes_sd \
+    -ldflags "-s -w -X github.com/prometheus/common/version.Version=${v#v} -X github.com/prometheus/common/version.Branch=HEAD" \
+    -o "$bin.tmp/prometheus" github.com/prometheus/prometheus/cmd/prometheus)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "prometheus $v $bin (built in $((SECONDS - start))s)"
+}
+
+case "${1:-all}" in
+  --bin-path)
+    echo "$cache/k8s/$(mod_version k8s k8s.io/kubernetes)/bin:$cache/etcd/$(mod_version etcd go.etcd.io/etcd/server/v3)/bin"
+    exit 0 ;;
+  k8s) build_k8s ;;
+  etcd) build_etcd ;;
+  prometheus-adapter) build_prometheus_adapter ;;
+  prometheus) build_prometheus ;;
+  metrics) build_prometheus; build_prometheus_adapter ;;
+  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter ;;
+  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|all]" >&2; exit 2 ;;
+esac
