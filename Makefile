@@ -48,7 +48,7 @@ cluster-down:
 	@PYTHONPATH=hack $(BIN)/python -m localcluster down --dir $(CLUSTER_DIR)
 
 # pytest exits 5 when a selection collects no tests: report it instead of failing obscurely.
-test: setup-test lint
+test: setup-test lint control-plane
 	@$(BIN)/pytest -q $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$status
 

@@ -39,6 +39,19 @@ from localcluster.layout import Layout  # noqa: E402
 
 __all__ = ["ApiResponse", "KubeCluster", "kubectl", "start_cluster"]
 
+# The kubectl built beside the control plane (same release) comes first on PATH, for the tests
+# and every process they start.
+_K8S_BIN = (
+    controlplane.bin_cache()
+    / "k8s"
+    / controlplane.module_version("k8s", "k8s.io/kubernetes")
+    / "bin"
+)
+if (_K8S_BIN / "kubectl").exists() and str(_K8S_BIN) not in os.environ.get("PATH", "").split(
+    os.pathsep
+):
+    os.environ["PATH"] = f"{_K8S_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+
 
 @dataclass
 class ApiResponse:
@@ -67,13 +80,23 @@ class KubeCluster:
         self._audit_mark = 0
 
     # ---- the API, as the admin
-    def request(self, method: str, path: str, body: Any = None, *, params: dict[str, Any] | None = None,
-                content_type: str = "application/json", timeout: float = 30) -> ApiResponse:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30,
+    ) -> ApiResponse:
         if params:
             path += ("&" if "?" in path else "?") + urllib.parse.urlencode(params)
         try:
-            return ApiResponse(200, self._api.request(method, path, body, content_type=content_type,
-                                                      timeout=timeout))
+            return ApiResponse(
+                200,
+                self._api.request(method, path, body, content_type=content_type, timeout=timeout),
+            )
         except ApiError as exc:
             try:
                 parsed: Any = json.loads(exc.body)
@@ -91,9 +114,12 @@ class KubeCluster:
         return self.request("PUT", path, body, **kw)
 
     def patch(self, path: str, body: Any, kind: str = "merge", **kw: Any) -> ApiResponse:
-        types = {"merge": "application/merge-patch+json", "json": "application/json-patch+json",
-                 "strategic": "application/strategic-merge-patch+json",
-                 "apply": "application/apply-patch+yaml"}
+        types = {
+            "merge": "application/merge-patch+json",
+            "json": "application/json-patch+json",
+            "strategic": "application/strategic-merge-patch+json",
+            "apply": "application/apply-patch+yaml",
+        }
         return self.request("PATCH", path, body, content_type=types[kind], **kw)
 
     def delete(self, path: str, **kw: Any) -> ApiResponse:
@@ -102,8 +128,9 @@ class KubeCluster:
     def watch(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events of one watch request (``params`` must bound it: ``timeoutSeconds``)."""
         query = urllib.parse.urlencode({**params, "watch": "true"})
-        raw = self._api.request("GET", f"{path}?{query}",
-                                timeout=float(params.get("timeoutSeconds", 10)) + 10)
+        raw = self._api.request(
+            "GET", f"{path}?{query}", timeout=float(params.get("timeoutSeconds", 10)) + 10
+        )
         text = raw if isinstance(raw, str) else json.dumps(raw)
         for line in text.splitlines():
             if line.strip():
@@ -127,10 +154,17 @@ class KubeCluster:
         if self.layout is not None:
             self._audit_mark = (self.layout.logs / "audit.log").stat().st_size
 
-    def requests(self, *, since_mark: bool = True, user: str | None = None,
-                 user_agent: str | None = None, verb: str | None = None,
-                 resource: str | None = None, namespace: str | None = None,
-                 subresource: str | None = "") -> list[dict[str, Any]]:
+    def requests(
+        self,
+        *,
+        since_mark: bool = True,
+        user: str | None = None,
+        user_agent: str | None = None,
+        verb: str | None = None,
+        resource: str | None = None,
+        namespace: str | None = None,
+        subresource: str | None = "",
+    ) -> list[dict[str, Any]]:
         """Audit events (one per request, once answered) matching every filter given.
         ``user_agent`` matches its start (``kopf`` matches ``kopf/1.37``); ``subresource=""``
         (the default) means requests on the object itself, None any."""
@@ -166,9 +200,13 @@ class KubeCluster:
                 continue
             body = ev.get("requestObject") or {}
             ref = ev["objectRef"]
-            entry = {"kind": body.get("kind"), "name": ref.get("name"),
-                     "namespace": ref.get("namespace", ""), "resource": ref.get("resource"),
-                     "body": body}
+            entry = {
+                "kind": body.get("kind"),
+                "name": ref.get("name"),
+                "namespace": ref.get("namespace", ""),
+                "resource": ref.get("resource"),
+                "body": body,
+            }
             if all(entry.get(k) == v for k, v in filters.items()):
                 out.append(entry)
         return out
@@ -199,26 +237,46 @@ def _free_index() -> int:
     raise RuntimeError("no free 10.244.N.0/24 block for a test cluster")
 
 
-def start_cluster(directory: Path, *, watch_pid: int | None = None,
-                  agent_args: tuple[str, ...] = ()) -> KubeCluster:
+def start_cluster(
+    directory: Path,
+    *,
+    watch_pid: int | None = None,
+    agent_args: tuple[str, ...] = (),
+    node_agent: bool = True,
+    service_proxy: bool = True,
+) -> KubeCluster:
     """A fresh cluster in ``directory`` for this test run (stopped by ``KubeCluster.stop``, or
-    by its watchdog when ``watch_pid`` ends)."""
+    by its watchdog when ``watch_pid`` ends). Without the node agent pods stay Pending."""
     index = _free_index()
     layout = Layout(Path(directory), tag=f"t{index}", index=index)
     started = time.monotonic()
-    controlplane.start(layout, watch_pid=watch_pid, agent_args=agent_args)
+    controlplane.start(
+        layout,
+        watch_pid=watch_pid,
+        agent_args=agent_args,
+        node_agent=node_agent,
+        service_proxy=service_proxy,
+    )
     kube = KubeCluster(str(layout.admin_kubeconfig), layout)
     kube.started_in = time.monotonic() - started  # type: ignore[attr-defined]
     return kube
 
 
-def kubectl(kube: Any, *args: str, input: str | None = None, check: bool = False,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def kubectl(
+    kube: Any, *args: str, input: str | None = None, check: bool = False, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run the real kubectl against ``kube`` (text mode; stdout/stderr captured)."""
     cmd = ["kubectl", "--kubeconfig", str(kube.kubeconfig)]
     if getattr(kube, "cache_dir", None):
         cmd += ["--cache-dir", str(kube.cache_dir)]
     env = dict(os.environ)
     env.pop("KUBECONFIG", None)
-    return subprocess.run([*cmd, *args], input=input, capture_output=True, text=True,
-                          check=check, timeout=timeout, env=env)
+    return subprocess.run(
+        [*cmd, *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+        env=env,
+    )

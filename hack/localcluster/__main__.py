@@ -28,43 +28,66 @@ DEFAULT_DIR = Path(os.environ.get("KETCH_CLUSTER_DIR", "/tmp/ketch-cluster"))
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m localcluster", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m localcluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a cluster")
     down = sub.add_parser("down", help="stop a cluster")
     status = sub.add_parser("status", help="what runs")
     watchdog = sub.add_parser("watchdog", help=argparse.SUPPRESS)
     for p in (up, down, status, watchdog):
-        p.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                       help=f"the cluster's directory (default {DEFAULT_DIR}; $KETCH_CLUSTER_DIR)")
-    up.add_argument("--tag", default="k0",
-                    help="short name ([a-z0-9]{1,6}) of its interfaces and namespaces (default k0)")
-    up.add_argument("--index", type=int, default=0,
-                    help="address block 0-99: pods 10.244.N.0/24, Services 10.96.N.0/24 (default 0)")
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=DEFAULT_DIR,
+            help=f"the cluster's directory (default {DEFAULT_DIR}; $KETCH_CLUSTER_DIR)",
+        )
+    up.add_argument(
+        "--tag",
+        default="k0",
+        help="short name ([a-z0-9]{1,6}) of its interfaces and namespaces (default k0)",
+    )
+    up.add_argument(
+        "--index",
+        type=int,
+        default=0,
+        help="address block 0-99: pods 10.244.N.0/24, Services 10.96.N.0/24 (default 0)",
+    )
     up.add_argument("--no-node-agent", action="store_true", help="no node: pods stay Pending")
     up.add_argument("--no-service-proxy", action="store_true", help="no ClusterIPs, no DNS")
-    up.add_argument("--hpa-sync-period", default="5s",
-                    help="kube-controller-manager's --horizontal-pod-autoscaler-sync-period")
+    up.add_argument(
+        "--hpa-sync-period",
+        default="5s",
+        help="kube-controller-manager's --horizontal-pod-autoscaler-sync-period",
+    )
     down.add_argument("--purge", action="store_true", help="delete the directory too")
     watchdog.add_argument("--pid", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     if args.cmd in ("up", "down") and os.geteuid() != 0:
-        print("localcluster: must run as root (network namespaces, veths, a bridge)", file=sys.stderr)
+        print(
+            "localcluster: must run as root (network namespaces, veths, a bridge)", file=sys.stderr
+        )
         return 2
     if args.cmd == "up":
         layout = Layout(args.dir.resolve(), args.tag, args.index)
         try:
             state = controlplane.start(
-                layout, node_agent=not args.no_node_agent,
-                service_proxy=not args.no_service_proxy, hpa_sync_period=args.hpa_sync_period)
+                layout,
+                node_agent=not args.no_node_agent,
+                service_proxy=not args.no_service_proxy,
+                hpa_sync_period=args.hpa_sync_period,
+            )
         except RuntimeError as exc:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1
-        print(f"# Kubernetes {state['version']} at {state['server']}; logs in {layout.logs}",
-              file=sys.stderr)
+        print(
+            f"# Kubernetes {state['version']} at {state['server']}; logs in {layout.logs}",
+            file=sys.stderr,
+        )
         print(f"export KUBECONFIG={layout.admin_kubeconfig}")
         return 0
     if args.cmd == "down":

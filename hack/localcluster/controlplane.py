@@ -43,8 +43,15 @@ NODE_TAINT = "ketch.dev/local-node=true:NoSchedule"
 STATE = "state.json"
 # Order of stopping: pods first (the node agent terminates them), then what watches the API,
 # then the API server, then its store.
-STOP_ORDER = ("watchdog", "node-agent", "service-proxy", "kube-controller-manager",
-              "kube-scheduler", "kube-apiserver", "etcd")
+STOP_ORDER = (
+    "watchdog",
+    "node-agent",
+    "service-proxy",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kube-apiserver",
+    "etcd",
+)
 
 
 def bin_cache() -> Path:
@@ -122,8 +129,14 @@ def _write_files(layout: Layout, server: str) -> None:
         ("node", f"system:node:{layout.node_name}"),
         ("service-proxy", "ketch:service-proxy"),
     ):
-        write_kubeconfig(layout.kubeconfig(name), server, ca, user=user,
-                         cert=p / f"{name}.crt", key=p / f"{name}.key")
+        write_kubeconfig(
+            layout.kubeconfig(name),
+            server,
+            ca,
+            user=user,
+            cert=p / f"{name}.crt",
+            key=p / f"{name}.key",
+        )
     # Every pod tolerates the node's taint by default (PodTolerationRestriction's cluster-wide
     # default); fake (KWOK) nodes carry their own taint, which only the pods meant for them
     # tolerate.
@@ -154,7 +167,9 @@ def _write_files(layout: Layout, server: str) -> None:
         "  - {group: '', resources: [events]}\n"
         "  - {group: events.k8s.io, resources: [events]}\n"
         "- level: None\n"
-        "  nonResourceURLs: ['/healthz*', '/readyz*', '/livez*', '/version', '/openapi*', '/api*']\n"
+        "  nonResourceURLs: ['/healthz*', '/readyz*', '/livez*', '/version', '/openapi*']\n"
+        "- level: None\n"
+        "  nonResourceURLs: ['/api', '/api/*', '/apis', '/apis/*']\n"
         "- level: Request\n"
         "  verbs: [create, update, patch, delete, deletecollection]\n"
         "- level: Metadata\n"
@@ -204,7 +219,7 @@ def _wait(what: str, check: Any, timeout: float, pid: int | None, log_file: Path
             result = check()
             if result:
                 return result
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+        except Exception as exc:
             last = exc
         time.sleep(0.2)
     raise RuntimeError(f"{what} not ready after {timeout:.0f}s (last error: {last})")
@@ -223,25 +238,42 @@ def _healthz(port: int) -> bool:
 
 BOOTSTRAP_RBAC = [
     # The service proxy reads Services and EndpointSlices, nothing else.
-    ("/apis/rbac.authorization.k8s.io/v1/clusterroles/ketch:service-proxy", {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {"name": "ketch:service-proxy"},
-        "rules": [
-            {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-             "verbs": ["get", "list", "watch"]},
-        ],
-    }),
-    ("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/ketch:service-proxy", {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": "ketch:service-proxy"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "ketch:service-proxy"},
-        "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
-                      "name": "ketch:service-proxy"}],
-    }),
+    (
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles/ketch:service-proxy",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "ketch:service-proxy"},
+            "rules": [
+                {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["list", "watch"],
+                },
+            ],
+        },
+    ),
+    (
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/ketch:service-proxy",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "ketch:service-proxy"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "ketch:service-proxy",
+            },
+            "subjects": [
+                {
+                    "kind": "User",
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "name": "ketch:service-proxy",
+                }
+            ],
+        },
+    ),
 ]
 
 
@@ -263,8 +295,7 @@ def start(
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o755)
     layout.logs.mkdir(exist_ok=True)
-    state: dict[str, Any] = {"tag": layout.tag, "index": layout.index, "processes": {},
-                             "argv": {}}
+    state: dict[str, Any] = {"tag": layout.tag, "index": layout.index, "processes": {}, "argv": {}}
 
     def record(name: str, pid: int) -> None:
         state["processes"][name] = pid
@@ -279,8 +310,14 @@ def start(
         host = str(layout.gateway)
         api_ip = str(layout.service_cidr.network_address + 1)
         names = (
-            "127.0.0.1", host, api_ip, "localhost", "kubernetes", "kubernetes.default",
-            "kubernetes.default.svc", f"kubernetes.default.svc.{CLUSTER_DOMAIN}",
+            "127.0.0.1",
+            host,
+            api_ip,
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            f"kubernetes.default.svc.{CLUSTER_DOMAIN}",
         )
         pki.make_all(layout.pki, node_name=layout.node_name, server_names=names)
         api_port = free_port(host)
@@ -292,62 +329,115 @@ def start(
         # ---- etcd
         etcd_client, etcd_peer = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_client}"
-        run("etcd", [
-            str(bins["etcd"]), "--name", "ketch", "--data-dir", str(d / "etcd"),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-cluster", f"ketch=http://127.0.0.1:{etcd_peer}",
-            "--unsafe-no-fsync=true", "--quota-backend-bytes=4294967296",
-            "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
-            "--log-level", "warn",
-        ])
+        run(
+            "etcd",
+            [
+                str(bins["etcd"]),
+                "--name",
+                "ketch",
+                "--data-dir",
+                str(d / "etcd"),
+                "--listen-client-urls",
+                etcd_url,
+                "--advertise-client-urls",
+                etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster",
+                f"ketch=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync=true",
+                "--quota-backend-bytes=4294967296",
+                "--listen-metrics-urls",
+                f"http://127.0.0.1:{free_port()}",
+                "--log-level",
+                "warn",
+            ],
+        )
         state["etcd"] = etcd_url
 
         def etcd_ok() -> bool:
             import urllib.request
+
             with urllib.request.urlopen(f"{etcd_url}/health", timeout=2) as r:
                 return json.loads(r.read()).get("health") == "true"
 
         _wait("etcd", etcd_ok, timeout, state["processes"]["etcd"], layout.logs / "etcd.log")
 
         # ---- kube-apiserver
-        run("kube-apiserver", [
-            str(bins["kube-apiserver"]),
-            "--etcd-servers", etcd_url,
-            "--bind-address", host, "--advertise-address", host,
-            "--secure-port", str(api_port),
-            "--tls-cert-file", str(p / "apiserver.crt"),
-            "--tls-private-key-file", str(p / "apiserver.key"),
-            "--client-ca-file", str(p / "ca.crt"),
-            "--authorization-mode", "Node,RBAC",
-            "--enable-admission-plugins", "NodeRestriction,PodTolerationRestriction",
-            "--admission-control-config-file", str(d / "admission.yaml"),
-            "--service-cluster-ip-range", str(layout.service_cidr),
-            "--service-account-issuer", f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
-            "--service-account-key-file", str(p / "sa.pub"),
-            "--service-account-signing-key-file", str(p / "sa.key"),
-            "--api-audiences", f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
-            "--allow-privileged=true",
-            "--requestheader-client-ca-file", str(p / "front-proxy-ca.crt"),
-            "--requestheader-allowed-names", "front-proxy-client",
-            "--requestheader-username-headers", "X-Remote-User",
-            "--requestheader-group-headers", "X-Remote-Group",
-            "--requestheader-extra-headers-prefix", "X-Remote-Extra-",
-            "--proxy-client-cert-file", str(p / "front-proxy-client.crt"),
-            "--proxy-client-key-file", str(p / "front-proxy-client.key"),
-            "--enable-aggregator-routing=true",
-            "--audit-policy-file", str(d / "audit-policy.yaml"),
-            "--audit-log-path", str(layout.logs / "audit.log"),
-            "--audit-log-format", "json",
-            "--audit-log-mode", "blocking",
-            "--profiling=false",
-            "--v", "1",
-        ])
+        run(
+            "kube-apiserver",
+            [
+                str(bins["kube-apiserver"]),
+                "--etcd-servers",
+                etcd_url,
+                "--bind-address",
+                host,
+                "--advertise-address",
+                host,
+                "--secure-port",
+                str(api_port),
+                "--tls-cert-file",
+                str(p / "apiserver.crt"),
+                "--tls-private-key-file",
+                str(p / "apiserver.key"),
+                "--client-ca-file",
+                str(p / "ca.crt"),
+                "--authorization-mode",
+                "Node,RBAC",
+                "--enable-admission-plugins",
+                "NodeRestriction,PodTolerationRestriction",
+                "--admission-control-config-file",
+                str(d / "admission.yaml"),
+                "--service-cluster-ip-range",
+                str(layout.service_cidr),
+                "--service-account-issuer",
+                f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
+                "--service-account-key-file",
+                str(p / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(p / "sa.key"),
+                "--api-audiences",
+                f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
+                "--allow-privileged=true",
+                "--requestheader-client-ca-file",
+                str(p / "front-proxy-ca.crt"),
+                "--requestheader-allowed-names",
+                "front-proxy-client",
+                "--requestheader-username-headers",
+                "X-Remote-User",
+                "--requestheader-group-headers",
+                "X-Remote-Group",
+                "--requestheader-extra-headers-prefix",
+                "X-Remote-Extra-",
+                "--proxy-client-cert-file",
+                str(p / "front-proxy-client.crt"),
+                "--proxy-client-key-file",
+                str(p / "front-proxy-client.key"),
+                "--enable-aggregator-routing=true",
+                "--audit-policy-file",
+                str(d / "audit-policy.yaml"),
+                "--audit-log-path",
+                str(layout.logs / "audit.log"),
+                "--audit-log-format",
+                "json",
+                "--audit-log-mode",
+                "blocking",
+                "--profiling=false",
+                "--v",
+                "1",
+            ],
+        )
         api = KubeApi(layout.admin_kubeconfig)
         try:
-            _wait("kube-apiserver", lambda: api.get("/readyz") == "ok", timeout,
-                  state["processes"]["kube-apiserver"], layout.logs / "kube-apiserver.log")
+            _wait(
+                "kube-apiserver",
+                lambda: api.get("/readyz") == "ok",
+                timeout,
+                state["processes"]["kube-apiserver"],
+                layout.logs / "kube-apiserver.log",
+            )
             for path, obj in BOOTSTRAP_RBAC:
                 api.apply(path, obj)
         finally:
@@ -356,64 +446,169 @@ def start(
         # ---- kube-controller-manager, kube-scheduler
         kcm_port, sched_port = free_port(), free_port()
         kcm_cfg = str(layout.kubeconfig("controller-manager"))
-        run("kube-controller-manager", [
-            str(bins["kube-controller-manager"]),
-            "--kubeconfig", kcm_cfg,
-            "--authentication-kubeconfig", kcm_cfg, "--authorization-kubeconfig", kcm_cfg,
-            "--bind-address", "127.0.0.1", "--secure-port", str(kcm_port),
-            "--leader-elect=false", "--controllers", "*",
-            "--use-service-account-credentials=true",
-            "--service-account-private-key-file", str(p / "sa.key"),
-            "--root-ca-file", str(p / "ca.crt"),
-            "--cluster-signing-cert-file", str(p / "ca.crt"),
-            "--cluster-signing-key-file", str(p / "ca.key"),
-            "--horizontal-pod-autoscaler-sync-period", hpa_sync_period,
-            "--v", "1",
-        ])
+        run(
+            "kube-controller-manager",
+            [
+                str(bins["kube-controller-manager"]),
+                "--kubeconfig",
+                kcm_cfg,
+                "--authentication-kubeconfig",
+                kcm_cfg,
+                "--authorization-kubeconfig",
+                kcm_cfg,
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(kcm_port),
+                "--leader-elect=false",
+                "--controllers",
+                "*",
+                "--use-service-account-credentials=true",
+                "--service-account-private-key-file",
+                str(p / "sa.key"),
+                "--root-ca-file",
+                str(p / "ca.crt"),
+                "--cluster-signing-cert-file",
+                str(p / "ca.crt"),
+                "--cluster-signing-key-file",
+                str(p / "ca.key"),
+                "--horizontal-pod-autoscaler-sync-period",
+                hpa_sync_period,
+                "--v",
+                "1",
+            ],
+        )
         sched_cfg = str(layout.kubeconfig("scheduler"))
-        run("kube-scheduler", [
-            str(bins["kube-scheduler"]),
-            "--kubeconfig", sched_cfg,
-            "--authentication-kubeconfig", sched_cfg, "--authorization-kubeconfig", sched_cfg,
-            "--bind-address", "127.0.0.1", "--secure-port", str(sched_port),
-            "--leader-elect=false", "--v", "1",
-        ])
+        run(
+            "kube-scheduler",
+            [
+                str(bins["kube-scheduler"]),
+                "--kubeconfig",
+                sched_cfg,
+                "--authentication-kubeconfig",
+                sched_cfg,
+                "--authorization-kubeconfig",
+                sched_cfg,
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(sched_port),
+                "--leader-elect=false",
+                "--v",
+                "1",
+            ],
+        )
         for name, port in (("kube-controller-manager", kcm_port), ("kube-scheduler", sched_port)):
-            _wait(name, lambda port=port: _healthz(port), timeout, state["processes"][name],
-                  layout.logs / f"{name}.log")
+            _wait(
+                name,
+                lambda port=port: _healthz(port),
+                timeout,
+                state["processes"][name],
+                layout.logs / f"{name}.log",
+            )
 
         # ---- our own: service proxy + DNS, node agent
         py_env = os.environ.copy()
         py_env["PYTHONPATH"] = os.pathsep.join(
-            [str(HACK), *filter(None, [py_env.get("PYTHONPATH")])])
+            [str(HACK), *filter(None, [py_env.get("PYTHONPATH")])]
+        )
         common = ["--dir", str(d), "--tag", layout.tag, "--index", str(layout.index)]
         if service_proxy:
-            run("service-proxy", [
-                sys.executable, "-m", "localcluster.proxy",
-                "--kubeconfig", str(layout.kubeconfig("service-proxy")), *common,
-            ], py_env)
+            api = KubeApi(layout.admin_kubeconfig)
+            try:  # cluster DNS's address, reserved as a real cluster's kube-dns Service is
+                api.apply(
+                    "/api/v1/namespaces/kube-system/services/kube-dns",
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Service",
+                        "metadata": {
+                            "name": "kube-dns",
+                            "namespace": "kube-system",
+                            "labels": {"k8s-app": "kube-dns"},
+                        },
+                        "spec": {
+                            "clusterIP": str(layout.dns_ip),
+                            "ports": [
+                                {"name": "dns", "port": 53, "protocol": "UDP"},
+                                {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+                            ],
+                        },
+                    },
+                )
+            finally:
+                api.close()
+            run(
+                "service-proxy",
+                [
+                    sys.executable,
+                    "-m",
+                    "localcluster.proxy",
+                    "--kubeconfig",
+                    str(layout.kubeconfig("service-proxy")),
+                    *common,
+                ],
+                py_env,
+            )
+            from localcluster.proxy.dns import probe
+
+            _wait(
+                "service proxy (cluster DNS answers)",
+                lambda: probe(str(layout.dns_ip)),
+                timeout,
+                state["processes"]["service-proxy"],
+                layout.logs / "service-proxy.log",
+            )
         if node_agent:
-            run("node-agent", [
-                sys.executable, "-m", "localcluster.nodeagent",
-                "--kubeconfig", str(layout.kubeconfig("node")), *common,
-                "--taint", NODE_TAINT, *agent_args,
-            ], py_env)
+            run(
+                "node-agent",
+                [
+                    sys.executable,
+                    "-m",
+                    "localcluster.nodeagent",
+                    "--kubeconfig",
+                    str(layout.kubeconfig("node")),
+                    *common,
+                    "--taint",
+                    NODE_TAINT,
+                    *agent_args,
+                ],
+                py_env,
+            )
             api = KubeApi(layout.admin_kubeconfig)
             try:
-                _wait("node agent (Node Ready)", lambda: _node_ready(api, layout.node_name),
-                      timeout, state["processes"]["node-agent"], layout.logs / "node-agent.log")
+                _wait(
+                    "node agent (Node Ready)",
+                    lambda: _node_ready(api, layout.node_name),
+                    timeout,
+                    state["processes"]["node-agent"],
+                    layout.logs / "node-agent.log",
+                )
             finally:
                 api.close()
         if watch_pid:
-            run("watchdog", [
-                sys.executable, "-m", "localcluster", "watchdog", "--dir", str(d),
-                "--pid", str(watch_pid),
-            ], py_env)
+            run(
+                "watchdog",
+                [
+                    sys.executable,
+                    "-m",
+                    "localcluster",
+                    "watchdog",
+                    "--dir",
+                    str(d),
+                    "--pid",
+                    str(watch_pid),
+                ],
+                py_env,
+            )
         api = KubeApi(layout.admin_kubeconfig)
         try:  # pods can be made in `default` once its ServiceAccount exists
-            _wait("the default ServiceAccount",
-                  lambda: api.get("/api/v1/namespaces/default/serviceaccounts/default"),
-                  timeout, None, layout.logs / "kube-controller-manager.log")
+            _wait(
+                "the default ServiceAccount",
+                lambda: api.get("/api/v1/namespaces/default/serviceaccounts/default"),
+                timeout,
+                None,
+                layout.logs / "kube-controller-manager.log",
+            )
             state["version"] = api.get("/version")["gitVersion"]
         finally:
             api.close()
@@ -429,8 +624,10 @@ def _node_ready(api: KubeApi, node: str) -> bool:
         body = api.get(f"/api/v1/nodes/{node}")
     except ApiError:
         return False
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in body.get("status", {}).get("conditions", []))
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in body.get("status", {}).get("conditions", [])
+    )
 
 
 def _terminate(pid: int, grace: float) -> None:
@@ -488,7 +685,8 @@ def restart(directory: Path, name: str, timeout: float = 60) -> None:
     if name == "kube-apiserver":
         api = KubeApi(layout.admin_kubeconfig)
         try:
-            _wait(name, lambda: api.get("/readyz") == "ok", timeout, pid,
-                  layout.logs / f"{name}.log")
+            _wait(
+                name, lambda: api.get("/readyz") == "ok", timeout, pid, layout.logs / f"{name}.log"
+            )
         finally:
             api.close()

@@ -116,7 +116,10 @@ def write_kubeconfig(
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": "ketch-local", "cluster": {"server": server, "certificate-authority-data": b64(ca_crt)}}
+            {
+                "name": "ketch-local",
+                "cluster": {"server": server, "certificate-authority-data": b64(ca_crt)},
+            }
         ],
         "users": [{"name": user, "user": creds}],
         "contexts": [{"name": "ketch-local", "context": context}],

@@ -29,16 +29,39 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _key(pki: Path, name: str) -> None:
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-             "-out", f"{name}.key", cwd=pki)
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "EC",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-out",
+        f"{name}.key",
+        cwd=pki,
+    )
 
 
 def make_ca(pki: Path, name: str, common_name: str) -> None:
     _key(pki, name)
-    _openssl("req", "-x509", "-new", "-key", f"{name}.key", "-sha256", "-days", DAYS,
-             "-subj", f"/CN={common_name}", "-out", f"{name}.crt",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=pki)
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        f"{name}.key",
+        "-sha256",
+        "-days",
+        DAYS,
+        "-subj",
+        f"/CN={common_name}",
+        "-out",
+        f"{name}.crt",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        cwd=pki,
+    )
 
 
 def make_cert(
@@ -54,9 +77,11 @@ def make_cert(
     serving one when ``server_names`` (IP addresses or DNS names) are given."""
     _key(pki, name)
     subject = "".join(f"/O={g}" for g in groups) + f"/CN={common_name}"
-    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr",
-             cwd=pki)
-    ext = ["basicConstraints=critical,CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment"]
+    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=pki)
+    ext = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+    ]
     if server_names:
         alt = []
         for entry in server_names:
@@ -69,9 +94,25 @@ def make_cert(
     else:
         ext.append("extendedKeyUsage=clientAuth")
     (pki / f"{name}.ext").write_text("\n".join(ext) + "\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-days", DAYS, "-sha256", "-extfile", f"{name}.ext",
-             "-out", f"{name}.crt", cwd=pki)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.crt",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        DAYS,
+        "-sha256",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=pki,
+    )
     (pki / f"{name}.csr").unlink()
     (pki / f"{name}.ext").unlink()
 
@@ -89,6 +130,14 @@ def make_all(pki: Path, *, node_name: str, server_names: tuple[str, ...]) -> Non
     make_cert(pki, "service-proxy", "ca", "ketch:service-proxy")
     make_ca(pki, "front-proxy-ca", "ketch-front-proxy-ca")
     make_cert(pki, "front-proxy-client", "front-proxy-ca", "front-proxy-client")
-    _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-             "-out", "sa.key", cwd=pki)
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        "sa.key",
+        cwd=pki,
+    )
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)

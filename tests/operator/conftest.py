@@ -1,48 +1,58 @@
-"""Fixtures for operator tests: a Kubernetes API and a fresh namespace per test.
+"""Fixtures for operator tests: a real Kubernetes control plane and a fresh namespace per test.
 
-`kube` is the API-server emulator (tests/kubeemu) started once per session, or a real cluster
-when KETCH_TEST_KUBECONFIG names a kubeconfig (then `kube.is_emulator` is False and fault
-injection / the apply log skip the test). Run kubectl with `kubeemu.kubectl(kube, ...)`.
+`kube` is one cluster per test run (tests/kubecluster.py: etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler built from Go modules, the node agent and the
+service proxy of hack/localcluster), started the first time a test asks for it; or the cluster
+KETCH_TEST_KUBECONFIG names (then the audit-log helpers skip). Run kubectl with
+`kubecluster.kubectl(kube, ...)`.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-
-from kubeemu import Emulator, RealCluster, kubectl, start_emulator
+from kubecluster import KubeCluster, kubectl, start_cluster
 
 __all__ = ["kubectl"]
 
 
 @pytest.fixture(scope="session")
-def kube() -> Iterator[Emulator | RealCluster]:
+def kube() -> Iterator[KubeCluster]:
     kubeconfig = os.environ.get("KETCH_TEST_KUBECONFIG")
     if kubeconfig:
-        yield RealCluster(kubeconfig)
+        yield KubeCluster(kubeconfig)
         return
-    emu = start_emulator()
+    if os.geteuid() != 0:
+        pytest.fail(
+            "the operator tests start a local cluster: run them as root (network namespaces)"
+        )
+    directory = Path(tempfile.mkdtemp(prefix="ketch-test-cluster-"))
     try:
-        yield emu
+        # KETCH_TEST_NODE_AGENT=0: no node, no service proxy (pods stay Pending); only for
+        # working on tests that need none.
+        with_node = os.environ.get("KETCH_TEST_NODE_AGENT", "1") != "0"
+        cluster = start_cluster(
+            directory, watch_pid=os.getpid(), node_agent=with_node, service_proxy=with_node
+        )
+    except RuntimeError as exc:
+        pytest.fail(f"the test cluster did not start: {exc}")
+    try:
+        yield cluster
     finally:
-        emu.stop()
+        cluster.stop()
 
 
 @pytest.fixture
-def namespace(kube: Emulator | RealCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A namespace made for this test (named after it) and deleted afterwards."""
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{base}-{uuid.uuid4().hex[:6]}"
-    if isinstance(kube, Emulator):
-        kube.post("/api/v1/namespaces", {"metadata": {"name": name}}).ok()
-    else:
-        kubectl(kube, "create", "namespace", name, check=True)
+    kubectl(kube, "create", "namespace", name, check=True)
     yield name
-    if isinstance(kube, Emulator):
-        kube.delete(f"/api/v1/namespaces/{name}")
-    else:
-        kubectl(kube, "delete", "namespace", name, "--wait=false")
+    kubectl(kube, "delete", "namespace", name, "--wait=false")
