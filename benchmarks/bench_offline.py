@@ -178,7 +178,8 @@ def main() -> None:
     rows: dict[str, tuple[str, tuple[object, ...]]] = {
         "ketch LLM.generate": ("bench_engine", (m, prompts, n, args.backend, args.threads)),
         "bare batched forward loop": (
-            "bench_bare_loop", (m, prompts, n, args.backend, args.threads)
+            "bench_bare_loop",
+            (m, prompts, n, args.backend, args.threads),
         ),
     }
     if not args.skip_hf:

@@ -3,10 +3,11 @@
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (wrapper module hack/k8s)
 #   etcd                                                     (wrapper module hack/etcd)
 #   prometheus, prometheus-adapter (metrics for real HPAs)   (hack/prometheus, hack/prometheus-adapter)
+#   kwok (fake nodes: bursts of pods, bench_operator.py)     (hack/kwok)
 # Binaries go to $KETCH_BIN_CACHE/<component>/<version>/bin (default ~/.cache/ketch), never into
 # the repository; a version already built is not rebuilt. Prints one line per component:
 #   <component> <version> <bin dir> (built in Ns | cached)
-# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|all]  (default all)
+# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|all]  (default all)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KETCH_BIN_CACHE:-$HOME/.cache/ketch}"
@@ -85,6 +86,30 @@ build_prometheus() {
   echo "prometheus $v $bin (built in $((SECONDS - start))s)"
 }
 
+# KWOK's controller (wrapper module hack/kwok): fake Nodes whose pods it marks Running/Ready
+# without running anything, for bursts of hundreds of pods (tests/kwok.py starts it;
+# benchmarks/bench_operator.py). Built only when asked (`kwok`) or with `all`. The version is in
+# its source already (pkg/consts.Version, what upstream's release -X sets): no version ldflags.
+# The controller has no built-in stages (it exits "no stages found"); kwokctl writes upstream's
+# default ones into its config, and so do we: they are copied from the module beside the binary,
+# to $cache/kwok/<version>/stages.
+kwok_stages="node/fast/node-initialize node/heartbeat-with-lease/node-heartbeat-with-lease pod/fast/pod-ready pod/fast/pod-complete pod/fast/pod-delete"
+build_kwok() {
+  local v bin start dir s
+  v="$(mod_version kwok sigs.k8s.io/kwok)"
+  bin="$cache/kwok/$v/bin"
+  if [ -x "$bin/kwok" ] && [ -d "$cache/kwok/$v/stages" ]; then echo "kwok $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp" "$cache/kwok/$v/stages.tmp"
+  (cd "$here/kwok" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$bin.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok)
+  dir="$(cd "$here/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
+  for s in $kwok_stages; do
+    install -m 0644 "$dir/kustomize/stage/$s.yaml" "$cache/kwok/$v/stages.tmp/"
+  done
+  rm -rf "$bin" "$cache/kwok/$v/stages"; mv "$bin.tmp" "$bin"; mv "$cache/kwok/$v/stages.tmp" "$cache/kwok/$v/stages"
+  echo "kwok $v $bin (built in $((SECONDS - start))s)"
+}
+
 case "${1:-all}" in
   --bin-path)
     echo "$cache/k8s/$(mod_version k8s k8s.io/kubernetes)/bin:$cache/etcd/$(mod_version etcd go.etcd.io/etcd/server/v3)/bin"
@@ -94,6 +119,7 @@ case "${1:-all}" in
   prometheus-adapter) build_prometheus_adapter ;;
   prometheus) build_prometheus ;;
   metrics) build_prometheus; build_prometheus_adapter ;;
-  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter ;;
-  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|all]" >&2; exit 2 ;;
+  kwok) build_kwok ;;
+  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_kwok ;;
+  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|all]" >&2; exit 2 ;;
 esac

@@ -570,6 +570,12 @@ def start(
                     *common,
                     "--taint",
                     NODE_TAINT,
+                    # Examples ask for 2 CPUs a pod: the node offers more than the machine
+                    # has, and the pods' processes share its cores.
+                    "--capacity",
+                    "cpu=16",
+                    "--images",
+                    str(_image_table(layout)),
                     *agent_args,
                 ],
                 py_env,
@@ -617,6 +623,17 @@ def start(
     except BaseException:
         stop(d, remove=False)
         raise
+
+
+def _image_table(layout: Layout) -> Path:
+    """The node agent's image table: its built-in images (Ketch's engine and operator run
+    this checkout's install) and the monitoring stack's (built by build-control-plane.sh)."""
+    from localcluster import metrics
+    from localcluster.nodeagent import images
+
+    path = layout.directory / "images.json"
+    path.write_text(json.dumps(images.default_table() + metrics.image_entries(), indent=1))
+    return path
 
 
 def _node_ready(api: KubeApi, node: str) -> bool:

@@ -103,4 +103,3 @@ def test_a_repeated_prompt_is_scored_whole_again(path) -> None:
         [e.logprob for e in second.prompt_logprobs], abs=1e-6
     )
     assert all(e.top == [] for e in second.prompt_logprobs)
-

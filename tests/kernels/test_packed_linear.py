@@ -124,8 +124,7 @@ def test_bad_operands_are_refused() -> None:
         (lambda: linear(ones, packed.data, None, 3, "sse9", 1, False), "unknown isa"),
         (lambda: ops.ketch_pack_weight(paddle.ones([8]), "generic", False), r"\[K, N\]"),
         (lambda: ops.ketch_pack_weight(paddle.ones([8, 5]), "generic", True), "even N"),
-        (lambda: linear(ones, glu.data, paddle.ones([2]), 2, "generic", 1, True),
-         "no bias"),
+        (lambda: linear(ones, glu.data, paddle.ones([2]), 2, "generic", 1, True), "no bias"),
     ]
     for call, message in cases:
         with pytest.raises(Exception, match=message):

@@ -148,9 +148,7 @@ def _backend_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "ketch.engine.models.backend"]
 
 
-def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(
-    monkeypatch, caplog
-) -> None:
+def test_auto_takes_native_then_predictor_then_eager_with_one_log_line(monkeypatch, caplog) -> None:
     from ketch.engine.models import llama_native, llama_predictor
     from ketch.kernels import cpp_ops
 

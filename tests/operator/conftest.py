@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kubecluster import KubeCluster, kubectl, start_cluster
 
 __all__ = ["kubectl"]

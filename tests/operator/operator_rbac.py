@@ -2,11 +2,13 @@
 of manifests/ (the single-namespace overlay, built by kustomize for the test's namespace as the
 overlay documents: only watched-namespace.yaml changes), and a kubeconfig holding a token of
 that ServiceAccount. An operator started with it has exactly the rights an installed one has:
-a call outside them gets the apiserver's 403 (the emulator enforces RBAC, as a cluster does).
+a call outside them gets kube-apiserver's 403 (its RBAC authorizer decides).
 
 `without=("apps", "deployments", "create")` drops one verb from the Role first, to show what
 the operator does when the manifests lack it. `Refusals` collects the 403s the operator (or
-kopf under it) logs, so a test can fail naming them.
+kopf under it) logs, so a test can fail naming them. `own_cluster()` starts a cluster for one
+test, for what must not touch the session's (a ClusterRoleBinding for the operator's
+ServiceAccount would widen what every other test's operator may do).
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+
+from kubecluster import KubeCluster, start_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_NAMESPACE = "ketch-system"
@@ -63,7 +70,8 @@ def overlay_for(namespace: str | None, workdir: Path) -> list[dict[str, Any]]:
 
 
 def drop_verb(role: dict[str, Any], group: str, resource: str, verb: str) -> None:
-    """Remove `verb` on `group`/`resource` from a Role's rules (it must be granted there)."""
+    """Remove `verb` on `group`/`resource` from a Role's rules (it must be granted there); a rule
+    left without verbs goes, as the API server refuses it."""
     found = False
     for rule in list(role["rules"]):
         groups, resources = rule.get("apiGroups", ()), rule.get("resources", ())
@@ -74,9 +82,12 @@ def drop_verb(role: dict[str, Any], group: str, resource: str, verb: str) -> Non
         others = [r for r in resources if r != resource]
         if others:  # the rule's other resources keep the verb
             rule["resources"] = others
-            role["rules"].append({**rule, "resources": [resource], "verbs": fewer})
-        else:
+            if fewer:
+                role["rules"].append({**rule, "resources": [resource], "verbs": fewer})
+        elif fewer:
             rule["verbs"] = fewer
+        else:  # a rule without verbs is invalid (rules[i].verbs: Required value)
+            role["rules"].remove(rule)
     assert found, f"the Role does not grant {verb} on {resource}.{group}"
 
 
@@ -90,7 +101,8 @@ def install(
 ) -> Path:
     """Install the operator's RBAC for `namespace` (as the admin) and return a kubeconfig that
     signs in as the operator's ServiceAccount. `cluster_wide`: the cluster-wide overlay's
-    ClusterRole instead (on an emulator of the test's own: it grants in every namespace)."""
+    ClusterRole instead (on a cluster of the test's own, `own_cluster()`: it grants in every
+    namespace)."""
     workdir.mkdir(parents=True, exist_ok=True)
     kinds = CLUSTER_KINDS if cluster_wide else INSTALLED_KINDS
     built = overlay_for(None if cluster_wide else namespace, workdir)
@@ -112,13 +124,38 @@ def write_kubeconfig(kube: Any, path: Path, namespace: str, token: str) -> Path:
     config = json.loads(
         kubectl(str(kube.kubeconfig), "config", "view", "--minify", "--raw", "-o", "json")
     )
-    if getattr(kube, "is_emulator", False):
-        config["clusters"][0]["cluster"]["server"] = kube.secure_url
     config["users"] = [{"name": OPERATOR, "user": {"token": token}}]
     context = config["contexts"][0]["context"]
     context["user"], context["namespace"] = OPERATOR, namespace
     path.write_text(json.dumps(config, indent=2))
     return path
+
+
+def with_node() -> bool:
+    """Whether the test clusters run a node (KETCH_TEST_NODE_AGENT=0: none, pods stay Pending)."""
+    return os.environ.get("KETCH_TEST_NODE_AGENT", "1") != "0"
+
+
+@contextlib.contextmanager
+def own_cluster(why: str) -> Iterator[KubeCluster]:
+    """A cluster of the calling test's own (tests/kubecluster.py, ~10 s to start), with a node
+    unless KETCH_TEST_NODE_AGENT=0; stopped when the test ends."""
+    if os.environ.get("KETCH_TEST_KUBECONFIG"):
+        pytest.skip(f"{why}: runs on a local cluster of its own, not KETCH_TEST_KUBECONFIG's")
+    if os.geteuid() != 0:
+        pytest.fail("the operator tests start local clusters: run them as root")
+    directory = Path(tempfile.mkdtemp(prefix="ketch-test-own-"))
+    node = with_node()
+    try:
+        cluster = start_cluster(
+            directory, watch_pid=os.getpid(), node_agent=node, service_proxy=node
+        )
+    except RuntimeError as exc:
+        pytest.fail(f"the test's own cluster did not start: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 class Refusals(logging.Handler):

@@ -3,17 +3,21 @@
 The CRD's CEL rules (a GPU role holds one GPU per rank; a CPU role's ranks are worker processes),
 what a CPU role's engine container is given (the size in its role file, the threads of each rank
 from ``resources.cpu``), and what ``check-wiring`` says about a size the engine cannot run. The
-CEL rules are evaluated twice: by the operator's own interpreter (``spec``) and by the API-server
-emulator, whose messages are kube-apiserver's.
+CEL rules are evaluated twice: by the operator's own interpreter (``spec``) and by the session's
+real kube-apiserver (tests/kubecluster.py), with server-side dry-run creates of the objects.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+import procs
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
 from ketch.operator import crd, runnable, spec
@@ -21,8 +25,10 @@ from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.wiring import check_wiring
 from ketch.operator.wiring.pods import read_pods
-from kubeemu.validation import CRDValidator
+from kubecluster import kubectl
 
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
 PEER_KEY = {"peerKeySecretRef": {"name": "peer-key"}}
 RULE = (
     "engine.tensorParallelSize must equal roles.{role}.resources.gpus when that is above 0 (one "
@@ -92,27 +98,58 @@ def operator_cel(obj: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def apiserver() -> CRDValidator:
-    return CRDValidator(crd.crd(), "v1alpha1")
+def apiserver(kube) -> Callable[[dict], dict[str, Any]]:
+    """The committed CRD, installed on the API server; returns a function that creates an object
+    with ``dryRun=All`` (defaulted, validated and admitted as a create, never stored) and returns
+    the server's answer: the object as it would be stored, or the Status of the refusal."""
+    for args in (
+        ("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE)),
+        ("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd.CRD_NAME}"),
+    ):
+        result = kubectl(kube, *args)
+        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    collection = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    procs.wait_for(  # a new CRD's storage answers 429 "storage is (re)initializing" at first
+        lambda: kube.get(collection).status != 429, 30, "the CRD's storage", interval=0.2
+    )
+
+    def create(obj: dict) -> dict[str, Any]:
+        ns = obj["metadata"]["namespace"]
+        path = f"/apis/{crd.API_VERSION}/namespaces/{ns}/{crd.PLURAL}"
+        answer = kube.post(path, obj, params={"dryRun": "All"})
+        assert answer.status in (200, 201, 422), answer.body
+        return answer.body
+
+    return create
 
 
 @pytest.mark.parametrize(("case", "obj"), ACCEPTED, ids=[c[0] for c in ACCEPTED])
 def test_cel_accepts(case, obj, apiserver):
     assert operator_cel(obj) == []
-    assert apiserver.admit(obj, None).causes == []
+    created = apiserver(obj)
+    assert created["kind"] == crd.KIND, created
+    # both ran the rules on the same object: the operator defaults the spec as the server does
+    schema = spec._schema()["properties"]["spec"]
+    assert created["spec"] == spec.apply_defaults(schema, obj["spec"])
 
 
 @pytest.mark.parametrize(("case", "obj", "role"), REFUSED, ids=[c[0] for c in REFUSED])
 def test_cel_refuses_naming_both_fields(case, obj, role, apiserver):
     message = RULE.format(role=role)
     assert operator_cel(obj) == [f"spec.engine.tensorParallelSize: {message}"]
-    assert apiserver.admit(obj, None).causes == [
+    refused = apiserver(obj)
+    assert (refused["code"], refused["reason"]) == (422, "Invalid")
+    assert refused["details"]["causes"] == [
         {
             "reason": "FieldValueInvalid",
             "field": "spec.engine.tensorParallelSize",
-            "message": f'Invalid value: "object": {message}',
+            "message": f"Invalid value: {message}",
         }
     ]
+    assert refused["message"] == (
+        f'{crd.KIND}.{crd.GROUP} "svc" is invalid: spec.engine.tensorParallelSize: '
+        f"Invalid value: {message}"
+    )
     with pytest.raises(spec.InvalidSpec, match="must equal roles"):
         spec.parse(obj)
 

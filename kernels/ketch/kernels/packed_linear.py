@@ -86,9 +86,7 @@ packed_linear_avx2 = PackedLinear("avx2")
 packed_linear_generic = PackedLinear("generic")
 
 
-def select_packed_linear(
-    features: CpuFeatures | None = None, num_threads: int = 1
-) -> PackedLinear:
+def select_packed_linear(features: CpuFeatures | None = None, num_threads: int = 1) -> PackedLinear:
     """The widest micro-kernel ``features`` (default: this CPU's) allow."""
     features = features or CpuFeatures.detect()
     for isa, op in (("avx512", AVX512_OP), ("avx2", AVX2_OP)):

@@ -13,8 +13,9 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 
 # Bounds on every string, list and map of the spec. kube-apiserver prices each CEL rule at CRD
 # creation, sizing what a rule may read without maxLength/maxItems/maxProperties from the 3 MiB
-# request limit, and the root's rules may read anything. tests/kubeemu/crd_budget.py prices the
-# rules the way it does; tests/operator/test_crd.py keeps the spec bounded.
+# request limit, and the root's rules may read anything. The real API server's estimator decides:
+# tests/operator/test_crd.py creates the CRD on one (and sees a rule over unbounded strings
+# refused), and keeps the spec bounded.
 NAME_MAX_LENGTH = 253  # DNS-1123 subdomain: object names, Secret keys, extended resource names
 LABEL_VALUE_MAX_LENGTH = 63
 QUANTITY_MAX_LENGTH = 64

@@ -109,7 +109,12 @@ class KubeClient:
             headers=headers,
             auth=auth,
             connector=aiohttp.TCPConnector(limit=connections, ssl=ssl_context(info)),
-            timeout=aiohttp.ClientTimeout(total=30),
+            # Not ``total``: that clock runs while a request waits for one of the pool's
+            # connections, and in a burst of reconciles that wait alone can pass it (the
+            # request is then cancelled unsent, or mid-way: the API server answers 504, the
+            # reconcile backs off and redoes it). A sent request must connect in 10 s and be
+            # answered in 75 (the API server answers 504 itself at 60).
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=75),
         )
 
     @staticmethod

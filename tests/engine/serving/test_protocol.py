@@ -79,25 +79,51 @@ COMMON_FIELDS: list[tuple[str, list[Any], list[Any]]] = [
     ("stream", [True, False, None], ["true", 1]),
     ("user", ["alice", None], [5]),
     ("model", ["tiny"], [5, None]),
-    ("logit_bias", [{}, None, {"5": 1.0}, {"0": -100, "7": 100}], [
-        [1], {"5": 100.5}, {"5": -101}, {"x": 1.0}, {"-1": 1.0}, {"5": "1"}, {"5": True},
-        {"1" * 5000: 1.0}, {"\u0665": 1.0},
-    ]),
+    (
+        "logit_bias",
+        [{}, None, {"5": 1.0}, {"0": -100, "7": 100}],
+        [
+            [1],
+            {"5": 100.5},
+            {"5": -101},
+            {"x": 1.0},
+            {"-1": 1.0},
+            {"5": "1"},
+            {"5": True},
+            {"1" * 5000: 1.0},
+            {"\u0665": 1.0},
+        ],
+    ),
     ("prompt_logprobs", [0, 5, 20, None], [21, -1, True, "1"]),
-    ("response_format", [None, {"type": "text"}, {"type": "json_object"}, {
-        "type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": True}
-    }], ["json", {"type": "xml"}, {"type": "json_schema"}, {
-        "type": "json_schema", "json_schema": {"schema": {"type": 5}}
-    }, {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}]),
-    ("guided_json", [None, {"type": "object"}, '{"type": "integer"}', True], [
-        {"type": "strin"}, "{x", 5, [1]
-    ]),
+    (
+        "response_format",
+        [
+            None,
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": True}},
+        ],
+        [
+            "json",
+            {"type": "xml"},
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"schema": {"type": 5}}},
+            {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}},
+        ],
+    ),
+    (
+        "guided_json",
+        [None, {"type": "object"}, '{"type": "integer"}', True],
+        [{"type": "strin"}, "{x", 5, [1]],
+    ),
     ("guided_regex", [None, "a+", "[0-9]{3}"], ["", 5]),
     ("guided_choice", [None, ["a", "b c"]], [[], [""], "a", [1]]),
     ("guided_grammar", [None, 'start: "a"', 'root ::= "a"'], ["", " ", 5]),
-    ("structured_outputs", [None, {"json": {}}, {"choice": ["x"]}, {"json_object": True}], [
-        {}, {"jsn": 1}, {"regex": "a", "choice": ["b"]}, {"json_object": False}, 5
-    ]),
+    (
+        "structured_outputs",
+        [None, {"json": {}}, {"choice": ["x"]}, {"json_object": True}],
+        [{}, {"jsn": 1}, {"regex": "a", "choice": ["b"]}, {"json_object": False}, 5],
+    ),
 ]
 COMPLETION_FIELDS = [
     *COMMON_FIELDS,
