@@ -189,27 +189,19 @@ SPEC = {
                     "reason": "FieldValueForbidden",
                     "fieldPath": ".cpu",
                 },
-                {
-                    "rule": "has(self.memory)",
-                    "message": "memory too",
-                    "reason": "FieldValueRequired",
-                },
+                {"rule": "has(self.memory)", "message": "memory too",
+                 "reason": "FieldValueRequired"},
                 {"rule": "self.cpu != self.gpu", "reason": "FieldValueDuplicate"},
             ],
-            "properties": {
-                "cpu": {"type": "string"},
-                "memory": {"type": "string"},
-                "gpu": {"type": "string"},
-            },
+            "properties": {"cpu": {"type": "string"}, "memory": {"type": "string"},
+                           "gpu": {"type": "string"}},
         },
         "text": {
             "type": "string",
             "x-kubernetes-validations": [
                 {"rule": "self.split(',').join('+') != 'a+b'", "message": "no a,b"},
-                {
-                    "rule": "self.indexOf('!') < 0 && self.find('[0-9]+') != '42'",
-                    "message": "no bang, no 42",
-                },
+                {"rule": "self.indexOf('!') < 0 && self.find('[0-9]+') != '42'",
+                 "message": "no bang, no 42"},
             ],
         },
         "probe": {
@@ -220,11 +212,10 @@ SPEC = {
         "text2": {
             "type": "object",
             "x-kubernetes-validations": [
-                {
-                    "rule": "self.v.size() < 3",
-                    "messageExpression": "self.v.size() > 4 ? 'too long: ' + self.v : string(int(self.v))",
-                    "message": "fallback message",
-                },
+                {"rule": "self.v.size() < 3",
+                 "messageExpression":
+                     "self.v.size() > 4 ? 'too long: ' + self.v : string(int(self.v))",
+                 "message": "fallback message"},
             ],
             "properties": {"v": {"type": "string"}},
         },
@@ -295,12 +286,8 @@ def make_crd(schema: dict | None = None, *, status: bool = True) -> dict:
         "spec": {
             "group": "test.ketch.dev",
             "scope": "Namespaced",
-            "names": {
-                "kind": "Widget",
-                "plural": "widgets",
-                "singular": "widget",
-                "listKind": "WidgetList",
-            },
+            "names": {"kind": "Widget", "plural": "widgets", "singular": "widget",
+                      "listKind": "WidgetList"},
             "versions": [version],
         },
     }
@@ -337,10 +324,8 @@ def only_error(validator: CRDValidator, obj: dict, old: dict | None = None, **kw
 
 
 def test_defaults_are_applied_recursively(validator: CRDValidator) -> None:
-    obj = widget(
-        roles={"prefill": {"tolerations": [{"key": "gpu"}]}, "decode": {}},
-        ports=[{"name": "http", "port": 80}],
-    )
+    obj = widget(roles={"prefill": {"tolerations": [{"key": "gpu"}]}, "decode": {}},
+                 ports=[{"name": "http", "port": 80}])
     original = copy.deepcopy(obj)
     result = validator.admit(obj, None)
     assert result.causes == []
@@ -380,7 +365,8 @@ def test_explicit_values_win_over_defaults(validator: CRDValidator) -> None:
 
 def test_null_handling(validator: CRDValidator) -> None:
     # non-nullable null with a default -> defaulted; without -> dropped; nullable -> kept
-    obj = widget(minReplicas=None, image=None, imageRef={"name": "x"}, annotation=None, tags=None)
+    obj = widget(minReplicas=None, image=None, imageRef={"name": "x"}, annotation=None,
+                 tags=None)
     result = validator.admit(obj, None)
     assert result.causes == []
     spec = result.obj["spec"]
@@ -390,7 +376,8 @@ def test_null_handling(validator: CRDValidator) -> None:
     # a null array item is a type error (nothing prunes it)
     msg = validator.admit(widget(gpus=[1, None]), None).causes[0]
     assert f"{msg['field']}: {msg['message']}" == (
-        'spec.gpus[1]: Invalid value: "null": spec.gpus[1] in body must be of type integer: "null"'
+        'spec.gpus[1]: Invalid value: "null": spec.gpus[1] in body must be of type integer: '
+        '"null"'
     )
 
 
@@ -411,16 +398,14 @@ def test_unknown_fields_are_pruned_and_reported(validator: CRDValidator) -> None
     obj["topLevelJunk"] = 1
     result = validator.admit(obj, None)
     assert result.causes == []
-    assert sorted(result.unknown_fields) == sorted(
-        [
-            "topLevelJunk",
-            "spec.foo",
-            "spec.model.bar",
-            "spec.roles.mixed.bar",
-            "spec.roles.mixed.tolerations[0].baz",
-            "spec.template.junk",
-        ]
-    )
+    assert sorted(result.unknown_fields) == sorted([
+        "topLevelJunk",
+        "spec.foo",
+        "spec.model.bar",
+        "spec.roles.mixed.bar",
+        "spec.roles.mixed.tolerations[0].baz",
+        "spec.template.junk",
+    ])
     spec = result.obj["spec"]
     assert "topLevelJunk" not in result.obj and "foo" not in spec
     assert spec["model"] == {"uri": "hf://a/b", "revision": "main"}
@@ -581,7 +566,7 @@ def test_blocking_schema_errors(
         ),
         (
             {"size": "50"},
-            "spec.size: Invalid value: \"50\": spec.size in body should match '^[0-9]+%$'",
+            'spec.size: Invalid value: "50": spec.size in body should match \'^[0-9]+%$\'',
         ),
         (
             {"engine": {"maxNumSeqs": 2**31}},
@@ -714,16 +699,11 @@ def test_cel_transition_rule_with_old_self(validator: CRDValidator) -> None:
 
 def test_cel_transition_rule_on_list_map_items(validator: CRDValidator) -> None:
     """Items of a list-type=map correlate with the old item of the same key."""
-    old = {
-        "conditions": [{"type": "Ready", "status": "True"}, {"type": "Synced", "status": "Unknown"}]
-    }
-    new = {
-        "conditions": [
-            {"type": "Synced", "status": "Unknown"},
-            {"type": "Ready", "status": "Unknown"},
-            {"type": "New", "status": "Unknown"},
-        ]
-    }
+    old = {"conditions": [{"type": "Ready", "status": "True"},
+                          {"type": "Synced", "status": "Unknown"}]}
+    new = {"conditions": [{"type": "Synced", "status": "Unknown"},
+                          {"type": "Ready", "status": "Unknown"},
+                          {"type": "New", "status": "Unknown"}]}
     old_obj = {**widget(), "status": old}
     new_obj = {**widget(), "status": new}
     result = validator.admit(new_obj, old_obj, subresource="status")
@@ -747,17 +727,11 @@ def test_cel_message_expression(validator: CRDValidator) -> None:
 
 
 def test_cel_rules_on_list_items_use_element_paths(validator: CRDValidator) -> None:
-    obj = widget(
-        roles={
-            "prefill": {
-                "tolerations": [
-                    {"key": "a", "operator": "Exists"},
-                    {"key": "b", "operator": "Exists", "value": "x"},
-                    {"key": "c", "value": "y"},
-                ]
-            }
-        }
-    )
+    obj = widget(roles={"prefill": {"tolerations": [
+        {"key": "a", "operator": "Exists"},
+        {"key": "b", "operator": "Exists", "value": "x"},
+        {"key": "c", "value": "y"},
+    ]}})
     assert only_error(validator, obj) == (
         'spec.roles[prefill].tolerations[1].value: Invalid value: "object": value must be empty '
         "when operator is Exists"
@@ -832,10 +806,8 @@ def test_cel_quantity_on_object_fields() -> None:
     schema["properties"]["spec"]["properties"]["memory"] = {
         "type": "string",
         "x-kubernetes-validations": [
-            {
-                "rule": "isQuantity(self) && quantity(self).isLessThan(quantity('80Gi'))",
-                "message": "memory must be a quantity below 80Gi",
-            }
+            {"rule": "isQuantity(self) && quantity(self).isLessThan(quantity('80Gi'))",
+             "message": "memory must be a quantity below 80Gi"}
         ],
     }
     v = CRDValidator(make_crd(schema), "v1alpha1")
@@ -893,15 +865,12 @@ def test_status_is_left_alone_on_main_resource(validator: CRDValidator) -> None:
 
 def test_status_subresource_validates_only_status(validator: CRDValidator) -> None:
     obj = widget(maxReplicas=1000, foo=1)  # invalid spec is not looked at
-    obj["status"] = {
-        "phase": "Bogus",
-        "junk": 1,
-        "readyReplicas": -5,
-        "conditions": [{"type": "Ready", "status": "Maybe"}],
-    }
+    obj["status"] = {"phase": "Bogus", "junk": 1, "readyReplicas": -5,
+                     "conditions": [{"type": "Ready", "status": "Maybe"}]}
     result = validator.admit(obj, None, subresource="status")
     assert messages(result) == [
-        'status.phase: Unsupported value: "Bogus": supported values: "Pending", "Ready", "Failed"',
+        'status.phase: Unsupported value: "Bogus": supported values: "Pending", "Ready", '
+        '"Failed"',
         "status.readyReplicas: Invalid value: -5: status.readyReplicas in body should be greater "
         "than or equal to 0",
         BLOCKED,
@@ -985,16 +954,14 @@ _name = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=8)
 def valid_specs(draw: st.DrawFn) -> dict:
     spec: dict[str, Any] = {}
     if draw(st.booleans()):
-        spec["image"] = draw(st.text(alphabet=string.ascii_letters + ":.", min_size=3, max_size=20))
+        spec["image"] = draw(st.text(alphabet=string.ascii_letters + ":.", min_size=3,
+                                     max_size=20))
     else:
         spec["imageRef"] = {"name": draw(_name)}
     model: dict[str, Any] = {
         "uri": draw(st.sampled_from(["hf://", "s3://"]))
-        + draw(
-            st.text(
-                alphabet=string.ascii_lowercase + string.digits + "./_-", min_size=1, max_size=20
-            )
-        )
+        + draw(st.text(alphabet=string.ascii_lowercase + string.digits + "./_-", min_size=1,
+                       max_size=20))
     }
     if draw(st.booleans()):
         model["revision"] = draw(_name)
@@ -1013,16 +980,14 @@ def valid_specs(draw: st.DrawFn) -> dict:
             engine["maxNumSeqs"] = draw(st.integers(-(2**31), 2**31 - 1))
         if draw(st.booleans()):
             engine["gpuMemoryUtilization"] = draw(
-                st.floats(min_value=0.01, max_value=1.0, allow_nan=False)
-            )
+                st.floats(min_value=0.01, max_value=1.0, allow_nan=False))
         if draw(st.booleans()):
             engine["dtype"] = draw(st.sampled_from(["auto", "float16", "bfloat16"]))
         if draw(st.booleans()):
             engine["chunk"] = 8 * draw(st.integers(-100, 100))
         if draw(st.booleans()):
-            engine["scheduler"] = draw(
-                st.fixed_dictionaries({}, optional={"policy": _name, "preemption": st.booleans()})
-            )
+            engine["scheduler"] = draw(st.fixed_dictionaries(
+                {}, optional={"policy": _name, "preemption": st.booleans()}))
         spec["engine"] = engine
     if draw(st.booleans()):
         roles = draw(st.dictionaries(_name, st.just(None), max_size=3))
@@ -1061,21 +1026,18 @@ def valid_specs(draw: st.DrawFn) -> dict:
     if draw(st.booleans()):
         spec["gpus"] = draw(st.lists(st.integers(0, 64), unique=True, min_size=1, max_size=4))
     if draw(st.booleans()):
-        spec["size"] = draw(
-            st.one_of(st.integers(0, 1000), st.integers(0, 100).map(lambda i: f"{i}%"))
-        )
+        spec["size"] = draw(st.one_of(st.integers(0, 1000),
+                                      st.integers(0, 100).map(lambda i: f"{i}%")))
     if draw(st.booleans()):
         spec["nodeSelector"] = draw(st.dictionaries(_name, st.text(max_size=10), max_size=3))
     if draw(st.booleans()):
-        spec["extra"] = draw(
-            st.dictionaries(_name, st.one_of(st.integers(), st.text(), st.none()), max_size=3)
-        )
+        spec["extra"] = draw(st.dictionaries(_name, st.one_of(st.integers(), st.text(),
+                                                               st.none()), max_size=3))
     if draw(st.booleans()):
         spec["annotation"] = draw(st.one_of(st.none(), st.text(max_size=10)))
     if draw(st.booleans()):
-        spec["weights"] = draw(
-            st.lists(st.floats(allow_nan=False, allow_infinity=False), unique=True, max_size=4)
-        )
+        spec["weights"] = draw(st.lists(st.floats(allow_nan=False, allow_infinity=False),
+                                        unique=True, max_size=4))
     if draw(st.booleans()):
         spec["routing"] = {draw(st.sampled_from(["header", "cookie"])): draw(_name)}
     if draw(st.booleans()):
@@ -1119,8 +1081,7 @@ def test_valid_objects_pass_unchanged_except_defaults(spec: dict) -> None:
     assert obj == before
     assert result.obj["spec"] == expected_after_defaults(spec)
     assert {k: v for k, v in result.obj.items() if k != "spec"} == {
-        k: v for k, v in before.items() if k != "spec"
-    }
+        k: v for k, v in before.items() if k != "spec"}
     # admitting the stored object again (an update without changes) is a no-op
     again = validator.admit(result.obj, result.obj)
     assert again.causes == [] and again.obj == result.obj
