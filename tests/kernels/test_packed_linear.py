@@ -10,6 +10,12 @@ naming the problem, and the process goes on.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import paddle
 import pytest
@@ -180,3 +186,36 @@ def test_choose_matmul_measures_the_packed_gemm(monkeypatch: pytest.MonkeyPatch)
     x = paddle.randn([16, 64])
     form = getattr(matmul, "prepare", lambda w: w)(w)
     assert rel_err(matmul(x, form), linear_reference(x, w).numpy()) <= TOLERANCE
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a read-only bind mount needs root and unshare",
+)
+def test_prebuilt_kernels_load_from_a_read_only_directory(tmp_path: Path) -> None:
+    """An image's prebuilt kernels sit on a read-only filesystem; paddle's loader writes a Python
+    wrapper beside the library, so Ketch must load them without writing there."""
+    from ketch.kernels import cpp_ops
+
+    cpp_ops.ops(), cpp_ops.gemm_ops()
+    prebuilt = tmp_path / "extensions"
+    shutil.copytree(cpp_ops.build_dir(), prebuilt, ignore=shutil.ignore_patterns("*.py", "*.lock"))
+    probe = (
+        "import os, pathlib, sys\n"
+        "from ketch.kernels import cpp_ops\n"
+        "root = pathlib.Path(os.environ['KETCH_EXTENSION_DIR'])\n"
+        "assert not os.access(root, os.W_OK), 'the mount is writable'\n"
+        "print(cpp_ops.ops().ketch_paged_attention.__name__, cpp_ops.gemm_ops().__name__)\n"
+    )
+    script = (
+        f"mount --bind {prebuilt} {prebuilt} && mount -o remount,bind,ro {prebuilt} && "
+        f'exec {sys.executable} -c "$PROBE"'
+    )
+    env = {**os.environ, cpp_ops.ENV_DIR: str(prebuilt), "PROBE": probe}
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ketch_paged_attention" in result.stdout
+    assert sorted(p.name for p in prebuilt.rglob("*.py")) == []

@@ -21,11 +21,14 @@ that wheel only the GEMM is missing.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -140,10 +143,21 @@ def _build_or_import(library: Library) -> ModuleType:
 
 def _import_built(name: str, directory: Path) -> ModuleType:
     # paddle's own loader for a built library (what `load` ends with), so a cached build is not
-    # handed to setuptools again; pinned paddle, checked by the tests.
+    # handed to setuptools again; pinned paddle, checked by the tests. The loader writes a Python
+    # wrapper beside the library, so a read-only directory (an image's prebuilt kernels on a
+    # read-only root filesystem) is loaded through a link in a private temporary directory.
     from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
+    if not os.access(directory, os.W_OK):
+        directory = _writable_view(name, directory)
     return _import_module_from_library(name, str(directory))
+
+
+def _writable_view(name: str, directory: Path) -> Path:
+    view = Path(tempfile.mkdtemp(prefix=f"ketch-{name[:24]}-"))
+    atexit.register(shutil.rmtree, view, True)
+    (view / f"{name}.so").symlink_to(directory / f"{name}.so")
+    return view
 
 
 if __name__ == "__main__":
