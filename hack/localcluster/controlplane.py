@@ -570,10 +570,13 @@ def start(
                     *common,
                     "--taint",
                     NODE_TAINT,
-                    # Examples ask for 2 CPUs a pod: the node offers more than the machine
-                    # has, and the pods' processes share its cores.
+                    # Examples ask for 2 CPUs and several GiB (KV cache, swap space) a pod:
+                    # the node offers more than the machine has, and the pods' processes share
+                    # its cores and memory (a tiny-model engine pod uses ~1 GB).
                     "--capacity",
                     "cpu=16",
+                    "--capacity",
+                    "memory=96Gi",
                     "--images",
                     str(_image_table(layout)),
                     *agent_args,

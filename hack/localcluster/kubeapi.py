@@ -7,11 +7,13 @@ test uses kopf and the tests use kubectl, both real clients.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import ssl
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +57,8 @@ class KubeApi:
         content_type: str = "application/json",
         timeout: float = 10,
     ) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", content_type)
-        req.add_header("Accept", "application/json")
-        if self._token:
-            req.add_header("Authorization", f"Bearer {self._token}")
         try:
-            with urllib.request.urlopen(req, context=self._ctx, timeout=timeout) as resp:
+            with self._open(method, path, body, content_type, timeout) as resp:
                 raw = resp.read().decode()
         except urllib.error.HTTPError as exc:
             raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
@@ -71,6 +66,27 @@ class KubeApi:
             return json.loads(raw)
         except ValueError:
             return raw
+
+    @contextlib.contextmanager
+    def stream(self, method: str, path: str, timeout: float = 10) -> Iterator[Iterator[bytes]]:
+        """The response's lines as they come (a watch: one event per line); ``timeout`` bounds
+        each wait for data."""
+        try:
+            resp = self._open(method, path, None, "application/json", timeout)
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode(errors="replace")) from None
+        with resp:
+            yield (line for line in resp if line.strip())
+
+    def _open(self, method: str, path: str, body: Any, content_type: str, timeout: float) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        req.add_header("Accept", "application/json")
+        if self._token:
+            req.add_header("Authorization", f"Bearer {self._token}")
+        return urllib.request.urlopen(req, context=self._ctx, timeout=timeout)
 
     def get(self, path: str, **kw: Any) -> Any:
         return self.request("GET", path, **kw)

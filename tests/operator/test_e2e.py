@@ -1,13 +1,14 @@
-"""End to end: the operator running for real (kopf's KopfRunner) against an API server.
-
-The API server is the stateful emulator in tests/kubeemu (or a real cluster when
-KETCH_TEST_KUBECONFIG is set); the tests talk to it only through the real ``kubectl``, as a
-user would. Fault injection (crash-looping, unschedulable pods) and the server-side-apply log
-exist only in the emulator; those tests skip on a real cluster.
+"""End to end: the operator running for real (kopf's KopfRunner) against the test run's
+Kubernetes control plane (tests/kubecluster.py: kube-apiserver, controller-manager, scheduler,
+etcd and the node agent running the engine pods as processes), or the cluster
+KETCH_TEST_KUBECONFIG names. The tests talk to it through the real ``kubectl``, as a user
+would; faults are real ones (a flag the engine refuses, an image no node has, a pod no node can
+hold), and what the operator applied is read from the API server's audit log.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -74,7 +75,9 @@ class Cluster:
         return json.loads(result.stdout)["items"]
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
+    """Polls until ``predicate`` is truthy; 120 s by default: a rollout of real engine pods
+    (10-20 s each to turn Ready on a busy 2-core machine) fits with room."""
     return procs.wait_for(predicate, timeout, what, interval=0.2)
 
 
@@ -142,6 +145,16 @@ def fresh_namespace(kube: Any, prefix: str) -> Iterator[Cluster]:
 def cluster(kube) -> Iterator[Cluster]:
     with fresh_namespace(kube, "e2e") as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _delete_what_the_test_made(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every InferenceService a test of this module made is deleted after it (engine pods hold
+    about 1 GB each; the garbage collector removes their children)."""
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        c.run("delete", crd.PLURAL, "--all", "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +249,6 @@ def test_create_gives_children_with_owners_and_ready_status(cluster, operator):
 
 
 def test_render_is_byte_identical_to_what_the_operator_applied(cluster, operator):
-    if not getattr(cluster.kube, "is_emulator", True):
-        pytest.skip("the apply log exists only in the emulator")
     names = {"mixed": "render-m", "disaggregated": "render-d", "autoscaled": "render-a"}
     for example_name, name in names.items():
         cluster.apply(example(example_name, name))
@@ -393,23 +404,27 @@ def test_applying_the_same_object_twice_changes_no_child(cluster, operator):
     assert cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
 
 
-@pytest.mark.parametrize(
-    ("mode", "reason"),
-    [
-        ("crashloop", "CrashLoop"),
-        ("unschedulable", "InsufficientCapacity"),
-        ("imagepull", "ImagePullError"),
-    ],
-)
-def test_pod_problems_degrade_with_a_reason(cluster, operator, mode, reason):
-    if not getattr(cluster.kube, "is_emulator", True):
-        pytest.skip("fault injection exists only in the emulator")
+# Real faults, each made by the spec: a flag the engine refuses (it exits, the node agent
+# restarts it with back-off), an image no node has, and more memory than any node offers.
+FAULTS = {
+    "crashloop": ("CrashLoop", {"engine": {"extraArgs": ["--no-such-flag"]}}),
+    "unschedulable": (
+        "InsufficientCapacity",
+        {"roles": {"mixed": {"resources": {"memory": "900Gi"}}}},
+    ),
+    "imagepull": ("ImagePullError", {"engine": {"image": "registry.invalid/ketch/none:1"}}),
+}
+
+
+@pytest.mark.parametrize("mode", list(FAULTS))
+def test_pod_problems_degrade_with_a_reason(cluster, operator, mode):
+    reason, fault = FAULTS[mode]
     name = f"fault-{mode}"
-    cluster.apply(cpu_example(name))
-    wait_for(lambda: ready(cluster, name), f"{name} Ready")
-    cluster.kube.set_fault(cluster.namespace, f"{name}-mixed", mode)
-    # The pod's status says why before the Deployment's counts catch up (as on a cluster: the
-    # ReplicaSet and Deployment controllers sync after the kubelet), so wait for both.
+    good = cpu_example(name)
+    good["spec"]["roles"]["mixed"]["replicas"] = 1
+    cluster.apply(merge(good, {"spec": fault}))
+    # The pod's status says why before the Deployment's counts catch up (the ReplicaSet and
+    # Deployment controllers sync after the kubelet), so wait for both.
     body = wait_for(
         lambda: (
             (b := cluster.get(crd.PLURAL, name))
@@ -418,17 +433,27 @@ def test_pod_problems_degrade_with_a_reason(cluster, operator, mode, reason):
             and b
         ),
         f"Degraded/{reason} and Ready False",
+        timeout=120,
     )
     assert condition(body, "Degraded")["status"] == "True"
-    assert condition(body, "Ready")["status"] == "False"
     warnings = json.loads(cluster.run("get", "events", "-o", "json").stdout)["items"]
     assert any(
         e["reason"] == reason and e["type"] == "Warning" and e["involvedObject"]["name"] == name
         for e in warnings
     )
-    cluster.kube.set_fault(cluster.namespace, f"{name}-mixed", "ready")
-    wait_for(lambda: ready(cluster, name), f"{name} Ready again")
-    cluster.run("delete", crd.PLURAL, name)
+    cluster.apply(good)  # the fault fixed: a new ReplicaSet whose pods turn Ready
+    wait_for(lambda: ready(cluster, name), f"{name} Ready again", timeout=120)
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``patch`` merged in (dicts recursively), as a merge patch does."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def test_deleting_the_service_garbage_collects_children(cluster, operator):
@@ -443,6 +468,15 @@ def test_deleting_the_service_garbage_collects_children(cluster, operator):
 def test_switching_to_disaggregated_prunes_the_mixed_role(cluster, operator):
     cluster.apply(cpu_example("zeta"))
     wait_for(lambda: ready(cluster, "zeta"), "zeta Ready")
+    peer_key = base64.b64encode(b"zeta-peer-key-0123456789abcdef").decode()
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "zeta-peer-key"},
+            "data": {"peer-key": peer_key},
+        }
+    )
     role = {"replicas": 1, "resources": {"gpus": 0}}
     patch = {
         "spec": {
@@ -525,3 +559,23 @@ def test_kubectl_explain_describes_engine_fields(cluster):
     assert "--max-num-seqs" in result.stdout  # the flag the field sets
     result = cluster.run("explain", "kisvc.spec.roles.mixed.autoscaling", ns=False)
     assert "maxReplicas" in result.stdout and "HorizontalPodAutoscaler" in result.stdout
+
+
+def test_restricted_pod_security_is_enforced_and_engine_pods_meet_it(cluster, operator):
+    """The namespace enforces the restricted Pod Security Standard (the API server's PodSecurity
+    admission): a plain pod is refused, and the pod the operator's Deployment makes passes."""
+    refused = cluster.run(
+        "run", "plain", "--image=docker.io/library/busybox:1", "--restart=Never", check=False
+    )
+    assert refused.returncode != 0
+    assert 'violates PodSecurity "restricted:latest"' in refused.stderr, refused.stderr
+    cluster.apply(cpu_example("psa"))
+    dep = wait_for(lambda: cluster.get("deployments", "psa-mixed"), "the Deployment")
+    template = dep["spec"]["template"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "psa-check", "labels": {"check": "psa"}},
+        "spec": template["spec"],
+    }
+    cluster.apply(pod, "--dry-run=server")  # admitted: fails the test if PodSecurity refused it
