@@ -319,7 +319,7 @@ def start(
             "kubernetes.default.svc",
             f"kubernetes.default.svc.{CLUSTER_DOMAIN}",
         )
-        pki.make_all(layout.pki, node_name=layout.node_name, server_names=names)
+        pki.make_all(layout.pki, node_name=layout.node_name, server_names=names, node_ip=host)
         api_port = free_port(host)
         server = f"https://{host}:{api_port}"
         state["server"] = server
@@ -416,6 +416,15 @@ def start(
                 "--proxy-client-key-file",
                 str(p / "front-proxy-client.key"),
                 "--enable-aggregator-routing=true",
+                # kubectl logs: the node agent's endpoint on the node's InternalIP
+                "--kubelet-client-certificate",
+                str(p / "apiserver-kubelet-client.crt"),
+                "--kubelet-client-key",
+                str(p / "apiserver-kubelet-client.key"),
+                "--kubelet-certificate-authority",
+                str(p / "ca.crt"),
+                "--kubelet-preferred-address-types",
+                "InternalIP",
                 "--audit-policy-file",
                 str(d / "audit-policy.yaml"),
                 "--audit-log-path",

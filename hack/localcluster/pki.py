@@ -117,7 +117,9 @@ def make_cert(
     (pki / f"{name}.ext").unlink()
 
 
-def make_all(pki: Path, *, node_name: str, server_names: tuple[str, ...]) -> None:
+def make_all(
+    pki: Path, *, node_name: str, server_names: tuple[str, ...], node_ip: str = "127.0.0.1"
+) -> None:
     """Every certificate and key of one cluster (see the module docstring)."""
     pki.mkdir(parents=True, exist_ok=True)
     pki.chmod(0o700)
@@ -128,6 +130,9 @@ def make_all(pki: Path, *, node_name: str, server_names: tuple[str, ...]) -> Non
     make_cert(pki, "scheduler", "ca", "system:kube-scheduler")
     make_cert(pki, "node", "ca", f"system:node:{node_name}", ("system:nodes",))
     make_cert(pki, "service-proxy", "ca", "ketch:service-proxy")
+    # the node agent's log endpoint (kubectl logs) and the API server's client for it
+    make_cert(pki, "kubelet", "ca", f"system:node:{node_name}", server_names=(node_ip, node_name))
+    make_cert(pki, "apiserver-kubelet-client", "ca", "kube-apiserver-kubelet-client")
     make_ca(pki, "front-proxy-ca", "ketch-front-proxy-ca")
     make_cert(pki, "front-proxy-client", "front-proxy-ca", "front-proxy-client")
     _openssl(

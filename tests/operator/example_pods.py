@@ -100,7 +100,8 @@ def container_log(cluster: Cluster, pod: Obj, container: str) -> str:
 
 
 def container_pid(cluster: Cluster, pod: Obj, container: str) -> int:
-    return int((pod_dir(cluster, pod) / container / "pid").read_text())
+    # "<pid> <start time>" (the node agent checks both before it signals a process)
+    return int((pod_dir(cluster, pod) / container / "pid").read_text().split()[0])
 
 
 def restarts(pod: Obj, container: str) -> int:

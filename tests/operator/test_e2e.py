@@ -436,6 +436,12 @@ def test_pod_problems_degrade_with_a_reason(cluster, operator, mode):
         timeout=120,
     )
     assert condition(body, "Degraded")["status"] == "True"
+    if mode == "crashloop":  # the status says where to look, and kubectl logs shows why
+        message = condition(body, "Degraded")["message"]
+        assert "kubectl logs" in message and "--previous" in message, message
+        pod = message.split("pod ", 1)[1].split()[0]
+        logs = cluster.run("logs", pod, "-c", "engine", "--previous")
+        assert "--no-such-flag" in logs.stdout, logs.stdout[-2000:]
     warnings = json.loads(cluster.run("get", "events", "-o", "json").stdout)["items"]
     assert any(
         e["reason"] == reason and e["type"] == "Warning" and e["involvedObject"]["name"] == name

@@ -13,6 +13,7 @@ serves. The monitoring stack is ``hack/localcluster/metrics.py`` (built by
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -192,3 +193,98 @@ def test_the_hpa_controller_scales_a_role_on_queue_depth(cluster, operator, metr
     body = c.get("inferenceservices", NAME)
     assert body["status"]["replicas"] == "1/1"
     kubectl(c.kube, "-n", c.namespace, "delete", "inferenceservice", NAME, "--wait=false")
+
+
+# --------------------------------------------------------------------------- coordinated P:D
+
+PD = "coord-real"
+
+
+def coordinated_service() -> dict[str, Any]:
+    """Prefill and decode of the tiny model, each scaled by the operator's own loop (mode
+    ketch, reading the engines' /metrics) on waiting requests, kept at prefill >= decode by the
+    ratio; decode holds at most 2 running sequences, so load queues there."""
+
+    def role() -> dict[str, Any]:
+        return {
+            "resources": {"gpus": 0, "cpu": "500m", "memory": "1Gi"},
+            "autoscaling": {
+                "mode": "ketch",
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "metrics": [{"type": "RequestsWaiting", "target": 2}],
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 10}},
+            },
+        }
+
+    return {
+        "apiVersion": "serving.ketch.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": PD},
+        "spec": {
+            "model": {"uri": "tiny"},
+            "engine": {"maxNumSeqs": 2, "kvCacheMemory": "256MiB"},
+            "roles": {"prefill": role(), "decode": role()},
+            "autoscaling": {"syncPeriodSeconds": 2, "cooldownSeconds": 4, "ratio": {"min": 1}},
+            "auth": {"peerKeySecretRef": {"name": f"{PD}-peer-key"}},
+        },
+    }
+
+
+def test_coordinated_prefill_decode_scaling_under_load(cluster, operator):  # noqa: F811
+    """Load through the router queues on decode: the operator's loop scales decode up on the
+    engines' own metric, raises prefill to keep the ratio, the new pods serve; idle again,
+    both scale back down. The status's decision history says so."""
+    c: Cluster = cluster
+    key = base64.b64encode(b"coord-real-peer-key-0123456789").decode()
+    c.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{PD}-peer-key"},
+            "data": {"peer-key": key},
+        }
+    )
+    c.apply(coordinated_service())
+
+    def replicas(role: str) -> int:
+        return (c.get("deployments", f"{PD}-{role}") or {}).get("spec", {}).get("replicas", 0)
+
+    def decisions(role: str) -> list[dict[str, Any]]:
+        status = (c.get("inferenceservices", PD) or {}).get("status") or {}
+        roles = (status.get("autoscaling") or {}).get("roles") or {}
+        return (roles.get(role) or {}).get("decisions") or []
+
+    def ready_pods(role: str) -> list[dict[str, Any]]:
+        pods = c.items("pods", f"app.kubernetes.io/instance={PD},serving.ketch.dev/role={role}")
+        return [
+            p
+            for p in pods
+            if any(
+                x["type"] == "Ready" and x["status"] == "True"
+                for x in (p.get("status") or {}).get("conditions") or []
+            )
+        ]
+
+    wait_for(
+        lambda: all(ready_pods(r) for r in ("prefill", "decode", "router")),
+        "one ready pod per role",
+        timeout=240,
+    )
+    ip = c.get("services", f"{PD}-router")["spec"]["clusterIP"]
+    with Load(f"http://{ip}:8000/v1", CONCURRENCY) as load:
+        wait_for(lambda: replicas("decode") == 2, "decode scaled up", timeout=120)
+        wait_for(lambda: replicas("prefill") == 2, "prefill raised by the ratio", timeout=60)
+        wait_for(lambda: len(ready_pods("decode")) == 2, "the second decode pod", timeout=240)
+        served_before = load.done
+        wait_for(lambda: load.done > served_before + 2, "requests served after the scale-up")
+    assert not load.errors, load.errors[:3]
+    up = [d for d in decisions("decode") if (d["from"], d["to"]) == (1, 2)]
+    assert up and "scale up" in up[-1]["rule"], decisions("decode")
+    raised = [d for d in decisions("prefill") if (d["from"], d["to"]) == (1, 2)]
+    assert raised and "ratio min 1" in raised[-1]["rule"], decisions("prefill")
+
+    # Idle: after the scale-down window (10 s) both come back to one pod.
+    wait_for(lambda: replicas("decode") == 1, "decode scaled down", timeout=120)
+    wait_for(lambda: replicas("prefill") == 1, "prefill scaled down", timeout=120)
+    kubectl(c.kube, "-n", c.namespace, "delete", "inferenceservice", PD, "--wait=false")

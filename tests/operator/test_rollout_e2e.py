@@ -99,7 +99,9 @@ def _check_every_status_version(events: list[Obj], before: list[Obj], old_hash: 
     for ev in events:
         obj = ev["object"]
         if obj["kind"] == "Pod":
-            if ev["type"] == "DELETED":
+            # a terminating pod (draining behind its preStop) no longer counts, as for
+            # `kubectl rollout status` and the live check above
+            if ev["type"] == "DELETED" or obj["metadata"].get("deletionTimestamp"):
                 live.pop(obj["metadata"]["name"], None)
             else:
                 live[obj["metadata"]["name"]] = obj

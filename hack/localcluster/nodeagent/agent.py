@@ -26,6 +26,7 @@ import os
 import queue
 import shutil
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -37,6 +38,7 @@ from localcluster.layout import Layout
 from localcluster.nodeagent import runtime
 from localcluster.nodeagent.api import Api, ApiError, now
 from localcluster.nodeagent.images import ImageTable
+from localcluster.nodeagent.logs import LogServer
 from localcluster.nodeagent.network import Network, netns_pids
 from localcluster.nodeagent.node import NodeStatus
 from localcluster.nodeagent.pod import PodWorker
@@ -68,6 +70,7 @@ class Agent:
         self.allocatable = self.node.capacity
         self.kubernetes_ip = layout.service_cidr.network_address + 1
         self.workers: dict[str, PodWorker] = {}
+        self.log_server: LogServer | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._events: queue.Queue[Obj | None] = queue.Queue(maxsize=1000)
@@ -80,6 +83,11 @@ class Agent:
         self.pods_root.chmod(0o700)
         self.sweep(at_start=True)
         self.network.ensure_bridge()
+        try:
+            self.log_server = LogServer(self.pods_root, str(self.layout.gateway), self.layout.pki)
+            self.log_server.start()
+        except (OSError, ssl.SSLError) as exc:  # pods run without it; kubectl logs does not
+            logger.warning("the log endpoint (kubectl logs) did not start: %s", exc)
         for attempt in range(12):  # an API server that is (re)starting: a minute
             try:
                 self.node.register()
@@ -111,6 +119,8 @@ class Agent:
                     worker.finished.wait(15)
                     break
         self.node.stop()
+        if self.log_server is not None:
+            self.log_server.stop()
         self.sweep(at_start=False)
         self.network.remove_bridge()
         self._events.put(None)
