@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -326,3 +328,32 @@ def test_agent_restart_keeps_pods(cluster, ns) -> None:
         after["containerStatuses"][0]["containerID"]
         != before["containerStatuses"][0]["containerID"]
     )
+
+
+def test_logs_through_the_api_server(cluster, ns) -> None:
+    """kubectl logs: the API server's pods/log proxied to the agent's containerLogs endpoint,
+    with the kubelet's parameters; nobody but the API server's kubelet client is answered."""
+    layout, api = cluster
+    script = "echo one; echo two; echo three; exit 4"
+    c = [{"name": "c", "image": "busybox:1.36", "command": ["sh", "-c", script]}]
+    create(api, ns, pod("talker", c))
+    wait(
+        lambda: status_of(api, ns, "talker").get("containerStatuses", [{}])[0].get("restartCount"),
+        30,
+        "a restart",
+    )
+    logs = f"/api/v1/namespaces/{ns}/pods/talker/log"
+    assert api.request("GET", f"{logs}?container=c") == "one\ntwo\nthree\n"
+    assert api.request("GET", f"{logs}?previous=true") == "one\ntwo\nthree\n"
+    assert api.request("GET", f"{logs}?tailLines=1") == "three\n"
+    assert api.request("GET", f"{logs}?limitBytes=2") == "on"
+    with pytest.raises(ApiError) as refused:
+        api.request("GET", f"/api/v1/namespaces/{ns}/pods/talker/log?container=nope")
+    assert refused.value.status == 400 and "nope" in refused.value.body
+    # the endpoint itself, as someone other than the API server (the admin's certificate)
+    ctx = ssl.create_default_context(cafile=str(layout.pki / "ca.crt"))
+    ctx.load_cert_chain(str(layout.pki / "admin.crt"), str(layout.pki / "admin.key"))
+    url = f"https://{layout.gateway}:10250/containerLogs/{ns}/talker/c"
+    with pytest.raises(urllib.error.HTTPError) as forbidden:
+        urllib.request.urlopen(url, context=ctx, timeout=10)
+    assert forbidden.value.code == 403
