@@ -7,7 +7,9 @@
 # Binaries go to $KETCH_BIN_CACHE/<component>/<version>/bin (default ~/.cache/ketch), never into
 # the repository; a version already built is not rebuilt. Prints one line per component:
 #   <component> <version> <bin dir> (built in Ns | cached)
-# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|all]  (default all)
+# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|test|all]
+#   test (the default): what the test suite and `make cluster-up` need, all but kwok;
+#   all: also kwok (only benchmarks/bench_operator.py uses it)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KETCH_BIN_CACHE:-$HOME/.cache/ketch}"
@@ -110,7 +112,7 @@ build_kwok() {
   echo "kwok $v $bin (built in $((SECONDS - start))s)"
 }
 
-case "${1:-all}" in
+case "${1:-test}" in
   --bin-path)
     echo "$cache/k8s/$(mod_version k8s k8s.io/kubernetes)/bin:$cache/etcd/$(mod_version etcd go.etcd.io/etcd/server/v3)/bin"
     exit 0 ;;
@@ -120,6 +122,7 @@ case "${1:-all}" in
   prometheus) build_prometheus ;;
   metrics) build_prometheus; build_prometheus_adapter ;;
   kwok) build_kwok ;;
+  test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter ;;
   all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_kwok ;;
-  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|test|all]" >&2; exit 2 ;;
 esac
