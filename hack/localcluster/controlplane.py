@@ -27,20 +27,21 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from localcluster import pki
+from localcluster import components, pki
 from localcluster.kubeapi import ApiError, KubeApi, write_kubeconfig
-from localcluster.layout import CLUSTER_DOMAIN, Layout
+from localcluster.layout import Layout
 
 log = logging.getLogger("localcluster")
 
-HACK = Path(__file__).resolve().parents[1]
-NODE_TAINT = "ketch.dev/local-node=true:NoSchedule"
+HACK = components.HACK
+NODE_TAINT = components.NODE_TAINT
 STATE = "state.json"
+KUBE_DNS_PATH = "/api/v1/namespaces/kube-system/services/kube-dns"
 # Order of stopping: pods first (the node agent terminates them), then what watches the API,
 # then the API server, then its store.
 STOP_ORDER = (
@@ -245,7 +246,11 @@ BOOTSTRAP_RBAC = [
             "kind": "ClusterRole",
             "metadata": {"name": "ketch:service-proxy"},
             "rules": [
-                {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+                {
+                    "apiGroups": [""],
+                    "resources": ["services"],
+                    "verbs": ["list", "watch"],
+                },
                 {
                     "apiGroups": ["discovery.k8s.io"],
                     "resources": ["endpointslices"],
@@ -295,346 +300,102 @@ def start(
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o755)
     layout.logs.mkdir(exist_ok=True)
-    state: dict[str, Any] = {"tag": layout.tag, "index": layout.index, "processes": {}, "argv": {}}
+    state: dict[str, Any] = {
+        "tag": layout.tag,
+        "index": layout.index,
+        "processes": {},
+        "argv": {},
+    }
 
-    def record(name: str, pid: int) -> None:
-        state["processes"][name] = pid
-        (d / STATE).write_text(json.dumps(state, indent=1))
-
-    def run(name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def run(name: str, argv: list[str], ready: Any = None, what: str = "", env: Any = None) -> None:
+        """Starts ``name`` and records it; waits until ``ready()`` when given."""
         state["argv"][name] = argv
-        record(name, _spawn(layout, name, argv, env))
+        state["processes"][name] = _spawn(layout, name, argv, env)
+        (d / STATE).write_text(json.dumps(state, indent=1))
+        if ready is not None:
+            log_file = layout.logs / f"{name}.log"
+            _wait(what or name, ready, timeout, state["processes"][name], log_file)
 
     try:
         ensure_bridge(layout)
         host = str(layout.gateway)
-        api_ip = str(layout.service_cidr.network_address + 1)
-        names = (
-            "127.0.0.1",
-            host,
-            api_ip,
-            "localhost",
-            "kubernetes",
-            "kubernetes.default",
-            "kubernetes.default.svc",
-            f"kubernetes.default.svc.{CLUSTER_DOMAIN}",
+        pki.make_all(
+            layout.pki,
+            node_name=layout.node_name,
+            server_names=components.apiserver_names(layout),
+            node_ip=host,
         )
-        pki.make_all(layout.pki, node_name=layout.node_name, server_names=names, node_ip=host)
         api_port = free_port(host)
-        server = f"https://{host}:{api_port}"
-        state["server"] = server
-        _write_files(layout, server)
-        p = layout.pki
+        state["server"] = f"https://{host}:{api_port}"
+        _write_files(layout, state["server"])
 
-        # ---- etcd
-        etcd_client, etcd_peer = free_port(), free_port()
-        etcd_url = f"http://127.0.0.1:{etcd_client}"
-        run(
-            "etcd",
-            [
-                str(bins["etcd"]),
-                "--name",
-                "ketch",
-                "--data-dir",
-                str(d / "etcd"),
-                "--listen-client-urls",
-                etcd_url,
-                "--advertise-client-urls",
-                etcd_url,
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{etcd_peer}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{etcd_peer}",
-                "--initial-cluster",
-                f"ketch=http://127.0.0.1:{etcd_peer}",
-                "--unsafe-no-fsync=true",
-                "--quota-backend-bytes=4294967296",
-                "--listen-metrics-urls",
-                f"http://127.0.0.1:{free_port()}",
-                "--log-level",
-                "warn",
-            ],
-        )
-        state["etcd"] = etcd_url
-
-        def etcd_ok() -> bool:
-            import urllib.request
-
-            with urllib.request.urlopen(f"{etcd_url}/health", timeout=2) as r:
-                return json.loads(r.read()).get("health") == "true"
-
-        _wait("etcd", etcd_ok, timeout, state["processes"]["etcd"], layout.logs / "etcd.log")
-
-        # ---- kube-apiserver
-        run(
-            "kube-apiserver",
-            [
-                str(bins["kube-apiserver"]),
-                "--etcd-servers",
-                etcd_url,
-                "--bind-address",
-                host,
-                "--advertise-address",
-                host,
-                "--secure-port",
-                str(api_port),
-                "--tls-cert-file",
-                str(p / "apiserver.crt"),
-                "--tls-private-key-file",
-                str(p / "apiserver.key"),
-                "--client-ca-file",
-                str(p / "ca.crt"),
-                "--authorization-mode",
-                "Node,RBAC",
-                "--enable-admission-plugins",
-                "NodeRestriction,PodTolerationRestriction",
-                "--admission-control-config-file",
-                str(d / "admission.yaml"),
-                "--service-cluster-ip-range",
-                str(layout.service_cidr),
-                "--service-account-issuer",
-                f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
-                "--service-account-key-file",
-                str(p / "sa.pub"),
-                "--service-account-signing-key-file",
-                str(p / "sa.key"),
-                "--api-audiences",
-                f"https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
-                "--allow-privileged=true",
-                "--requestheader-client-ca-file",
-                str(p / "front-proxy-ca.crt"),
-                "--requestheader-allowed-names",
-                "front-proxy-client",
-                "--requestheader-username-headers",
-                "X-Remote-User",
-                "--requestheader-group-headers",
-                "X-Remote-Group",
-                "--requestheader-extra-headers-prefix",
-                "X-Remote-Extra-",
-                "--proxy-client-cert-file",
-                str(p / "front-proxy-client.crt"),
-                "--proxy-client-key-file",
-                str(p / "front-proxy-client.key"),
-                "--enable-aggregator-routing=true",
-                # kubectl logs: the node agent's endpoint on the node's InternalIP
-                "--kubelet-client-certificate",
-                str(p / "apiserver-kubelet-client.crt"),
-                "--kubelet-client-key",
-                str(p / "apiserver-kubelet-client.key"),
-                "--kubelet-certificate-authority",
-                str(p / "ca.crt"),
-                "--kubelet-preferred-address-types",
-                "InternalIP",
-                "--audit-policy-file",
-                str(d / "audit-policy.yaml"),
-                "--audit-log-path",
-                str(layout.logs / "audit.log"),
-                "--audit-log-format",
-                "json",
-                "--audit-log-mode",
-                "blocking",
-                "--profiling=false",
-                "--v",
-                "1",
-            ],
-        )
-        api = KubeApi(layout.admin_kubeconfig)
-        try:
-            _wait(
-                "kube-apiserver",
-                lambda: api.get("/readyz") == "ok",
-                timeout,
-                state["processes"]["kube-apiserver"],
-                layout.logs / "kube-apiserver.log",
-            )
+        etcd = components.Etcd(free_port(), free_port(), free_port())
+        state["etcd"] = etcd.url
+        run("etcd", etcd.argv(bins["etcd"], layout), lambda: _etcd_healthy(etcd.url))
+        argv = components.apiserver(bins["kube-apiserver"], layout, etcd.url, api_port)
+        with _admin(layout) as api:
+            run("kube-apiserver", argv, lambda: api.get("/readyz") == "ok")
             for path, obj in BOOTSTRAP_RBAC:
                 api.apply(path, obj)
-        finally:
-            api.close()
 
-        # ---- kube-controller-manager, kube-scheduler
         kcm_port, sched_port = free_port(), free_port()
-        kcm_cfg = str(layout.kubeconfig("controller-manager"))
-        run(
-            "kube-controller-manager",
-            [
-                str(bins["kube-controller-manager"]),
-                "--kubeconfig",
-                kcm_cfg,
-                "--authentication-kubeconfig",
-                kcm_cfg,
-                "--authorization-kubeconfig",
-                kcm_cfg,
-                "--bind-address",
-                "127.0.0.1",
-                "--secure-port",
-                str(kcm_port),
-                "--leader-elect=false",
-                "--controllers",
-                "*",
-                "--use-service-account-credentials=true",
-                "--service-account-private-key-file",
-                str(p / "sa.key"),
-                "--root-ca-file",
-                str(p / "ca.crt"),
-                "--cluster-signing-cert-file",
-                str(p / "ca.crt"),
-                "--cluster-signing-key-file",
-                str(p / "ca.key"),
-                "--horizontal-pod-autoscaler-sync-period",
-                hpa_sync_period,
-                "--v",
-                "1",
-            ],
-        )
-        sched_cfg = str(layout.kubeconfig("scheduler"))
-        run(
-            "kube-scheduler",
-            [
-                str(bins["kube-scheduler"]),
-                "--kubeconfig",
-                sched_cfg,
-                "--authentication-kubeconfig",
-                sched_cfg,
-                "--authorization-kubeconfig",
-                sched_cfg,
-                "--bind-address",
-                "127.0.0.1",
-                "--secure-port",
-                str(sched_port),
-                "--leader-elect=false",
-                "--v",
-                "1",
-            ],
-        )
-        for name, port in (("kube-controller-manager", kcm_port), ("kube-scheduler", sched_port)):
-            _wait(
-                name,
-                lambda port=port: _healthz(port),
-                timeout,
-                state["processes"][name],
-                layout.logs / f"{name}.log",
-            )
+        kcm = components.controller_manager(bins, layout, kcm_port, hpa_sync_period)
+        run("kube-controller-manager", kcm, lambda: _healthz(kcm_port))
+        sched = components.scheduler(bins, layout, sched_port)
+        run("kube-scheduler", sched, lambda: _healthz(sched_port))
 
-        # ---- our own: service proxy + DNS, node agent
-        py_env = os.environ.copy()
-        py_env["PYTHONPATH"] = os.pathsep.join(
-            [str(HACK), *filter(None, [py_env.get("PYTHONPATH")])]
-        )
-        common = ["--dir", str(d), "--tag", layout.tag, "--index", str(layout.index)]
+        py_env = components.python_env()
         if service_proxy:
-            api = KubeApi(layout.admin_kubeconfig)
-            try:  # cluster DNS's address, reserved as a real cluster's kube-dns Service is
-                api.apply(
-                    "/api/v1/namespaces/kube-system/services/kube-dns",
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Service",
-                        "metadata": {
-                            "name": "kube-dns",
-                            "namespace": "kube-system",
-                            "labels": {"k8s-app": "kube-dns"},
-                        },
-                        "spec": {
-                            "clusterIP": str(layout.dns_ip),
-                            "ports": [
-                                {"name": "dns", "port": 53, "protocol": "UDP"},
-                                {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
-                            ],
-                        },
-                    },
-                )
-            finally:
-                api.close()
-            run(
-                "service-proxy",
-                [
-                    sys.executable,
-                    "-m",
-                    "localcluster.proxy",
-                    "--kubeconfig",
-                    str(layout.kubeconfig("service-proxy")),
-                    *common,
-                ],
-                py_env,
-            )
+            with _admin(layout) as api:  # cluster DNS's address, reserved as kube-dns's is
+                api.apply(KUBE_DNS_PATH, components.kube_dns_service(layout))
             from localcluster.proxy.dns import probe
 
-            _wait(
-                "service proxy (cluster DNS answers)",
+            run(
+                "service-proxy",
+                components.service_proxy(layout),
                 lambda: probe(str(layout.dns_ip)),
-                timeout,
-                state["processes"]["service-proxy"],
-                layout.logs / "service-proxy.log",
+                "service proxy (cluster DNS answers)",
+                py_env,
             )
         if node_agent:
-            run(
-                "node-agent",
-                [
-                    sys.executable,
-                    "-m",
-                    "localcluster.nodeagent",
-                    "--kubeconfig",
-                    str(layout.kubeconfig("node")),
-                    *common,
-                    "--taint",
-                    NODE_TAINT,
-                    # Examples ask for 2 CPUs and several GiB (KV cache, swap space) a pod:
-                    # the node offers more than the machine has, and the pods' processes share
-                    # its cores and memory (a tiny-model engine pod uses ~1 GB).
-                    "--capacity",
-                    "cpu=16",
-                    "--capacity",
-                    "memory=96Gi",
-                    "--images",
-                    str(_image_table(layout)),
-                    *agent_args,
-                ],
-                py_env,
-            )
-            api = KubeApi(layout.admin_kubeconfig)
-            try:
-                _wait(
-                    "node agent (Node Ready)",
-                    lambda: _node_ready(api, layout.node_name),
-                    timeout,
-                    state["processes"]["node-agent"],
-                    layout.logs / "node-agent.log",
-                )
-            finally:
-                api.close()
+            argv = components.node_agent(layout, _image_table(layout), agent_args)
+            with _admin(layout) as api:
+                ready = lambda: _node_ready(api, layout.node_name)  # noqa: E731
+                run("node-agent", argv, ready, "node agent (Node Ready)", py_env)
         if watch_pid:
-            run(
-                "watchdog",
-                [
-                    sys.executable,
-                    "-m",
-                    "localcluster",
-                    "watchdog",
-                    "--dir",
-                    str(d),
-                    "--pid",
-                    str(watch_pid),
-                ],
-                py_env,
-            )
-        api = KubeApi(layout.admin_kubeconfig)
-        try:  # pods can be made in `default` once its ServiceAccount exists
+            run("watchdog", components.watchdog(layout, watch_pid), env=py_env)
+        with _admin(layout) as api:  # pods can be made in `default` once its SA exists
+            default_sa = "/api/v1/namespaces/default/serviceaccounts/default"
+            kcm_log = layout.logs / "kube-controller-manager.log"
             _wait(
                 "the default ServiceAccount",
-                lambda: api.get("/api/v1/namespaces/default/serviceaccounts/default"),
+                lambda: api.get(default_sa),
                 timeout,
                 None,
-                layout.logs / "kube-controller-manager.log",
+                kcm_log,
             )
             state["version"] = api.get("/version")["gitVersion"]
-        finally:
-            api.close()
         (d / STATE).write_text(json.dumps(state, indent=1))
         return state
     except BaseException:
         stop(d, remove=False)
         raise
+
+
+@contextlib.contextmanager
+def _admin(layout: Layout) -> Iterator[KubeApi]:
+    api = KubeApi(layout.admin_kubeconfig)
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+def _etcd_healthy(url: str) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+        return json.loads(r.read()).get("health") == "true"
 
 
 def _image_table(layout: Layout) -> Path:
@@ -706,16 +467,18 @@ def restart(directory: Path, name: str, timeout: float = 60) -> None:
     state = json.loads((directory / STATE).read_text())
     layout = Layout(directory, state["tag"], state["index"])
     _terminate(state["processes"][name], 10.0)
-    env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join([str(HACK), *filter(None, [env.get("PYTHONPATH")])])
-    pid = _spawn(layout, name, state["argv"][name], env)
+    pid = _spawn(layout, name, state["argv"][name], components.python_env())
     state["processes"][name] = pid
     (directory / STATE).write_text(json.dumps(state, indent=1))
     if name == "kube-apiserver":
         api = KubeApi(layout.admin_kubeconfig)
         try:
             _wait(
-                name, lambda: api.get("/readyz") == "ok", timeout, pid, layout.logs / f"{name}.log"
+                name,
+                lambda: api.get("/readyz") == "ok",
+                timeout,
+                pid,
+                layout.logs / f"{name}.log",
             )
         finally:
             api.close()
