@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import ssl
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from localcluster.kubeconfig import Kubeconfig
 
 
 class ApiError(Exception):
@@ -28,25 +28,14 @@ class ApiError(Exception):
 
 
 class KubeApi:
-    """Requests to the server a kubeconfig names, as the identity it holds (client cert)."""
+    """Requests to the server a kubeconfig names, as the identity it holds (client cert or
+    token)."""
 
     def __init__(self, kubeconfig: Path | str):
-        config = yaml.safe_load(Path(kubeconfig).read_text())
-        cluster = config["clusters"][0]["cluster"]
-        user = config["users"][0]["user"]
-        self.server = cluster["server"].rstrip("/")
-        self._ctx = ssl.create_default_context()
-        self._tmp = tempfile.TemporaryDirectory(prefix="kubeapi-")
-        tmp = Path(self._tmp.name)
-        ca = tmp / "ca.crt"
-        ca.write_bytes(base64.b64decode(cluster["certificate-authority-data"]))
-        self._ctx.load_verify_locations(str(ca))
-        if "client-certificate-data" in user:
-            cert, key = tmp / "client.crt", tmp / "client.key"
-            cert.write_bytes(base64.b64decode(user["client-certificate-data"]))
-            key.write_bytes(base64.b64decode(user["client-key-data"]))
-            self._ctx.load_cert_chain(str(cert), str(key))
-        self._token = user.get("token")
+        config = Kubeconfig(Path(kubeconfig))
+        self.server = config.server
+        self._ctx = config.ssl
+        self._token = config.token
 
     def request(
         self,
@@ -101,7 +90,7 @@ class KubeApi:
         )
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        """Nothing to release (each request has its own connection); kept for callers."""
 
 
 def write_kubeconfig(

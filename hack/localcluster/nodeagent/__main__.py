@@ -21,9 +21,10 @@ import threading
 import time
 from pathlib import Path
 
+from localcluster.kubeconfig import Kubeconfig
 from localcluster.layout import Layout
 from localcluster.nodeagent.agent import Agent, Config
-from localcluster.nodeagent.api import Api, Kubeconfig
+from localcluster.nodeagent.api import Api
 from localcluster.nodeagent.images import ImageTable
 from localcluster.nodeagent.node import parse_taint
 from localcluster.nodeagent.runtime import start_time

@@ -8,19 +8,15 @@ client-side rate limits and certificate rotation, none of which this needs.
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
-import ssl
-import tempfile
 import threading
 import urllib.parse
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import yaml
+from localcluster.kubeconfig import Kubeconfig
 
 Obj = dict[str, Any]
 
@@ -47,58 +43,6 @@ def micro_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class Kubeconfig:
-    """The current context of a kubeconfig: server URL and an SSL context with its credentials."""
-
-    def __init__(self, path: Path) -> None:
-        doc = yaml.safe_load(Path(path).read_text())
-        base = Path(path).parent
-        ctx_name = doc.get("current-context") or doc["contexts"][0]["name"]
-        ctx = _named(doc, "contexts", ctx_name)["context"]
-        cluster = _named(doc, "clusters", ctx["cluster"])["cluster"]
-        user = _named(doc, "users", ctx["user"])["user"]
-        self.server = cluster["server"].rstrip("/")
-        self.ssl = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        if cluster.get("insecure-skip-tls-verify"):
-            self.ssl.check_hostname = False
-            self.ssl.verify_mode = ssl.CERT_NONE
-        elif "certificate-authority-data" in cluster:
-            self.ssl.load_verify_locations(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
-            )
-        elif "certificate-authority" in cluster:
-            self.ssl.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
-        self.token = user.get("token")
-        cert = _material(user, "client-certificate", base)
-        key = _material(user, "client-key", base)
-        if cert and key:
-            # load_cert_chain reads files: data from the kubeconfig goes through a private
-            # temporary directory that is gone once loaded.
-            with tempfile.TemporaryDirectory(prefix="nodeagent-tls-") as tmp:
-                paths = []
-                for name, data in (("cert", cert), ("key", key)):
-                    p = Path(tmp) / name
-                    p.touch(mode=0o600)
-                    p.write_bytes(data)
-                    paths.append(str(p))
-                self.ssl.load_cert_chain(paths[0], paths[1])
-
-
-def _named(doc: Obj, section: str, name: str) -> Obj:
-    for item in doc.get(section) or []:
-        if item.get("name") == name:
-            return item
-    raise ValueError(f"kubeconfig has no {section} entry {name!r}")
-
-
-def _material(user: Obj, key: str, base: Path) -> bytes | None:
-    if f"{key}-data" in user:
-        return base64.b64decode(user[f"{key}-data"])
-    if key in user:
-        return (base / user[key]).read_bytes()
-    return None
-
-
 class Api:
     """JSON requests to the API server: ``get``, ``post``, ``patch``, ``put``, ``delete``,
     ``watch``. Raises ApiError for non-2xx answers, OSError when the server is unreachable."""
@@ -120,11 +64,9 @@ class Api:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
+        headers = self.config.headers(self.user_agent)
         if content_type:
             headers["Content-Type"] = content_type
-        if self.config.token:
-            headers["Authorization"] = f"Bearer {self.config.token}"
         return headers
 
     def request(

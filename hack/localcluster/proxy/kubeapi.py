@@ -13,18 +13,16 @@ Needs only ``list`` and ``watch`` on the resource (the kubeconfig's user may hav
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
-import os
 import ssl
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
+
+from localcluster.kubeconfig import Kubeconfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,42 +35,10 @@ class Gone(Exception):
     """The resourceVersion is too old (410): list again."""
 
 
-def _data(entry: dict, key: str, base: Path) -> bytes | None:
-    if entry.get(f"{key}-data"):
-        return base64.b64decode(entry[f"{key}-data"])
-    if entry.get(key):
-        return (base / entry[key]).read_bytes()
-    return None
-
-
 def load_kubeconfig(path: Path) -> tuple[str, ssl.SSLContext, dict[str, str]]:
     """The current context's server URL, TLS context (CA, client certificate) and headers."""
-    config = yaml.safe_load(path.read_text())
-    base = path.parent
-
-    def named(kind: str, name: str) -> dict:
-        return next(e[kind[:-1]] for e in config[kind] if e["name"] == name)
-
-    context = named("contexts", config["current-context"])
-    cluster = named("clusters", context["cluster"])
-    user = named("users", context["user"]) or {}
-    tls = ssl.create_default_context()
-    ca = _data(cluster, "certificate-authority", base)
-    if ca:
-        tls.load_verify_locations(cadata=ca.decode())
-    cert, key = _data(user, "client-certificate", base), _data(user, "client-key", base)
-    if cert and key:  # load_cert_chain reads files only: a private temporary one, removed at once
-        fd, tmp = tempfile.mkstemp(prefix="kubeproxy-", suffix=".pem")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cert + b"\n" + key)
-            tls.load_cert_chain(tmp)
-        finally:
-            os.unlink(tmp)
-    headers = {"Accept": "application/json", "User-Agent": "ketch-localcluster-proxy"}
-    if user.get("token"):
-        headers["Authorization"] = f"Bearer {user['token']}"
-    return cluster["server"].rstrip("/"), tls, headers
+    config = Kubeconfig(path)
+    return config.server, config.ssl, config.headers("ketch-localcluster-proxy")
 
 
 class Informer:
