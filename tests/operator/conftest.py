@@ -63,7 +63,6 @@ def namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str
 # pass yet on the real control plane (issue 27, in progress: their waits are sized for pods that
 # turned Ready at once; real engine pods take 10-20 s each). KETCH_TEST_PENDING=1 runs them.
 PENDING_ON_REAL_CLUSTER = {
-    "test_coordinated_e2e.py",
     "test_lifecycle.py",
 }
 

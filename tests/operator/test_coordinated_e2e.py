@@ -1,56 +1,69 @@
-"""Coordinated autoscaling (mode ketch) end to end: the operator (KopfRunner) against its own
-API-server emulator whose pods have loopback IPs (127.3.x.y), and a fake engine ``/metrics``
-server on every such address. The operator scrapes for real.
+"""Coordinated autoscaling (mode ketch) end to end: the operator (KopfRunner) against the test
+run's cluster, whose node agent runs the engine pods from a fake engine image
+(``tests/operator/fake_engine/ketch``, added to the cluster's image table for this module). The
+operator scrapes the pods' ``/metrics`` for real, at their pod IPs.
 
-The fake server answers per role: the test sets the role's total RequestsWaiting, and each of
-its ready pods reports an even share, as a load balancer would give.
+Each fake engine answers ``/metrics`` with what the test's control server (``FakeMetrics``, on
+the pods' gateway address) says for the pod asking (known by its address): the test sets a
+role's total RequestsWaiting, and each of its ready pods reports an even share, as a load
+balancer would give; or ``up = False``, and every pod answers 503.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
-import socket
+import json
+import math
+import os
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 import pytest
 from test_e2e import Cluster, cluster, condition, operator, wait_for  # noqa: F401 (fixtures)
 
 from ketch.engine.metrics import PREFIX
 from ketch.operator import crd, objects
-from kubeemu import start_emulator
 
+FAKE_IMAGE = "localhost/ketch-fake-engine:test"
+FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine"
 NAME = "coord"
+ENGINE_PODS = "app.kubernetes.io/name=ketch"
+PEER_KEY = "coordpd-peer-key"
+LIST_EVERY = 0.5  # seconds: how stale the control server's view of the pods may be
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
+def _ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
+    )
 
 
 class FakeMetrics:
-    """/metrics for every pod, by the local address a request arrived on."""
+    """The control server the fake engines ask for their ``/metrics``: by the asking pod's
+    address, its share of its role's load (per InferenceService and role), or a 503."""
 
-    def __init__(self, kube, namespace: str, port: int):
+    def __init__(self, kube: Any, namespace: str, host: str):
         self.kube = kube
         self.namespace = namespace
         self.load: dict[str, float] = {}  # role -> total requests waiting
         self.up = True
-        self.requests = 0
+        self.asked: dict[str, int] = {}  # pod IP -> /metrics requests
+        self.changed = threading.Condition()
+        self.listing = threading.Lock()
+        self.listed: list[dict[str, Any]] = []
+        self.listed_at = -math.inf
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                fake.requests += 1
-                ip = self.connection.getsockname()[0]
-                if not fake.up or self.path != "/metrics":
-                    self.send_error(503)
-                    return
-                body = fake.exposition(ip).encode()
-                self.send_response(200)
+                status, body = fake.answer(self.client_address[0])
+                self.send_response(status)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -59,29 +72,57 @@ class FakeMetrics:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def exposition(self, ip: str) -> str:
-        pods = self.kube.get(f"/api/v1/namespaces/{self.namespace}/pods").ok()["items"]
-        role, peers = None, 0
-        for pod in pods:
-            if (pod.get("status") or {}).get("podIP") == ip:
-                role = pod["metadata"]["labels"].get(objects.LABEL_ROLE)
-        for pod in pods:
-            ready = any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in (pod.get("status") or {}).get("conditions") or []
-            )
-            if ready and pod["metadata"]["labels"].get(objects.LABEL_ROLE) == role:
-                peers += 1
-        share = self.load.get(role or "", 0.0) / max(peers, 1)
+    def pods(self) -> list[dict[str, Any]]:
+        """The namespace's pods, listed at most every ``LIST_EVERY`` seconds (a scrape times
+        out after 0.8 s: the answer must not wait for the API server each time)."""
+        with self.listing:
+            if time.monotonic() - self.listed_at > LIST_EVERY:
+                path = f"/api/v1/namespaces/{self.namespace}/pods"
+                self.listed = self.kube.get(path).ok()["items"]
+                self.listed_at = time.monotonic()
+            return self.listed
+
+    def answer(self, ip: str) -> tuple[int, bytes]:
+        with self.changed:
+            self.asked[ip] = self.asked.get(ip, 0) + 1
+            self.changed.notify_all()
+        if not self.up:
+            return 503, b"metrics are down\n"
+        pods = self.pods()
+        mine = [p for p in pods if (p.get("status") or {}).get("podIP") == ip]
+        mine.sort(key=lambda p: bool(p["metadata"].get("deletionTimestamp")))  # live first
+        if not mine:
+            return 404, f"no pod has address {ip}\n".encode()
+        labels = mine[0]["metadata"].get("labels") or {}
+        group = {k: labels.get(k) for k in (objects.LABEL_ROLE, "app.kubernetes.io/instance")}
+        peers = sum(
+            1
+            for p in pods
+            if _ready(p) and all((p["metadata"].get("labels") or {}).get(k) == v
+                                 for k, v in group.items())
+        )  # fmt: skip
+        share = self.load.get(labels.get(objects.LABEL_ROLE, ""), 0.0) / max(peers, 1)
         name = PREFIX + "num_requests_waiting"
-        return (
+        text = (
             f"# HELP {name} Requests waiting.\n# TYPE {name} gauge\n"
             f'{name}{{model_name="tiny"}} {share}\n'
         )
+        return 200, text.encode()
+
+    def scraped(self, pods: list[str], times: int, timeout: float = 60.0) -> None:
+        """Waits until each of ``pods`` (IPs) has been scraped ``times`` more times (sync
+        periods)."""
+        with self.changed:
+            start = {p: self.asked.get(p, 0) for p in pods}
+            done = self.changed.wait_for(
+                lambda: all(self.asked.get(p, 0) >= start[p] + times for p in pods), timeout
+            )
+        assert done, f"{pods} not scraped {times} times in {timeout} s: {self.asked}"
 
     def stop(self):
         self.server.shutdown()
@@ -89,51 +130,80 @@ class FakeMetrics:
 
 
 @pytest.fixture(scope="module")
-def kube() -> Iterator:
-    import os
-
-    if os.environ.get("KETCH_TEST_KUBECONFIG"):
-        pytest.skip("fake pod metrics need the emulator's loopback pod IPs")
-    emu = start_emulator(pod_ip_prefix="127.3")
+def metrics(kube, cluster) -> Iterator[FakeMetrics]:  # noqa: F811
+    """The control server on the pods' gateway, and the fake engine image in the cluster's
+    image table (as it was again afterwards)."""
+    if kube.layout is None:
+        pytest.skip("the fake engine image needs the test run's own cluster (its image table)")
+    fake = FakeMetrics(kube, cluster.namespace, str(kube.layout.gateway))
+    table = kube.layout.directory / "images.json"
+    before = table.read_text()
+    entry = {
+        "image": FAKE_IMAGE,
+        "path": [str(FAKE_ENGINE), "{venv}/bin"],
+        "user": "1000:1000",
+        "env": {"PYTHONDONTWRITEBYTECODE": "1", "KETCH_FAKE_CONTROL": fake.url},
+        "expose": ["{venv}", "{python_home}", "{repo}"],
+    }
+    _write(table, json.dumps([entry, *json.loads(before)], indent=1))
     try:
-        yield emu
+        yield fake
     finally:
-        emu.stop()
+        _write(table, before)
+        fake.stop()
 
 
-@pytest.fixture(scope="module")
-def port() -> int:
-    return _free_port()
+def _write(path: Path, text: str) -> None:
+    """Replaces the file at once: the node agent never reads half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
-@pytest.fixture(scope="module")
-def metrics(kube, cluster, port) -> Iterator[FakeMetrics]:  # noqa: F811
-    fake = FakeMetrics(kube, cluster.namespace, port)
-    yield fake
-    fake.stop()
+@pytest.fixture(autouse=True)
+def _delete_what_the_test_made(cluster) -> Iterator[None]:  # noqa: F811
+    """Every InferenceService (and Secret) a test made is deleted after it, and its pods are
+    waited out: the next test starts from an empty namespace."""
+    yield
+    cluster.run("delete", crd.PLURAL, "--all", check=False)
+    # and their Deployments at once: on a cluster just started the garbage collector finds the
+    # InferenceService resource (a CRD) only at its next discovery, up to 30 s later
+    cluster.run("delete", "deployments", "-l", ENGINE_PODS, "--wait=false", check=False)
+    cluster.run("delete", "secret", PEER_KEY, "--ignore-not-found", check=False)
+    wait_for(lambda: not cluster.items("pods", ENGINE_PODS), "the engine pods to go", timeout=180)
 
 
-def body(port: int, **top) -> dict:
+def ketch_role(**autoscaling: Any) -> dict[str, Any]:
+    """A role of fake engine pods (small requests: the node has 16 CPUs for every test)."""
+    return {
+        "resources": {"gpus": 0, "cpu": "100m", "memory": "128Mi"},
+        "autoscaling": {"mode": "ketch", **autoscaling},
+    }
+
+
+def base(name: str) -> dict[str, Any]:
     from test_e2e import cpu_example
 
-    b = cpu_example(NAME)
-    b["spec"]["ports"] = {"http": port}
-    b["spec"]["roles"]["mixed"] = {
-        "resources": {"gpus": 0},
-        "autoscaling": {
-            "mode": "ketch",
-            "minReplicas": 1,
-            "maxReplicas": 4,
-            "metrics": [{"type": "RequestsWaiting", "target": 4}],
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 4}},
-        },
-    }
+    b = cpu_example(name)
+    b["spec"]["engine"]["image"] = FAKE_IMAGE
+    b["spec"]["cacheManager"] = {"cpu": "100m", "memory": "128Mi"}
+    return b
+
+
+def body(**top: Any) -> dict[str, Any]:
+    b = base(NAME)
+    b["spec"]["roles"]["mixed"] = ketch_role(
+        minReplicas=1,
+        maxReplicas=4,
+        metrics=[{"type": "RequestsWaiting", "target": 4}],
+        behavior={"scaleDown": {"stabilizationWindowSeconds": 4}},
+    )
     b["spec"]["autoscaling"] = {"syncPeriodSeconds": 1, "cooldownSeconds": 1, **top}
     return b
 
 
-def replicas(cluster: Cluster) -> int:  # noqa: F811
-    return cluster.get("deployments", f"{NAME}-mixed")["spec"]["replicas"]
+def replicas(cluster: Cluster, name: str = NAME) -> int:  # noqa: F811
+    return cluster.get("deployments", f"{name}-mixed")["spec"]["replicas"]
 
 
 def decisions(cluster: Cluster) -> list[dict]:  # noqa: F811
@@ -143,13 +213,19 @@ def decisions(cluster: Cluster) -> list[dict]:  # noqa: F811
     ) or []
 
 
-def scaling(cluster: Cluster) -> dict:  # noqa: F811
-    return condition(cluster.get(crd.PLURAL, NAME), "ScalingActive")
+def scaling(cluster: Cluster, name: str = NAME) -> dict:  # noqa: F811
+    return condition(cluster.get(crd.PLURAL, name), "ScalingActive")
 
 
-def test_coordinated_scaling(cluster, operator, metrics, port):  # noqa: F811
+def ready_pods(cluster: Cluster, name: str) -> list[str]:  # noqa: F811
+    """The IPs of the InferenceService's ready pods."""
+    pods = cluster.items("pods", f"app.kubernetes.io/instance={name}")
+    return [p["status"]["podIP"] for p in pods if _ready(p)]
+
+
+def test_coordinated_scaling(cluster, operator, metrics):  # noqa: F811
     metrics.load["mixed"] = 0
-    cluster.apply(body(port))
+    cluster.apply(body())
     wait_for(lambda: scaling(cluster).get("status") == "True", "ScalingActive=True")
     assert cluster.get("hpa", f"{NAME}-mixed") is None
     assert replicas(cluster) == 1
@@ -169,19 +245,20 @@ def test_coordinated_scaling(cluster, operator, metrics, port):  # noqa: F811
     assert hold and hold[-1] < down, history
 
     # stale metrics: ScalingActive=False with the reason and the pods, and no scaling
+    left = wait_for(lambda: (p := ready_pods(cluster, NAME)) and len(p) == 1 and p, "one pod")
     metrics.up = False
     metrics.load["mixed"] = 40
     cond = wait_for(
         lambda: (c := scaling(cluster)).get("status") == "False" and c, "ScalingActive=False"
     )
     assert cond["reason"] == "MetricsUnavailable" and "HTTP 503" in cond["message"]
-    seen = len(decisions(cluster))
-    time.sleep(2.5)  # a few sync periods (1 s): still nothing decided, nothing scaled
-    assert replicas(cluster) == 1 and len(decisions(cluster)) == seen
+    seen = decisions(cluster)
+    metrics.scraped(left, 3)  # three more sync periods: still nothing decided, nothing scaled
+    assert replicas(cluster) == 1 and decisions(cluster) == seen
 
     # advisory: the decision is recorded, the replicas stay
     metrics.load["mixed"] = 12
-    cluster.apply(body(port, advisory=True))
+    cluster.apply(body(advisory=True))
     wait_for(
         lambda: cluster.get(crd.PLURAL, NAME)["status"]["autoscaling"]["advisory"],
         "the advisory loop",
@@ -192,30 +269,28 @@ def test_coordinated_scaling(cluster, operator, metrics, port):  # noqa: F811
         lambda: (d := decisions(cluster)[-1])["to"] == 3 and d, "an advisory decision"
     )
     assert advised["from"] == 1 and "scale up" in advised["rule"]
+    metrics.scraped(left, 2)  # and later periods do not scale either
     assert replicas(cluster) == 1
     assert cluster.get(crd.PLURAL, NAME)["status"]["autoscaling"]["advisory"] is True
 
 
-def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics, port):  # noqa: F811
-    from test_e2e import cpu_example
-
+def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics):  # noqa: F811
     name = "coordpd"
-    b = cpu_example(name)
-    b["spec"]["ports"] = {"http": port}
-
-    def role(high: int) -> dict:
-        return {
-            "resources": {"gpus": 0},
-            "autoscaling": {
-                "mode": "ketch",
-                "maxReplicas": high,
-                "metrics": [{"type": "RequestsWaiting", "target": 4}],
-            },
-        }
-
-    b["spec"]["roles"] = {"prefill": role(4), "decode": role(6)}
-    b["spec"]["auth"] = {"peerKeySecretRef": {"name": "coordpd-peer-key"}}
+    b = base(name)
+    b["spec"]["roles"] = {
+        "prefill": ketch_role(maxReplicas=4, metrics=[{"type": "RequestsWaiting", "target": 4}]),
+        "decode": ketch_role(maxReplicas=6, metrics=[{"type": "RequestsWaiting", "target": 4}]),
+    }
+    b["spec"]["auth"] = {"peerKeySecretRef": {"name": PEER_KEY}}
     b["spec"]["autoscaling"] = {"syncPeriodSeconds": 1, "ratio": {"min": 0.5, "max": 1}}
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": PEER_KEY},
+            "data": {"peer-key": base64.b64encode(b"coordpd-peer-key-0123456789abcd").decode()},
+        }
+    )
     metrics.load.update(prefill=0, decode=0)
     cluster.apply(b)
 
@@ -236,9 +311,9 @@ def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics, por
     assert cluster.get("hpa", f"{name}-prefill") is None
 
 
-def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, metrics, port):  # noqa: F811
+def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, metrics):  # noqa: F811
     name = "coordoff"
-    b = body(port)
+    b = body()
     b["metadata"]["name"] = name
     metrics.load["mixed"] = 0
     cluster.apply(b)
@@ -265,40 +340,32 @@ def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, me
     ) not in operator.autoscaling.states
 
 
-def test_sawtooth_load_does_not_flap(cluster, operator, metrics, port):  # noqa: F811
+def test_sawtooth_load_does_not_flap(cluster, operator, metrics):  # noqa: F811
     """Load that comes and goes faster than the scale-down window: the role scales up once and
     stays there (no down-up reversals), every decision in between is a hold."""
     name = "coordsaw"
-    # the fake metrics share a role's load among all its ready pods in the namespace
-    cluster.run("delete", crd.PLURAL, "--all")
-    wait_for(lambda: not cluster.items("pods", "app.kubernetes.io/name=ketch"), "no other pods")
-    b = body(port)
+    b = body()
     b["metadata"]["name"] = name
     b["spec"]["roles"]["mixed"]["autoscaling"]["behavior"] = {
         "scaleDown": {"stabilizationWindowSeconds": 30}
     }
     metrics.load["mixed"] = 0
     cluster.apply(b)
-
-    def count() -> int:
-        return cluster.get("deployments", f"{name}-mixed")["spec"]["replicas"]
-
-    wait_for(
-        lambda: condition(cluster.get(crd.PLURAL, name), "ScalingActive").get("status") == "True",
-        "ScalingActive",
-    )
+    wait_for(lambda: scaling(cluster, name).get("status") == "True", "ScalingActive")
+    metrics.load["mixed"] = 12
+    wait_for(lambda: replicas(cluster, name) == 3, "the first scale-up")
+    # the teeth start once the three pods serve (the load shared among them): each tooth a few
+    # sync periods (1 s) of every pod, well within the window
+    pods = wait_for(lambda: (p := ready_pods(cluster, name)) and len(p) == 3 and p, "3 pods up")
     samples = []
-    for tooth in range(6):  # high, low, high, low, ... each a few sync periods (1 s)
+    for tooth in range(6):  # high, low, high, low, ...
         metrics.load["mixed"] = 12 if tooth % 2 == 0 else 0
-        if tooth == 0:
-            wait_for(lambda: count() == 3, "the first scale-up")
-        for _ in range(6):
-            samples.append(count())
-            time.sleep(0.3)
+        for _ in range(3):
+            metrics.scraped(pods, 1)
+            samples.append(replicas(cluster, name))
     changes = [b for a, b in itertools.pairwise(samples) if a != b]
     assert changes == [], samples  # after the first scale-up: no change at all
     assert samples[0] == 3
     status = cluster.get(crd.PLURAL, name)["status"]["autoscaling"]["roles"]["mixed"]
     moves = [(d["from"], d["to"]) for d in status["decisions"] if d["from"] != d["to"]]
     assert moves == [(1, 3)], status["decisions"]
-    cluster.run("delete", crd.PLURAL, name)
