@@ -20,6 +20,8 @@ import pytest
 
 from kubecluster import KubeCluster, kubectl, start_cluster
 
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "inferenceservices.serving.ketch.dev.yaml"
+
 __all__ = ["kubectl"]
 
 
@@ -44,6 +46,10 @@ def kube() -> Iterator[KubeCluster]:
     except RuntimeError as exc:
         pytest.fail(f"the test cluster did not start: {exc}")
     try:
+        # The CRD first: the garbage collector learns new resource types by discovery every
+        # 30 s, and until it has, deleting an InferenceService leaves its children (tests wait
+        # for the garbage collector; this gets the wait out of their way).
+        kubectl(cluster, "apply", "--server-side", "-f", str(CRD_FILE), check=True)
         yield cluster
     finally:
         cluster.stop()
