@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import operator_rbac
 import pytest
 
@@ -81,3 +82,20 @@ def test_documented_install_works(fresh_cluster, section):
         pytest.skip(f"KETCH_TEST_NODE_AGENT=0 starts no node: not run: {', '.join(waits)}")
     if waits:  # rolled out: every pod ran the operator until /healthz answered
         assert deployment["status"].get("availableReplicas") == len(items), deployment["status"]
+    if section != "Apply the CRDs first" or not waits:
+        return
+    # Acceptance of the real control plane (issue 27): the operator pod, signed in as its
+    # ServiceAccount with the manifests' ClusterRole, makes examples/mixed.yaml Ready, and its
+    # Service (ClusterIP, through the cluster's service proxy) answers the openai client.
+    assert run("kubectl apply -f examples/mixed.yaml", fresh_cluster).returncode == 0
+    ready = run(
+        "kubectl wait --for condition=Ready --timeout 240s inferenceservice/tiny", fresh_cluster
+    )
+    assert ready.returncode == 0, ready.stdout + ready.stderr
+    svc = run("kubectl get service tiny-mixed -o jsonpath={.spec.clusterIP}", fresh_cluster)
+    client = openai.OpenAI(
+        base_url=f"http://{svc.stdout.strip()}:8000/v1", api_key="unused", max_retries=0
+    )
+    out = client.completions.create(model="tiny", prompt="Alice was", max_tokens=4)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens
+    assert run("kubectl delete -f examples/mixed.yaml --wait=true", fresh_cluster).returncode == 0
