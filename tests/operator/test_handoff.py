@@ -29,9 +29,16 @@ def managed(manager: str, operation: str = "Apply", subresource: str = "") -> di
 
 
 def live(*entries: dict[str, Any], replicas: int = 3) -> dict[str, Any]:
+    """The operator's Deployment (its controller reference is the InferenceService's uid)."""
+    owner = {"kind": "InferenceService", "name": "s", "uid": UID, "controller": True}
     return {
         "kind": "Deployment",
-        "metadata": {"name": "s-mixed", "namespace": "n", "managedFields": list(entries)},
+        "metadata": {
+            "name": "s-mixed",
+            "namespace": "n",
+            "managedFields": list(entries),
+            "ownerReferences": [owner],
+        },
         "spec": {"replicas": replicas},
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from ketch.engine.metrics import EngineMetrics
@@ -87,3 +89,130 @@ def test_ttft_quantile_is_over_the_last_two_minutes():
     assert p90(310, 10, 0) <= 0.5
     windows.forget(set())
     assert not windows.snapshots
+
+
+# --------------------------------------------------------------------------- untrusted pages (M2)
+
+GOOD_PAGE = 'ketch:num_requests_waiting{model_name="m"} 3\n'
+MIB = 1 << 20
+
+
+def _serve_and_scrape(handler, timeout: float = 2.0):
+    """Serves ``handler`` as /metrics (and /internal, which counts its hits) on 127.0.0.1 and
+    scrapes it as one ready pod ``p``; returns (RoleMetrics, hits of /internal, seconds)."""
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    hits: list[str] = []
+
+    async def internal(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(text=GOOD_PAGE)
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        app.router.add_get("/internal", internal)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        pod = {
+            "metadata": {"name": "p"},
+            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        started = time.monotonic()
+        try:
+            async with aiohttp.ClientSession() as session:
+                got = await scrape.scrape_role(session, [pod], port, ["RequestsWaiting"], timeout)
+            seconds = time.monotonic() - started
+        finally:
+            await runner.cleanup()
+        return got, hits, seconds
+
+    return asyncio.run(run())
+
+
+def test_a_redirect_is_not_followed():
+    from aiohttp import web
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"http://{request.host}/internal")
+
+    got, hits, _ = _serve_and_scrape(redirect)
+    assert hits == []  # the operator never asked where the pod pointed it
+    assert got.errors == ["p: HTTP 302 (redirects are not followed)"]
+    assert got.values == {"RequestsWaiting": []}
+
+
+def test_a_body_over_the_limit_is_not_read():
+    from aiohttp import web
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()  # chunked: no Content-Length to refuse up front
+        await response.prepare(request)
+        line = b"# " + b"x" * 1000 + b"\n"
+        try:
+            for _ in range(64 * 1024):  # 64 MiB, if anyone read it all
+                await response.write(line)
+        except (ConnectionError, RuntimeError):
+            pass  # the operator hung up
+        return response
+
+    got, _, _ = _serve_and_scrape(endless, timeout=20)
+    assert got.errors == [f"p: body over {MIB} bytes"]
+
+    async def announced(request: web.Request) -> web.Response:
+        return web.Response(body=b"#" * (MIB + 1))
+
+    got, _, _ = _serve_and_scrape(announced)
+    assert got.errors == [f"p: body over {MIB} bytes"]
+    assert scrape.MAX_BODY_BYTES == MIB
+
+
+def test_nothing_the_pod_sent_reaches_the_error_text():
+    from aiohttp import web
+
+    secret = "SECRET-from-10.0.7.3-internal"
+    pages = {
+        "unparsable": web.Response(text=f'ketch:num_requests_waiting{{m="{secret}"}} {secret}\n'),
+        "error": web.Response(status=500, text=secret, reason="Oops " + secret),
+        "gzip": web.Response(
+            body=b"\x1f\x8b" + secret.encode(), headers={"Content-Encoding": "gzip"}
+        ),
+    }
+    expected = {
+        "unparsable": "p: unreadable metrics (ValueError)",
+        "error": "p: HTTP 500",
+        "gzip": "p: compressed body refused (Content-Encoding)",
+    }
+    for name, page in pages.items():
+
+        async def handler(request: web.Request, page=page) -> web.Response:
+            return page
+
+        got, _, _ = _serve_and_scrape(handler)
+        assert got.errors == [expected[name]], name
+        assert secret not in " ".join(got.errors)
+
+
+def test_a_slow_pod_is_given_up_on_at_the_timeout():
+    from aiohttp import web
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)
+        return web.Response(text=GOOD_PAGE)
+
+    got, _, seconds = _serve_and_scrape(slow, timeout=0.3)
+    assert got.errors == ["p: no answer within 0.3 s"]
+    assert seconds < 1.2
+
+
+def test_only_the_wanted_series_reach_the_parser():
+    noise = 'noise{x="y"} not-a-number\n'  # the parser would refuse this line
+    too_long = "ketch:num_requests_waiting " + "1" * 5000 + "\n"  # over the line limit: skipped
+    page = "# HELP noise anything at all\n" + noise + too_long + GOOD_PAGE
+    assert scrape.extract(page, ["RequestsWaiting"]) == {"RequestsWaiting": 3.0}

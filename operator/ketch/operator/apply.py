@@ -4,6 +4,12 @@ One field manager (``kube.FIELD_MANAGER``), forced: the operator owns exactly th
 builders set, and an identical apply changes nothing on the server. What each apply answered is
 kept (``Tracked.expected``) to judge drift against. One Event per generation lists what changed.
 
+Forced only on its own children: first every child's name is checked (``verify``, see
+``ownership``); an object of that name that this InferenceService does not control is a
+conflict, and then nothing of the generation is applied and nothing is pruned
+(``ChildConflict``: ``Degraded``, retried with backoff). A child that does not exist yet is
+created by an apply that is not forced (``ownership.create``).
+
 Children go in three stages (``stages``): config, NetworkPolicy, Services and budgets; then the
 Deployments; then their autoscalers. A stage's children are applied concurrently, so a new
 InferenceService costs three round trips of latency, not one per child, and no pod ever starts
@@ -15,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ketch.operator import builders, handoff, prune
-from ketch.operator.cache import Cache, Key, Obj, Tracked
+from ketch.operator import builders, handoff, ownership, prune
+from ketch.operator.cache import Cache, ChildKey, Key, Obj, Tracked
 from ketch.operator.drift import project
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import ApiError, KubeClient
@@ -42,16 +48,24 @@ class ChildApplier:
         first = tracked.applied_generation is None
         children = builders.build(svc)
         desired = {(c["kind"], c["metadata"]["name"]): c for c in children}
+        known = await self.verify(key, tracked, children)
         changed = []
         expected = {}
         answers = {}
         for stage in stages(children):
             results = await asyncio.gather(
-                *(self._apply_one(key, tracked, child) for child in stage), return_exceptions=True
+                *(self._apply_one(key, tracked, child, known) for child in stage),
+                return_exceptions=True,
             )
+            raced = {}
             for outcome in results:
-                if isinstance(outcome, BaseException):
+                if isinstance(outcome, ownership.ChildConflict):
+                    raced.update(outcome.conflicts)
+                elif isinstance(outcome, BaseException):
                     raise outcome
+            if raced:  # created by someone else since ``verify``: no later stage is applied
+                tracked.conflicts = raced
+                raise ownership.ChildConflict(raced)
             for child, (before, result) in zip(stage, results, strict=True):
                 if result is None:
                     continue
@@ -83,23 +97,54 @@ class ChildApplier:
             len(pruned),
         )
 
+    async def verify(
+        self, key: Key, tracked: Tracked, children: list[Obj]
+    ) -> dict[ChildKey, Obj | None]:
+        """Each child as it exists now (None: absent), read concurrently where the watch cache
+        does not already show it as this InferenceService's. Raises ``ChildConflict``, after
+        noting it in ``tracked.conflicts``, when any name is taken by an object the
+        InferenceService does not control: then nothing is applied (a Deployment needs its
+        ConfigMap, pods must not start without their NetworkPolicy, and a half-applied
+        generation is harder to reason about than the previous one left running)."""
+        svc = tracked.svc
+        assert svc is not None
+
+        async def one(child: Obj) -> tuple[ChildKey, Obj | None]:
+            child_key = (child["kind"], child["metadata"]["name"])
+            cached = self.cache.observed(key, child_key)
+            if ownership.controlled_by(cached, svc.uid):
+                return child_key, cached
+            return child_key, await self.client.get(child_key[0], svc.namespace, child_key[1])
+
+        found = dict(await asyncio.gather(*(one(child) for child in children)))
+        tracked.conflicts = {
+            (kind, name): ownership.describe(kind, svc.namespace, name, obj)
+            for (kind, name), obj in found.items()
+            if obj is not None and not ownership.controlled_by(obj, svc.uid)
+        }
+        if tracked.conflicts:
+            raise ownership.ChildConflict(tracked.conflicts)
+        return found
+
     async def _apply_one(
-        self, key: Key, tracked: Tracked, child: Obj
+        self, key: Key, tracked: Tracked, child: Obj, known: dict[ChildKey, Obj | None]
     ) -> tuple[Obj | None, Obj | None]:
         """(the child as cached before, the server's answer) for one child."""
-        before = self.cache.live(key).get((child["kind"], child["metadata"]["name"]))
-        child = await self._hand_over_replicas(tracked, child, before)
-        return before, await self._apply(key, tracked, child)
+        child_key = (child["kind"], child["metadata"]["name"])
+        before = self.cache.live(key).get(child_key)
+        live = known.get(child_key)
+        child = await self._hand_over_replicas(tracked, child, live)
+        return before, await self._apply(key, tracked, child, live)
 
-    async def _hand_over_replicas(self, tracked: Tracked, child: Obj, cached: Obj | None) -> Obj:
+    async def _hand_over_replicas(self, tracked: Tracked, child: Obj, live: Obj | None) -> Obj:
         """Before a Deployment is applied without ``replicas`` (its role is autoscaled), the
         count it has is handed over, so that it does not fall to 1 (see ``handoff``). A new
         one is created with its autoscaler's ``minReplicas``, handed over the same way on the
-        next apply (or taken by the autoscaler's first scale). Returns the child to apply."""
+        next apply (or taken by the autoscaler's first scale). ``live``: the Deployment as
+        ``verify`` found it (this InferenceService's, or None). Returns the child to apply."""
         if child["kind"] != "Deployment" or "replicas" in child["spec"]:
             return child
         meta = child["metadata"]
-        live = cached or await self.client.get("Deployment", meta["namespace"], meta["name"])
         if live is None:
             initial = _initial_replicas(tracked, meta["name"])
             if initial is None:
@@ -116,9 +161,13 @@ class ChildApplier:
                 )
         return child
 
-    async def _apply(self, key: Key, tracked: Tracked, child: Obj) -> Obj | None:
-        """The server's answer, or None when the child's kind is not served (KEDA missing)."""
+    async def _apply(self, key: Key, tracked: Tracked, child: Obj, live: Obj | None) -> Obj | None:
+        """The server's answer, or None when the child's kind is not served (KEDA missing).
+        ``live`` is this InferenceService's (a forced apply) or None (created, not forced)."""
+        assert tracked.svc is not None
         try:
+            if live is None:
+                return await ownership.create(self.client, tracked.svc.uid, child)
             return await self.client.apply(child)
         except ApiError as exc:
             if not (exc.status == 404 and child["kind"] in prune.UNWATCHED_KINDS):

@@ -34,6 +34,9 @@ class Tracked:
     answers: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)
     # When a status change that is progress only was first held back (``status_patch``).
     held_since: float | None = None
+    # Children whose names are taken by objects this InferenceService does not control, with
+    # what status says of each (``ownership``); empty once every child is applied.
+    conflicts: dict[ChildKey, str] = dataclasses.field(default_factory=dict)
 
     @property
     def last_status(self) -> Obj | None:

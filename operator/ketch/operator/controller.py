@@ -15,7 +15,10 @@ controller keeps the latest copy of each (``cache``) and queues work per Inferen
   (``status_patch``).
 
 A spec that can't be deployed sets ``Degraded/InvalidSpec`` once and waits for the next
-generation: no hot retries. API errors retry with exponential backoff, per InferenceService.
+generation: no hot retries. A child whose name an object the InferenceService does not control
+already holds sets ``Degraded/ChildConflict`` and is retried with backoff (``ownership``): the
+other object may go away (the garbage collector removing what an earlier InferenceService of
+the same name left). API errors retry with exponential backoff, per InferenceService.
 Coordinated autoscaling runs beside it (``autoscaling.loop``), one loop per InferenceService.
 """
 
@@ -24,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 
-from ketch.operator import crd, objects
+from ketch.operator import crd, objects, ownership
 from ketch.operator.apply import ChildApplier
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
@@ -201,11 +205,20 @@ class Controller:
             except InvalidSpec as exc:
                 await self.status.invalid(key, tracked, generation, exc)
                 return
-            await self.applier.apply_all(key, tracked, generation)
+            await self._owning(key, tracked, self.applier.apply_all(key, tracked, generation))
             self.autoscaling.sync(key, tracked)
         elif work.drift and tracked.svc is not None:
-            await self.drift.restore(key, tracked, work.drift)
+            await self._owning(key, tracked, self.drift.restore(key, tracked, work.drift))
         if tracked.svc is not None and tracked.invalid_generation != generation:
             await self.status.write(key, tracked)
         self.metrics.reconciles.labels(kind).inc()
         self.metrics.duration.labels(kind).observe(time.perf_counter() - started)
+
+    async def _owning(self, key: Key, tracked: Tracked, applying: Awaitable[None]) -> None:
+        """Runs ``applying``; on a ``ChildConflict`` the status says so (``Degraded``, with its
+        Warning Event) before the conflict fails the reconcile, which is then retried."""
+        try:
+            await applying
+        except ownership.ChildConflict:
+            await self.status.write(key, tracked)
+            raise

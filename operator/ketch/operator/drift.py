@@ -3,7 +3,8 @@
 ``contains`` decides drift (the live object may carry more than was applied: defaults, other
 managers' fields); ``project`` records what was applied as the server stored it, so a value the
 server normalised is not taken for a hand edit. ``DriftRepair`` re-applies the drifted children
-and says so with an Event.
+and says so with an Event — only onto objects this InferenceService controls: one that was
+deleted and then made again by someone else under that name is a conflict (``ownership``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ketch.operator import ownership
 from ketch.operator.cache import Cache, ChildKey, Key, Tracked
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import KubeClient
@@ -66,13 +68,33 @@ class DriftRepair:
         self.metrics = metrics
 
     async def restore(self, key: Key, tracked: Tracked, drift: set[ChildKey]) -> None:
+        """Puts the drifted children back; ``ChildConflict`` (noted in ``tracked.conflicts``)
+        for those whose name an object this InferenceService does not control now holds."""
+        svc = tracked.svc
+        assert svc is not None
+        conflicts = {}
         for child_key in sorted(drift):
             child = tracked.desired.get(child_key)
             live = self.cache.live(key).get(child_key)
             wanted = tracked.expected.get(child_key) or child
             if child is None or (live is not None and contains(wanted, live)):
                 continue  # already put back, or no longer wanted
-            result = await self.client.apply(child)
+            if not ownership.controlled_by(live, svc.uid):
+                live = await self.client.get(child_key[0], svc.namespace, child_key[1])
+            try:
+                if live is None:
+                    result = await ownership.create(self.client, svc.uid, child)
+                elif ownership.controlled_by(live, svc.uid):
+                    result = await self.client.apply(child)
+                else:
+                    description = ownership.describe(
+                        child_key[0], svc.namespace, child_key[1], live
+                    )
+                    raise ownership.ChildConflict({child_key: description})
+            except ownership.ChildConflict as exc:
+                conflicts.update(exc.conflicts)
+                continue
+            tracked.conflicts.pop(child_key, None)
             tracked.expected[child_key] = project(child, result)
             if child_key[0] == "Deployment":
                 tracked.answers[child_key] = result
@@ -86,3 +108,6 @@ class DriftRepair:
                 "Restored",
                 f"{child_key[0]} {child_key[1]} was {what} outside the operator; put back",
             )
+        if conflicts:
+            tracked.conflicts.update(conflicts)
+            raise ownership.ChildConflict(tracked.conflicts)

@@ -192,16 +192,20 @@ class KubeClient:
         )
         return payload.get("items") or []
 
-    async def delete(self, kind: str, namespace: str, name: str) -> None:
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        """Deletes the object; with ``uid``, only if it is still that object (a precondition:
+        one made again under the name since it was read is left). False when nothing was
+        deleted (gone already, or another object)."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self.request(
-                "DELETE",
-                resource_path(kind, namespace, name),
-                body={"propagationPolicy": "Background"},
-            )
+            await self.request("DELETE", resource_path(kind, namespace, name), body=body)
         except ApiError as exc:
-            if exc.status != 404:
-                raise
+            if exc.status == 404 or (exc.status == 409 and uid):
+                return False
+            raise
+        return True
 
     async def patch_status(
         self, kind: str, namespace: str, name: str, status: dict[str, Any]

@@ -1,14 +1,16 @@
 """Pruning: children an InferenceService owns that its spec no longer wants are deleted.
 
-Only children whose owner reference carries the InferenceService's uid are touched, so an
-object of the same name that someone else made, or one left by an earlier InferenceService of
-that name, stays.
+Only children whose controller reference is the InferenceService's uid are touched
+(``ownership.controlled_by``), so an object of the same name that someone else made, or one
+left by an earlier InferenceService of that name, stays; and the delete carries that uid as its
+precondition, so an object that replaced the child since it was read is not deleted either.
 """
 
 from __future__ import annotations
 
 from ketch.operator.cache import ChildKey, Obj, Tracked
 from ketch.operator.kube import KubeClient
+from ketch.operator.ownership import controlled_by
 from ketch.operator.spec import ServiceSpec
 
 CHILD_KINDS = (
@@ -27,21 +29,16 @@ CHILD_KINDS = (
 UNWATCHED_KINDS = ("ScaledObject",)
 
 
-def owned_by(obj: Obj | None, uid: str) -> bool:
-    owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
-    return any(o.get("uid") == uid for o in owners)
-
-
 async def prune_watched(
     client: KubeClient, svc: ServiceSpec, live: dict[ChildKey, Obj], desired: dict[ChildKey, Obj]
 ) -> list[str]:
     """Deletes the watched children (``live``, from the cache) that ``desired`` lacks."""
     deleted = []
     for (kind, name), obj in list(live.items()):
-        if (kind, name) in desired or kind not in CHILD_KINDS or not owned_by(obj, svc.uid):
+        if (kind, name) in desired or kind not in CHILD_KINDS or not controlled_by(obj, svc.uid):
             continue
-        await client.delete(kind, svc.namespace, name)
-        deleted.append(f"{kind} {name}")
+        if await client.delete(kind, svc.namespace, name, uid=_uid(obj)):
+            deleted.append(f"{kind} {name}")
     return deleted
 
 
@@ -63,8 +60,13 @@ async def prune_unwatched(
         for name in sorted(names):
             if (kind, name) in desired:
                 continue
-            if not owned_by(await client.get(kind, svc.namespace, name), svc.uid):  # None: 404
+            obj = await client.get(kind, svc.namespace, name)  # None: 404
+            if not controlled_by(obj, svc.uid):
                 continue
-            await client.delete(kind, svc.namespace, name)
-            deleted.append(f"{kind} {name}")
+            if await client.delete(kind, svc.namespace, name, uid=_uid(obj)):
+                deleted.append(f"{kind} {name}")
     return deleted
+
+
+def _uid(obj: Obj | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("uid")

@@ -11,7 +11,9 @@ Three conditions, as Kubernetes API conventions have them:
 - ``Degraded``: something needs a person: ``InvalidSpec`` (the spec can't be deployed),
   ``CrashLoop`` (a container keeps crashing), ``ImagePullError`` (the image can't be pulled),
   ``InsufficientCapacity`` (pods can't be scheduled, e.g. no free GPUs), ``ModelFetchFailed``
-  (the model-fetch init container fails) or ``InitContainerFailed`` (another init container).
+  (the model-fetch init container fails) or ``InitContainerFailed`` (another init container),
+  and ``ChildConflict``: an object the InferenceService does not control holds a child's name
+  (``ownership``); nothing of the generation is applied, and all three conditions say so.
 
 ``lastTransitionTime`` only moves when a condition's status changes, so recomputing the status of
 an unchanged deployment gives an identical object and the operator writes nothing.
@@ -170,9 +172,11 @@ def compute(
     pods: list[Obj],
     old: Obj | None,
     now: str,
+    conflict: str | None = None,
 ) -> Obj:
     """The InferenceService's status. ``deployments`` maps every role (and router) to its live
-    Deployment or None when it doesn't exist yet."""
+    Deployment or None when it doesn't exist yet. ``conflict``: why the generation was not
+    applied (``ownership.summary``), which then decides all three conditions."""
     roles: dict[str, Obj] = {}
     rolling: list[str] = []
     for role, dep in deployments.items():
@@ -202,6 +206,12 @@ def compute(
         ready = _condition(
             "Ready", True, "AllReplicasReady", f"{ready_pods}/{desired_pods} pods ready", generation
         )
+    if conflict:
+        reason = "ChildConflict"
+        degraded = _condition("Degraded", True, reason, conflict, generation)
+        ready = _condition("Ready", False, reason, conflict, generation)
+        waiting = "not applied while a child's name is taken (retried with backoff)"
+        progressing = _condition("Progressing", False, reason, waiting, generation)
     return {
         "observedGeneration": generation,
         "mode": mode,

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ketch.operator import builders, crd
+from ketch.operator import builders, crd, ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
@@ -67,14 +67,25 @@ class StatusWriter:
         deployments = {
             role: self.cache.observed(key, ("Deployment", f"{svc.name}-{role}")) for role in roles
         }
+        # Only its own Deployments count (another object of the name is a conflict).
+        deployments = {
+            role: dep if ownership.controlled_by(dep, svc.uid) else None
+            for role, dep in deployments.items()
+        }
+        generation = tracked.applied_generation or 0
+        conflict = None
+        if tracked.conflicts:  # this generation was seen, and refused
+            generation = int(tracked.body["metadata"].get("generation") or generation)
+            conflict = ownership.summary(tracked.conflicts)
         new = status_mod.compute(
-            generation=tracked.applied_generation or 0,
+            generation=generation,
             mode=svc.mode,
             url=builders.service_url(svc),
             deployments=deployments,
             pods=self.cache.live_pods(key),
             old=tracked.last_status,
             now=status_mod.now(),
+            conflict=conflict,
         )
         state = self.autoscaling.states.get(key)
         if state is not None:

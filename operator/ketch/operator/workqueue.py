@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from ketch.operator.cache import ChildKey, Key
 from ketch.operator.kube import ApiError
 from ketch.operator.metrics import OperatorMetrics
+from ketch.operator.ownership import ChildConflict
 
 logger = logging.getLogger("ketch.operator")
 
@@ -96,18 +97,22 @@ class WorkQueue:
         failures = self._failures[key] = self._failures.get(key, 0) + 1
         reason = error_reason(exc)
         self.metrics.errors.labels(reason).inc()
-        self.last_error = str(exc)
+        if not isinstance(exc, ChildConflict):  # the InferenceService's problem, not the API's
+            self.last_error = str(exc)
         delay = min(self.max_backoff, 0.5 * 2 ** min(failures, 10))
         logger.warning(
             "%s/%s: reconcile failed (%s), retrying in %.1f s: %s", *key, reason, delay, exc
         )
         work.merge(self._pending.pop(key, Work()))
         await asyncio.sleep(delay)
+        work.merge(self._pending.pop(key, Work()))  # and what arrived while it waited
         self._pending[key] = work
 
 
 def error_reason(exc: Exception) -> str:
     """The ``reason`` label of a failed reconcile."""
+    if isinstance(exc, ChildConflict):
+        return ChildConflict.__name__
     if isinstance(exc, ApiError):
         return {409: "Conflict", 422: "Invalid", 403: "Forbidden", 404: "NotFound"}.get(
             exc.status, "ApiError"

@@ -19,12 +19,12 @@ from typing import Any
 
 import aiohttp
 
-from ketch.operator import objects
+from ketch.operator import objects, ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling import decisions, scrape
 from ketch.operator.autoscaling.settings import CoordinatedSettings
 from ketch.operator.cache import Cache, Key, Obj, Tracked
-from ketch.operator.kube import KubeClient
+from ketch.operator.kube import ApiError, KubeClient
 
 logger = logging.getLogger("ketch.operator")
 
@@ -96,7 +96,8 @@ class CoordinatedAutoscaling:
     async def _loop(self, key: Key, state: Autoscale, settings: CoordinatedSettings) -> None:
         coordinator = settings.coordinator()
         started = time.monotonic()
-        async with aiohttp.ClientSession() as session:
+        # No cookies kept from one pod's answer for the next (each page is the tenant's).
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
             run = _Run(
                 settings,
                 coordinator,
@@ -111,7 +112,10 @@ class CoordinatedAutoscaling:
                     raise
                 except Exception as exc:  # the next period tries again; the condition says why
                     logger.warning("%s/%s: autoscaling failed: %s", *key, exc)
-                    self._set_condition(key, state, False, "ScalingFailed", str(exc)[:1000])
+                    # The API server's words; of anything else only its class (no text that
+                    # may have come from a pod reaches status).
+                    why = str(exc) if isinstance(exc, ApiError) else type(exc).__name__
+                    self._set_condition(key, state, False, "ScalingFailed", why[:1000])
                 await asyncio.sleep(settings.sync_period)
 
     async def _once(self, key: Key, state: Autoscale, run: _Run) -> None:
@@ -123,8 +127,8 @@ class CoordinatedAutoscaling:
         current = {}
         for role in svc.roles:
             dep = live.get(("Deployment", f"{svc.name}-{role}"))
-            if dep is None:
-                return  # not created yet
+            if not ownership.controlled_by(dep, svc.uid):
+                return  # not created yet (or another's object of that name: never scaled)
             current[role] = int((dep.get("spec") or {}).get("replicas", 1))
         t = time.monotonic()
         values = await self._scrape(key, state, run, t)

@@ -5,6 +5,13 @@ the spec's metric types become values through ``metric_table.METRICS``: a gauge 
 time-to-first-token quantile from the increase of the pod's histogram buckets over the last
 ``metric_table.RATE_WINDOW`` (2 minutes, as the PromQL of the other modes; ``Windows``), or since
 the pod started while the operator has seen it for less than that.
+
+The page is the InferenceService author's (the engine image is theirs), so it is read as
+untrusted (security review M2): no redirect is followed (a 3xx is an error: the operator must
+not fetch what a pod points it to), the body is read up to ``MAX_BODY_BYTES`` and no further,
+uncompressed, within the timeout (connect, each read and the whole request); only the lines of
+the series the spec asks for reach the parser; and what goes into status names the pod and the
+HTTP status or the class of the error, never text from the response.
 """
 
 from __future__ import annotations
@@ -20,6 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from ketch.operator.autoscaling import metric_table
 
 Obj = dict[str, Any]
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB; the engine's page is a few KiB
+MAX_LINE_BYTES = 4096  # longer lines are skipped: no series the operator reads is that long
+_CHUNK = 64 << 10
+
+
+class ScrapeError(Exception):
+    """Why a pod's page was not used: a fixed text, never anything the pod sent."""
 
 
 @dataclasses.dataclass
@@ -91,10 +106,16 @@ def extract(
     pod: str = "",
     now: float = 0.0,
 ) -> dict[str, float]:
-    """The value of each metric type in one pod's exposition (types without a sample left out)."""
+    """The value of each metric type in one pod's exposition (types without a sample left out).
+    Only the lines of the series ``types`` need are parsed (``wanted_lines``)."""
     samples: dict[str, float] = {}
     buckets: dict[str, list[tuple[float, float]]] = {}
-    for family in text_string_to_metric_families(text):
+    series = {
+        metric_table.BY_TYPE[name].series
+        for name in types
+        if metric_table.BY_TYPE[name].engine is not None
+    }
+    for family in text_string_to_metric_families(wanted_lines(text, series)):
         for sample in family.samples:
             if sample.name.endswith("_bucket") and "le" in sample.labels:
                 buckets.setdefault(sample.name, []).append(
@@ -119,6 +140,49 @@ def extract(
     return out
 
 
+def wanted_lines(text: str, series: set[str]) -> str:
+    """The sample lines of ``series`` in an exposition (no comments: the parser then takes each
+    series as untyped, which is all ``extract`` needs), lines over ``MAX_LINE_BYTES`` left out."""
+    out = []
+    for line in text.splitlines():
+        if len(line) > MAX_LINE_BYTES:
+            continue
+        name = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
+        if name in series:
+            out.append(line)
+    return "\n".join(out) + "\n" if out else ""
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, timeout: float) -> str:
+    """The body of ``url`` as text: ``ScrapeError`` for a status other than 200 (a redirect
+    included), a compressed body, or one over ``MAX_BODY_BYTES``."""
+    limits = aiohttp.ClientTimeout(
+        total=timeout, connect=timeout, sock_connect=timeout, sock_read=timeout
+    )
+    async with session.get(
+        url,
+        timeout=limits,
+        allow_redirects=False,
+        auto_decompress=False,
+        headers={"Accept": "text/plain", "Accept-Encoding": "identity"},
+    ) as response:
+        if 300 <= response.status < 400:
+            raise ScrapeError(f"HTTP {response.status} (redirects are not followed)")
+        if response.status != 200:
+            raise ScrapeError(f"HTTP {response.status}")
+        if response.headers.get("Content-Encoding", "identity").lower() not in ("", "identity"):
+            raise ScrapeError("compressed body refused (Content-Encoding)")
+        too_big = ScrapeError(f"body over {MAX_BODY_BYTES} bytes")
+        if (response.content_length or 0) > MAX_BODY_BYTES:
+            raise too_big
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(_CHUNK):
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_big
+    return body.decode("utf-8", errors="replace")
+
+
 async def scrape_role(
     session: aiohttp.ClientSession,
     pods: list[Obj],
@@ -138,15 +202,16 @@ async def scrape_role(
     async def one(pod: Obj) -> tuple[str, dict[str, float] | str]:
         name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
         try:
-            async with session.get(
-                f"http://{ip}:{port}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as response:
-                if response.status != 200:
-                    return name, f"HTTP {response.status}"
-                text = await response.text()
+            text = await fetch(session, f"http://{ip}:{port}/metrics", timeout)
             return name, extract(text, types, windows=windows, pod=name, now=now)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return name, f"{type(exc).__name__}: {exc}"[:200]
+        except ScrapeError as exc:
+            return name, str(exc)
+        except TimeoutError:
+            return name, f"no answer within {timeout:g} s"
+        except aiohttp.ClientError as exc:  # its text may quote the pod's answer
+            return name, f"request failed ({type(exc).__name__})"
+        except Exception as exc:  # the parser's messages quote the page
+            return name, f"unreadable metrics ({type(exc).__name__})"
 
     for name, got in await asyncio.gather(*(one(p) for p in ready)):
         if isinstance(got, str):
