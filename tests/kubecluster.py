@@ -69,8 +69,6 @@ class ApiResponse:
 class KubeCluster:
     """A running cluster: its admin kubeconfig, an admin API client and its audit log."""
 
-    is_emulator = False
-
     def __init__(self, kubeconfig: str, layout: Layout | None = None):
         self.kubeconfig = kubeconfig
         self.layout = layout
@@ -280,3 +278,13 @@ def kubectl(
         timeout=timeout,
         env=env,
     )
+
+
+def stream_events(kube: KubeCluster, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The events of one watch request as they arrive (``KubeCluster.watch`` parses them once it
+    has ended); ``params`` must bound it: ``timeoutSeconds``."""
+    query = urllib.parse.urlencode({**params, "watch": "true"})
+    wait = float(params.get("timeoutSeconds", 10)) + 10
+    with kube._api.stream("GET", f"{path}?{query}", timeout=wait) as lines:
+        for line in lines:
+            yield json.loads(line)

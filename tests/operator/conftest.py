@@ -63,22 +63,3 @@ def namespace(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str
     kubectl(kube, "create", "namespace", name, check=True)
     yield name
     kubectl(kube, "delete", "namespace", name, "--wait=false")
-
-
-# Modules whose engine-pod rollouts, faults and timeouts were written for the emulator and do not
-# pass yet on the real control plane (issue 27, in progress: their waits are sized for pods that
-# turned Ready at once; real engine pods take 10-20 s each). KETCH_TEST_PENDING=1 runs them.
-PENDING_ON_REAL_CLUSTER = {
-    "test_lifecycle.py",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("KETCH_TEST_PENDING") == "1":
-        return
-    mark = pytest.mark.skip(
-        reason="issue 27: not yet ported to the real control plane (KETCH_TEST_PENDING=1 runs it)"
-    )
-    for item in items:
-        if item.path.name in PENDING_ON_REAL_CLUSTER:
-            item.add_marker(mark)
