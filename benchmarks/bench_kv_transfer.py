@@ -105,7 +105,8 @@ class Instance:
             self.proc = subprocess.Popen(
                 [KETCH, "cache-manager", "--host", "127.0.0.1", "--log-level", "WARNING",
                  "--cache-queue-port", str(queue_port), "--kv-transfer-port", str(self.kv_port),
-                 "--cache-manager-port", str(http_port), "--swap-space", "0"],
+                 "--cache-manager-port", str(http_port), "--swap-space", "0",
+                 "--role", "decode", "--insecure-no-peer-key"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
             )  # fmt: skip
         deadline = time.monotonic() + 30

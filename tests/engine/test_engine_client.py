@@ -12,12 +12,13 @@ from ketch.engine.outputs import TokenLogprob
 
 
 def test_a_malformed_engine_frame_is_counted_and_dropped(tmp_path: Path) -> None:
-    """The reader routes every good frame after a bad one: a bad frame is no reason to stop."""
+    """The reader routes every good frame after a bad one: a bad frame is no reason to stop
+    (the requests it names fail: see test_engine_frames)."""
     client = EngineClient(EngineConfig(model="tiny"), port=1, run_dir=tmp_path)
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         client._queues["r"] = queue
-        bad = encode(StepOutputs([RequestDelta("r", [1])])).replace(b"[1]", b"[-1.5]")
+        bad = encode(StepOutputs([RequestDelta("other", [1])])).replace(b"[1]", b"[-1.5]")
         for frame in (b"\xff", b'{"type": "StepOutputs", "body": {"deltas": [5]}}', bad):
             client._take(frame)
         assert client.bad_messages.total == 3 and queue.empty()

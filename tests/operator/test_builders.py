@@ -577,3 +577,36 @@ def test_decode_pods_learn_their_kv_address_from_the_downward_api() -> None:
             assert ref == "status.podIP"
         else:
             assert "KETCH_KV_TRANSFER_HOST" not in env
+
+
+def test_mixed_pods_open_no_kv_transfer_port():
+    """Review L4: a mixed pod's sidecar moves no KV between pods, so it declares no kv-transfer
+    port (and reads ``role: mixed`` from its role file, so it binds none); prefill and decode
+    sidecars keep theirs."""
+    pod = _pod(example("mixed"), "tiny-mixed")
+    sidecar = next(c for c in pod["containers"] if c["name"] == "cache-manager")
+    assert [p["name"] for p in sidecar["ports"]] == ["cm-http"]
+    config = children(example("mixed"))[("ConfigMap", "tiny-config")]["data"]["mixed.yaml"]
+    assert yaml.safe_load(config)["role"] == "mixed"
+    for role in ("prefill", "decode"):
+        pod = _pod(example("disaggregated"), f"qwen-pd-{role}")
+        sidecar = next(c for c in pod["containers"] if c["name"] == "cache-manager")
+        assert {p["name"] for p in sidecar["ports"]} == {"kv-transfer", "cm-http"}
+
+
+def test_a_disaggregated_spec_needs_a_peer_key_even_without_cel():
+    """Review M11: the operator parses live objects with cel=False (the API server ran the CEL
+    rules) — but an older CRD, or an API server without CEL, may not have. The peer-key rule is
+    checked in Python too: no prefill/decode pod is ever rendered without a peer key."""
+    body = invalid_body({"roles": {"mixed": None, "prefill": {}, "decode": {}}})
+    for cel in (True, False):
+        with pytest.raises(InvalidSpec) as info:
+            parse(body, cel=cel)
+        problems = [p for p in info.value.problems if "peerKeySecretRef" in p]
+        assert problems == [
+            "spec.auth: roles.prefill/decode (disaggregated serving) need auth.peerKeySecretRef: "
+            "a Secret with the key their pd-comm and kv-transfer ports authenticate peers with"
+        ], info.value.problems
+    keyed = copy.deepcopy(body)
+    keyed["spec"]["auth"] = {"peerKeySecretRef": {"name": "peer", "key": "key"}}
+    assert parse(keyed, cel=False).disaggregated

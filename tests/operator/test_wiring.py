@@ -74,11 +74,14 @@ def test_listening_ports_maps_ports_to_flags():
         8004: "--pd-comm-port",
     }  # the worker and cache queues are Unix sockets (ketch.engine.rundir), not ports
     assert not ports[8004].loopback and ports[8080].http
-    sidecar = listening_ports(build_parser().parse_args(["cache-manager"]), {})
+    sidecar = listening_ports(build_parser().parse_args(["cache-manager"]), {"role": "decode"})
     assert sidecar == {
         8005: "--kv-transfer-port",
         8006: "--cache-manager-port",
     }
+    # A mixed instance's sidecar (the default role) opens no KV transfer port (review L4).
+    mixed = listening_ports(build_parser().parse_args(["cache-manager"]), {"role": "mixed"})
+    assert mixed == {8006: "--cache-manager-port"}
     with pytest.raises(ValueError, match="ports must be distinct"):
         listening_ports(args, {"port": 9100})
 

@@ -4,7 +4,9 @@
 directory (``ketch.engine.rundir``; a killed run's stale socket files are replaced), and
 routes each step's deltas to per-request asyncio queues. If the engine process dies, every open
 request gets an error delta at once and ``is_alive`` turns False, so the server can report
-unhealthy and exit instead of hanging.
+unhealthy and exit instead of hanging. A frame from the engine that is refused (too large,
+malformed) fails every open request it names, which the engine is told to abort, so none of
+them waits for output that will not come.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from ketch.engine.core.messages import (
     StepOutputs,
     decode,
     encode,
+    join_pieces,
 )
 from ketch.engine.engine_process import run_engine_process
 from ketch.engine.sampling_params import SamplingParams
@@ -42,6 +46,9 @@ from ketch.engine.worker.shm import remove_segments
 logger = logging.getLogger(__name__)
 
 _LIVENESS_POLL_S = 0.5
+# A request id as json.dumps writes one in a frame (a quote inside any text is escaped, so a
+# generated text cannot forge one).
+_REQUEST_ID = re.compile(rb'"request_id": ?"([^"\\]{1,256})"')
 
 
 class EngineDeadError(RuntimeError):
@@ -76,6 +83,7 @@ class EngineClient:
         self._requests = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._pieces: dict[str, list[RequestDelta]] = {}  # a cut delta's pieces so far
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bad_messages = BadMessages("api-server")
@@ -159,6 +167,7 @@ class EngineClient:
                 yield delta
         finally:
             self._queues.pop(request_id, None)
+            self._pieces.pop(request_id, None)
             if not finished and self.is_alive:
                 await self.abort([request_id])
 
@@ -175,21 +184,40 @@ class EngineClient:
                         data = self._outputs.recv(zmq.NOBLOCK).result()
                     except zmq.Again:
                         break
-                    self._take(data)
+                    lost = self._take(data)
+                    if lost:  # they may run on in the engine: nobody would read them
+                        await self.abort(lost)
             elif not self._process or not self._process.is_alive():
                 code = self._process.exitcode if self._process else None
                 self._fail_all(f"the engine process exited (exit code {code})")
                 return
 
-    def _take(self, data: bytes) -> None:
-        """Routes one frame from the engine; a malformed one is counted and dropped (its
-        requests time out or end with the engine), never the end of the reader."""
+    def _take(self, data: bytes) -> list[str]:
+        """Routes one frame from the engine. A refused one (too large, malformed) is counted
+        and dropped, never the end of the reader; each open request it names fails at once
+        (its output is lost). Returns those requests' ids."""
         try:
             message = decode(data)
         except MessageError as exc:
             self.bad_messages.note("the engine process", exc)
-            return
+            return self._fail_named(data, exc)
         self._dispatch(message)
+        return []
+
+    def _fail_named(self, data: bytes, exc: MessageError) -> list[str]:
+        named = {m.decode("ascii", "replace") for m in _REQUEST_ID.findall(bytes(data))}
+        lost = sorted(rid for rid in named if rid in self._queues)
+        if lost:
+            logger.error(
+                "a refused engine frame carried %d open request(s): failing them", len(lost)
+            )
+        reason = f"its output from the engine was lost ({str(exc)[:200]})"
+        for request_id in lost:
+            self._pieces.pop(request_id, None)
+            self._queues[request_id].put_nowait(
+                RequestDelta(request_id=request_id, error=reason, error_code=500)
+            )
+        return lost
 
     def _dispatch(self, message: object) -> None:
         if not isinstance(message, StepOutputs):
@@ -198,16 +226,39 @@ class EngineClient:
             self.last_snapshot = message.snapshot
             if self.on_snapshot is not None:
                 self.on_snapshot(message.snapshot)
+        # Around a delta cut into pieces (rare): its pieces are held, then queued joined.
+        cut = set(message.continued) if message.continued or self._pieces else None
         for delta in message.deltas:
             if delta.metrics is not None and self.on_finished is not None:
                 self.on_finished(delta.metrics)
             queue = self._queues.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            if queue is None:
+                continue
+            if cut is not None:
+                joined = self._join(delta, delta.request_id in cut)
+                if joined is None:
+                    continue
+                delta = joined
+            queue.put_nowait(delta)
+
+    def _join(self, delta: RequestDelta, continued: bool) -> RequestDelta | None:
+        """The whole delta once its last piece is here (None before); others pass through."""
+        held = self._pieces.get(delta.request_id)
+        if continued:
+            if held is None:
+                self._pieces[delta.request_id] = [delta]
+            else:
+                held.append(delta)
+            return None
+        if held is None:
+            return delta
+        del self._pieces[delta.request_id]
+        return join_pieces([*held, delta])
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
         logger.error("%s; failing %d open requests", reason, len(self._queues))
+        self._pieces.clear()
         for request_id, queue in self._queues.items():
             queue.put_nowait(RequestDelta(request_id=request_id, error=reason, error_code=503))
 

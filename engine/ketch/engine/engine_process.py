@@ -26,6 +26,7 @@ from ketch.engine.core.messages import (
     StepOutputs,
     decode,
     encode,
+    encode_step,
 )
 from ketch.engine.disagg.coordinator import PDCoordinator
 from ketch.engine.lifecycle import exit_with_parent
@@ -258,8 +259,9 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
                     RequestDelta(request_id, error=f"internal error: {error}", error_code=500)
                 )
             changed = True
-        if changed:
-            outputs.send(encode(StepOutputs(deltas=deltas, snapshot=links.snapshot())))
+        if changed:  # one frame, unless the step's output is over the frame budget
+            for frame in encode_step(deltas, links.snapshot()):
+                outputs.send(frame)
 
 
 def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[RequestDelta]) -> None:

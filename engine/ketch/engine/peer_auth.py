@@ -1,9 +1,22 @@
 """Peer authentication for the internal ports that leave the pod (pd-comm, kv-transfer).
 
-Every message carries a seal as its last frame: a timestamp, a random nonce and an HMAC-SHA256
-over a channel label, both of them and every frame, with the InferenceService's peer key (from a
-mounted Secret). A receiver refuses a seal that does not verify, one outside the time window,
-and a nonce it has seen within the window (a replay).
+Two layers, both keyed by the InferenceService's peer key (from a mounted Secret):
+
+- **The connection** (``gate_server``/``gate_client``): a receiving socket takes a connection only
+  after the peer proved it holds the key, before it may send a single message. ZMQ's PLAIN
+  handshake carries a token derived from the key (an HMAC of the channel's name, never the key
+  itself) and a ZAP handler of this process compares it in constant time. Until then libzmq
+  buffers one handshake frame of at most the socket's ``MAXMSGSIZE``, for at most
+  ``HANDSHAKE_S`` seconds; an unauthenticated peer cannot make it buffer messages (a message
+  whose frames never end stays in libzmq's pipe otherwise, whatever HWM says).
+- **Every message** carries a seal as its last frame: a timestamp, a random nonce and an
+  HMAC-SHA256 over a channel label, both of them and every frame. A receiver refuses a seal that
+  does not verify, one outside the time window, and a nonce it has seen within the window (a
+  replay).
+
+Without a key (``--insecure-no-peer-key``, trusted networks only) neither applies; the prefill and
+decode roles and the cache manager refuse to start without a key unless told so
+(``require_peer_key``).
 """
 
 from __future__ import annotations
@@ -11,12 +24,19 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import itertools
+import logging
 import os
 import pathlib
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
+
+import zmq
+
+logger = logging.getLogger("ketch.peer_auth")
 
 PEER_KEY_ENV = "KETCH_PEER_KEY"
 PEER_AUTH_WINDOW_S = 30.0
@@ -42,6 +62,132 @@ def read_peer_key(file: str | None, flag: str = "--peer-key-file") -> bytes | No
     if len(key) < 16:
         raise ValueError(f"{source} holds {len(key)} bytes; a peer key needs at least 16")
     return key
+
+
+INSECURE_FLAG = "--insecure-no-peer-key"
+
+
+def require_peer_key(file: str | None, insecure: bool, what: str) -> bytes | None:
+    """The peer key (see ``read_peer_key``); without one a ValueError unless ``insecure``
+    (``--insecure-no-peer-key``): ``what`` (e.g. "the prefill role") would otherwise take
+    pd-comm or KV transfers from anyone who reaches its port."""
+    key = read_peer_key(file)
+    if key is None and not insecure:
+        raise ValueError(
+            f"{what} needs a peer key: --peer-key-file FILE or ${PEER_KEY_ENV} (the operator "
+            f"mounts spec.auth.peerKeySecretRef); without one its internal ports would take "
+            f"messages from anyone who reaches them. {INSECURE_FLAG} runs without (trusted "
+            "networks only)"
+        )
+    return key
+
+
+# ----------------------------------------------------------------- connection-level gate
+
+HANDSHAKE_S = 5.0
+"""A connection that has not authenticated within this many seconds is dropped."""
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
+_USERNAME = b"ketch"
+
+
+def connection_token(key: bytes, channel: bytes) -> bytes:
+    """What a peer presents when it connects to ``channel``: an HMAC of the channel's name (the
+    key itself never travels; a token seen on the wire opens a connection to that channel only,
+    and every message still needs its seal)."""
+    return hmac.new(key, b"ketch connection v1 " + channel, hashlib.sha256).hexdigest().encode()
+
+
+class _ZapHandler:
+    """The ZAP handler of one ZMQ context: answers libzmq's questions about connecting peers on
+    its own thread; ``tokens`` maps each gated socket's ZAP domain to the token it accepts."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.tokens: dict[bytes, bytes] = {}
+        self.accepted = 0
+        self.refused = 0
+        self._sock = context.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)  # before any gated socket binds: no unchecked window
+        self._context = context
+        threading.Thread(target=self._run, name="ketch-zap", daemon=True).start()
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            while True:
+                request = sock.recv_multipart()
+                sock.send_multipart(self.answer(request))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+            with _HANDLERS_LOCK:
+                if _HANDLERS.get(id(self._context)) is self:
+                    del _HANDLERS[id(self._context)]
+
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request: 200 for the right token on the right domain."""
+        request_id = request[1] if len(request) > 1 else b""
+        ok = False
+        if len(request) == 8 and request[5] == b"PLAIN":
+            domain, username, password = request[2], request[6], request[7]
+            token = self.tokens.get(domain)
+            ok = (
+                token is not None and username == _USERNAME and hmac.compare_digest(password, token)
+            )
+        if ok:
+            self.accepted += 1
+            return [b"1.0", request_id, b"200", b"OK", b"peer", b""]
+        self.refused += 1
+        return [b"1.0", request_id, b"400", b"no valid peer-key token", b"", b""]
+
+
+_HANDLERS: dict[int, _ZapHandler] = {}  # id(context) -> its handler (which keeps it alive)
+_HANDLERS_LOCK = threading.Lock()
+_DOMAINS = itertools.count()
+
+
+def zap_handler(context: zmq.Context) -> _ZapHandler:
+    """The context's ZAP handler, started on first use."""
+    with _HANDLERS_LOCK:
+        handler = _HANDLERS.get(id(context))
+        if handler is None:
+            handler = _HANDLERS[id(context)] = _ZapHandler(context)
+        return handler
+
+
+def gate_server(sock: zmq.Socket, key: bytes | None, channel: bytes) -> bytes | None:
+    """Before ``sock`` binds: with a key, a connecting peer must present ``connection_token``
+    within ``HANDSHAKE_S`` seconds or is dropped before it can send a message. Returns the ZAP
+    domain to pass to ``ungate`` when the socket closes (None without a key)."""
+    if key is None:
+        return None
+    handler = zap_handler(sock.context)
+    domain = f"ketch-{channel.decode(errors='replace')}-{next(_DOMAINS)}".encode()
+    handler.tokens[domain] = connection_token(key, channel)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain)
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+    return domain
+
+
+def gate_client(sock: zmq.Socket, key: bytes | None, channel: bytes) -> None:
+    """Before ``sock`` connects: present the token a ``gate_server`` socket of ``channel``
+    asks for (nothing without a key)."""
+    if key is None:
+        return
+    sock.setsockopt(zmq.PLAIN_USERNAME, _USERNAME)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, connection_token(key, channel))
+
+
+def ungate(context: zmq.Context, domain: bytes | None) -> None:
+    """Forgets a closed socket's ZAP domain."""
+    if domain is None:
+        return
+    with _HANDLERS_LOCK:
+        handler = _HANDLERS.get(id(context))
+    if handler is not None:
+        handler.tokens.pop(domain, None)
 
 
 class PeerAuth:

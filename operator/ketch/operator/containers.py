@@ -144,23 +144,25 @@ def cache_manager_container(svc: ServiceSpec, role: str) -> Obj:
     """The cache-manager sidecar: host swap space for evicted prefix-cache blocks and, in
     prefill/decode roles, KV transfer from prefill pods to decode pods.
 
-    Ports: ``kv-transfer`` (prefill sidecars push KV blocks to decode sidecars) and ``cm-http``
-    (``/health``, ``/metrics``). The engine reaches the sidecar through a Unix socket in the run
-    directory under the shared ``/tmp`` (``ketch.engine.rundir``), not through a port.
+    Ports: ``kv-transfer`` (prefill sidecars push KV blocks to decode sidecars; prefill/decode
+    roles only: a mixed pod's sidecar reads ``role: mixed`` from its role file and opens no such
+    port) and ``cm-http`` (``/health``, ``/metrics``). The engine reaches the sidecar through a
+    Unix socket in the run directory under the shared ``/tmp`` (``ketch.engine.rundir``), not
+    through a port.
     """
     cm = svc.spec["cacheManager"]
     ports = svc.ports
     memory = canonical(cm["memory"]) if cm.get("memory") else plus_gi(cm["hostSwapSpace"], 1)
+    container_ports = [_port(PORT_CM_HTTP, ports["cacheManager"])]
+    if role != "mixed":
+        container_ports.insert(0, _port(PORT_KV_TRANSFER, ports["kvTransfer"]))
     return {
         "name": "cache-manager",
         "image": svc.spec["engine"]["image"],
         "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
         "command": ["ketch", "cache-manager"],
         "args": cache_manager_args(svc, role),
-        "ports": [
-            _port(PORT_KV_TRANSFER, ports["kvTransfer"]),
-            _port(PORT_CM_HTTP, ports["cacheManager"]),
-        ],
+        "ports": container_ports,
         "env": [home_env()],
         "resources": {
             "limits": {"cpu": canonical(cm["cpu"]), "memory": memory},

@@ -174,6 +174,13 @@ def _tp_rule(role: str) -> tuple[str, str, str]:
     )
 
 
+# Also checked in Python (``spec.parse``), whatever the API server did: fail closed on an old CRD.
+PEER_KEY_REQUIRED = (
+    "roles.prefill/decode (disaggregated serving) need auth.peerKeySecretRef: a Secret "
+    "with the key their pd-comm and kv-transfer ports authenticate peers with"
+)
+
+
 def spec_schema() -> dict[str, Any]:
     roles = obj(
         "The engine pods: either 'mixed', or 'prefill' and 'decode' together (prefill/decode "
@@ -213,8 +220,7 @@ def spec_schema() -> dict[str, Any]:
             ),
             (
                 "!has(self.roles.prefill) || (has(self.auth) && has(self.auth.peerKeySecretRef))",
-                "roles.prefill/decode (disaggregated serving) need auth.peerKeySecretRef: a Secret "
-                "with the key their pd-comm and kv-transfer ports authenticate peers with",
+                PEER_KEY_REQUIRED,
                 ".auth",
             ),
         ),

@@ -226,7 +226,8 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
     ``cel=False`` skips the CRD's CEL rules: the operator passes it for objects it read from the
     API server, which enforced those same rules (the CRD is generated from this module's
     schema) — they cost ~20 ms per spec in a Python CEL interpreter, the operator's largest cost
-    in a burst. Structural checks and the engine's own rules always run.
+    in a burst. Structural checks, the engine's own rules and the peer-key rule (fail closed)
+    always run.
     """
     metadata = body.get("metadata") or {}
     name = metadata.get("name") or ""
@@ -249,6 +250,13 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
             if not _evaluate_rule(rule["rule"], {"metadata": {"name": name}}):
                 problems.append(f"metadata.name: {rule['message']}")
     problems += extra_args_problems(spec["engine"].get("extraArgs", []))
+    # Fail closed whatever the API server enforced (an older CRD, no CEL): a prefill/decode pod
+    # without a peer key would take pd-comm and KV transfers from anyone who reaches it.
+    disaggregated = any(r in spec["roles"] for r in ("prefill", "decode"))
+    if disaggregated and "peerKeySecretRef" not in spec.get("auth", {}):
+        problem = f"spec.auth: {crd_spec.PEER_KEY_REQUIRED}"
+        if problem not in problems:
+            problems.append(problem)
     if problems:
         raise InvalidSpec(problems)
     service = ServiceSpec(

@@ -65,6 +65,10 @@ class CacheManagerProcess:
             command += ["--host", "127.0.0.1", "--cache-queue-port", str(self.queue_port)]
             command += ["--kv-transfer-port", str(self.kv_port)]
             command += ["--cache-manager-port", str(self.http_port)]
+            # A cache manager that moves KV (a mixed one opens no KV port), without a peer key
+            # unless the test gives one: tests on one host are the trusted network. ``args``
+            # override both (the last flag wins).
+            command += ["--role", "decode", "--insecure-no-peer-key"]
         command += args
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(

@@ -85,6 +85,7 @@ def test_busy_port_is_named() -> None:
         result = _run(
             "--host", "127.0.0.1", "--kv-transfer-port", str(port),
             "--cache-queue-port", str(queue_port), "--cache-manager-port", str(http_port),
+            "--role", "decode", "--insecure-no-peer-key",
         )  # fmt: skip
     assert result.returncode == 2
     assert f"--kv-transfer-port {port} on 127.0.0.1 is not free" in result.stderr

@@ -18,7 +18,7 @@ from cm_harness import CacheManagerProcess, FakeEngine, running_managers
 
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.transport import ACK, PUSH
-from ketch.engine.peer_auth import PeerAuth
+from ketch.engine.peer_auth import PeerAuth, gate_client
 
 KEY = b"k" * 32
 
@@ -53,6 +53,7 @@ def test_keyed_push_moves_blocks_and_unkeyed_parts_are_dropped(keyed, segments) 
     before = segments[1].kv.copy()
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
+    gate_client(peer, KEY, PUSH)  # past the connection gate (test_kv_transfer_gate covers it)
     peer.connect(f"tcp://{receiver.kv_address}")
     frames = _frames(layout, "forged", nonce, dest)
     stale = PeerAuth(KEY, clock=lambda: time.time() - 120)

@@ -152,6 +152,7 @@ def test_the_circuit_opens_then_lets_one_probe_through(pair, engines, segments) 
     kv_port = int(dest.rsplit(":", 1)[1])
     flags = ["--host", "127.0.0.1", "--cache-queue-port", str(queue_port)]
     flags += ["--kv-transfer-port", str(kv_port), "--cache-manager-port", str(http_port)]
+    flags += ["--role", "decode", "--insecure-no-peer-key"]
     revived = CacheManagerProcess(*flags, *ARGS, ports=[queue_port, kv_port, http_port])
     target = Segment(seed=4)
     try:

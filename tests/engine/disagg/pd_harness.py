@@ -35,8 +35,9 @@ class Pod:
         self.role = role
         key_args = ("--peer-key-file", peer_key_file) if peer_key_file else ()
         self.cm = CacheManagerProcess(
-            "--swap-space", swap_space, "--transfer-timeout", "5", *key_args, *cm_args
-        )
+            "--swap-space", swap_space, "--transfer-timeout", "5", "--role", role, *key_args,
+            *cm_args,
+        )  # fmt: skip
         self.server = Server(
             *key_args,
             "--role",

@@ -149,3 +149,36 @@ def test_a_decode_instance_takes_only_its_prefill_peers() -> None:
         }
         taken = httpx.post(url, json=body, headers=peer, timeout=30)
         assert taken.status_code == 503 and "cache manager" in taken.text
+
+
+def test_unknown_prefill_peers_cost_at_most_one_dns_lookup_a_second() -> None:
+    """Review L2: a forged x-ketch-prefill used to re-resolve --pd-prefill-peers on every
+    request (on the executor grammar checks share), so a flood of bad headers became a flood of
+    DNS lookups. Now requests naming unknown peers share the next resolution, at most one a
+    second; a peer that the names resolve to is still taken."""
+    import asyncio
+    import time
+
+    from ketch.engine.serving.pairing import PrefillPeers
+
+    peers = PrefillPeers("prefill-peers.ns.svc", 8004)
+    lookups: list[float] = []
+
+    def resolve() -> set[tuple[str, int]]:
+        lookups.append(time.monotonic())
+        time.sleep(0.05)  # a DNS round trip
+        return {("10.1.2.3", 8004)}
+
+    peers._resolve = resolve  # type: ignore[method-assign]
+
+    async def flood() -> list[bool]:
+        forged = [peers.allows(f"10.9.{i // 200}.{i % 200}", 8004) for i in range(400)]
+        return await asyncio.gather(*forged, peers.allows("10.1.2.3", 8004))
+
+    started = time.monotonic()
+    *refused, allowed = asyncio.run(flood())
+    assert not any(refused) and allowed
+    assert len(lookups) <= 2, f"{len(lookups)} DNS lookups for one burst of forged headers"
+    assert time.monotonic() - started < 3
+    asyncio.run(flood())  # the next burst, right after: waits for the next slot, one lookup
+    assert len(lookups) <= 3 and lookups[-1] - lookups[-2] >= 0.9

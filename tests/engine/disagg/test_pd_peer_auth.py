@@ -1,5 +1,6 @@
 """Prefill/decode pods that share a peer key: outputs still equal a mixed instance's, and a
-pd-comm peer without the key (none, a wrong one, a stale or replayed seal) gets no answer.
+pd-comm message without a valid seal (none, a wrong key, a stale or replayed seal) gets no
+answer, even from a peer that got past the connection gate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from test_pd_exactness import _complete, _prompts
 from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.disagg import messages as m
 from ketch.engine.disagg.coordinator import FROM_ROUTER, TO_ROUTER
-from ketch.engine.peer_auth import PeerAuth
+from ketch.engine.peer_auth import PeerAuth, gate_client
 from ketch.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,8 +57,11 @@ def test_keyed_disaggregated_outputs_equal_mixed(cluster: dict) -> None:
 
 
 def _dealer(pod: Pod) -> zmq.Socket:
+    """A peer past the connection gate (it presents the key's token, as a decode engine does):
+    what it sends still needs a valid, fresh seal. test_pd_comm_gate covers the gate itself."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    gate_client(sock, KEY, TO_ROUTER)
     sock.connect(f"tcp://{pod.pd_address}")
     return sock
 

@@ -78,8 +78,15 @@ class Router:
             time.sleep(0.05)
         raise AssertionError(f"ketch router not up after {START_TIMEOUT_S:.0f} s:\n{self.log()}")
 
+    def admin_key(self) -> str:
+        """The key the router wrote into the run directory for /v1/ketch/instances."""
+        from ketch.engine import rundir
+
+        return (rundir.run_dir() / f"router-admin-key-{self.port}").read_text().strip()
+
     def instances(self) -> dict[str, dict[str, Any]]:
-        body = httpx.get(f"{self.url}/v1/ketch/instances", timeout=5).json()
+        headers = {"Authorization": f"Bearer {self.admin_key()}"}
+        body = httpx.get(f"{self.url}/v1/ketch/instances", headers=headers, timeout=5).json()
         return {i["url"]: i for i in body["instances"]}
 
     def request_counts(self) -> dict[str, float]:

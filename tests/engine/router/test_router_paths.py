@@ -159,7 +159,8 @@ def test_operator_rendered_config_file_works_unchanged(tmp_path) -> None:
             f"engine_port: {engine_port}\npd_comm_port: 8123\n"
         )
         with running_router("--config", str(config)) as r:  # --port overrides the file's
-            listed = httpx.get(f"{r.url}/v1/ketch/instances").json()
+            admin = {"Authorization": f"Bearer {r.admin_key()}"}
+            listed = httpx.get(f"{r.url}/v1/ketch/instances", headers=admin).json()
             assert listed["policy"] == "prefix-hash"
             by_url = {i["url"]: i for i in listed["instances"]}
             assert by_url[prefill.url]["role"] == "prefill" and by_url[prefill.url]["healthy"]

@@ -46,7 +46,10 @@ class Server:
         full_env.update(env or {})
         command = [KETCH, "serve", *BASE_ARGS, "--kv-cache-memory", KV_MEMORY]
         command += ["--port", str(self.port), "--engine-worker-queue-port", str(worker_port)]
-        command += ["--cache-queue-port", str(cache_port), "--pd-comm-port", str(pd_port), *args]
+        command += ["--cache-queue-port", str(cache_port), "--pd-comm-port", str(pd_port)]
+        # Prefill/decode roles need a peer key unless told otherwise: tests on one host are the
+        # trusted network; a test that gives --peer-key-file (or --no-insecure-...) overrides.
+        command += ["--insecure-no-peer-key", *args]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
@@ -56,6 +59,12 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def admin_key(self) -> str:
+        """The admin key ``ketch serve`` wrote into the run directory (no --admin-key-file)."""
+        from ketch.engine import rundir
+
+        return (rundir.run_dir() / f"admin-key-{self.port}").read_text().strip()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

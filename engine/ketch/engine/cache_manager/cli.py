@@ -22,7 +22,9 @@ engine's KV cache segment and executes what the engine asks:
   - swap: copy KV blocks evicted from the engine's cache into host swap space
     (--swap-space) and back;
   - push: send KV blocks to another instance's cache manager (prefill -> decode transfer),
-    and receive blocks from peers into this engine's cache (--kv-transfer-port).
+    and receive blocks from peers into this engine's cache (--kv-transfer-port); prefill and
+    decode roles only (--role, from the role file): these need a peer key
+    (--peer-key-file or KETCH_PEER_KEY) unless --insecure-no-peer-key.
 The engine decides which blocks go where; this process copies, checks and reports.
 /health and /metrics are served on --cache-manager-port. Settings can come from --config
 FILE, the same role file `ketch serve --config` reads; flags override it."""
@@ -89,10 +91,12 @@ def listening_ports(args: argparse.Namespace, file_values: dict | None = None) -
 def _listeners(config: CacheManagerConfig) -> dict[int, Listener]:
     from ketch.engine.ports import Listener
 
-    return {
-        config.kv_transfer_port: Listener("--kv-transfer-port", config.host),
-        config.cache_manager_port: Listener("--cache-manager-port", config.host, HTTP_PROBE_PATHS),
+    ports = {
+        config.cache_manager_port: Listener("--cache-manager-port", config.host, HTTP_PROBE_PATHS)
     }
+    if config.moves_kv:  # a mixed instance's sidecar opens no KV transfer port
+        ports[config.kv_transfer_port] = Listener("--kv-transfer-port", config.host)
+    return ports
 
 
 def run_cache_manager(args: argparse.Namespace) -> int:

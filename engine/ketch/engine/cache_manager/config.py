@@ -14,6 +14,7 @@ from typing import Any
 from ketch.engine.config import parse_memory_size
 
 KV_TRANSPORTS = ("tcp",)
+ROLES = ("mixed", "prefill", "decode")  # as ServerConfig's
 _GIB = 1024**3
 
 
@@ -52,13 +53,24 @@ class CacheManagerConfig:
     """What the cache-manager sidecar listens on and how much host memory it may use."""
 
     host: str = _opt("0.0.0.0", "Address the KV transfer port and the HTTP port listen on.")
+    role: str = _opt(
+        "mixed",
+        "The role of the engine beside it (the role file's 'role'). Only prefill and decode "
+        "move KV between instances: a mixed instance's cache manager opens no KV transfer port "
+        "and needs no peer key.",
+        choices=ROLES,
+    )
     cache_queue_port: int = _opt(
         8003,
         "Names the engine <-> cache-manager socket: cache-N.sock in the private run directory "
         "($KETCH_RUN_DIR, else <tmp>/ketch-<uid>; no TCP port). Must equal ketch serve's.",
     )
     kv_transfer_port: int = _opt(
-        8005, "Port this cache manager receives KV blocks on from peer cache managers."
+        8005,
+        "Port this cache manager receives KV blocks on from peer cache managers (prefill and "
+        "decode roles only). A frame over 1 GiB ends the connection; with a peer key, a peer "
+        "that has not proved it holds the key within 5 s of connecting is dropped before it can "
+        "send a message.",
     )
     cache_manager_port: int = _opt(8006, "HTTP port of /health and /metrics.")
     swap_space: str = _opt(
@@ -99,8 +111,14 @@ class CacheManagerConfig:
     peer_key_file: str | None = _opt(
         None,
         "File holding the key shared by an InferenceService's prefill and decode pods; or set "
-        "KETCH_PEER_KEY. Then every KV transfer and its acknowledgement must carry its HMAC. "
-        "Without one, the KV transfer port trusts the network.",
+        "KETCH_PEER_KEY. Then a peer must prove it holds the key when it connects to the KV "
+        "transfer port, and every KV transfer and its acknowledgement must carry its HMAC. The "
+        "prefill and decode roles refuse to start without one (see --insecure-no-peer-key).",
+    )
+    insecure_no_peer_key: bool = _opt(
+        False,
+        "Let the prefill and decode roles run without a peer key: the KV transfer port then "
+        "takes blocks from anyone who reaches it. Trusted networks only (tests, one host).",
     )
 
     def __post_init__(self) -> None:
@@ -133,6 +151,8 @@ class CacheManagerConfig:
             if bad or (top is not None and value > top):
                 limit = f"1-{top}" if top else "a positive integer"
                 raise ValueError(f"{name} must be {limit}, got {value!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {list(KV_TRANSPORTS)}, got {self.kv_transport!r}"
@@ -141,3 +161,8 @@ class CacheManagerConfig:
     @property
     def swap_bytes(self) -> int:
         return parse_swap_space(self.swap_space)
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether this instance pushes and receives KV (prefill and decode roles)."""
+        return self.role != "mixed"

@@ -10,7 +10,8 @@ Threads (ZMQ sockets never cross them):
   part is gathered while the last one travels); so a slow or dead peer never delays the
   engine's swaps, nor (beyond its own bounded queue and circuit breaker) pushes to other peers.
 - receiver (the transport's): stores blocks arriving from peers into the attached engine's cache
-  (``receive.TransferReceiver``).
+  (``receive.TransferReceiver``). Prefill and decode roles only: a mixed instance's cache manager
+  binds no KV transfer port (nothing would use it; it would only be one more open port).
 - http: ``/health`` and ``/metrics``.
 
 The engine decides everything (blocks, slots, destinations); this process copies, checks the
@@ -38,8 +39,8 @@ from ketch.engine.cache_manager.push import Pusher, PushJob, PushSettings
 from ketch.engine.cache_manager.receive import TransferReceiver
 from ketch.engine.cache_manager.segment import Attachment, bad_blocks, map_segment
 from ketch.engine.cache_manager.swap import SwapStore
-from ketch.engine.cache_manager.transport import make_transport, parse_dest
-from ketch.engine.peer_auth import read_peer_key
+from ketch.engine.cache_manager.transport import MAX_KV_FRAME_BYTES, make_transport, parse_dest
+from ketch.engine.peer_auth import require_peer_key
 
 logger = logging.getLogger("ketch.cache_manager")
 
@@ -88,16 +89,21 @@ class CacheManager:
         self._done = self._context.socket(zmq.PULL)
         self._closers.append(self._done)
         self._done.bind(_DONE_ADDRESS)
-        key = read_peer_key(cfg.peer_key_file)
-        if key is None:
-            logger.warning(
-                "no peer key (--peer-key-file / KETCH_PEER_KEY): the KV transfer port %d accepts "
-                "blocks from anyone who reaches it; trusted networks only",
-                cfg.kv_transfer_port,
-            )
+        key = None
+        if cfg.moves_kv:
+            what = f"the cache manager of the {cfg.role} role"
+            key = require_peer_key(cfg.peer_key_file, cfg.insecure_no_peer_key, what)
+            if key is None:
+                logger.warning(
+                    "no peer key (--insecure-no-peer-key): the KV transfer port %d accepts "
+                    "blocks from anyone who reaches it; trusted networks only",
+                    cfg.kv_transfer_port,
+                )
         self.transport = make_transport(cfg.kv_transport, self._context, key)
-        self.receiver = self.transport.receiver(cfg.host, cfg.kv_transfer_port)
-        self._closers.append(self.receiver)
+        self.receiver = None
+        if cfg.moves_kv:
+            self.receiver = self.transport.receiver(cfg.host, cfg.kv_transfer_port)
+            self._closers.append(self.receiver)
         try:
             self.http = HttpEndpoint(cfg.host, cfg.cache_manager_port, self.health, self.metrics)
         except OSError as exc:
@@ -117,16 +123,22 @@ class CacheManager:
 
     def run(self) -> int:
         cfg = self.config
-        self.receiver.start(
-            TransferReceiver(lambda: self.attachment, self.metrics, cfg.transfer_timeout)
-        )
+        if self.receiver is not None:
+            self.receiver.start(
+                TransferReceiver(lambda: self.attachment, self.metrics, cfg.transfer_timeout)
+            )
         self.pusher.start()
         self.http.start()
+        transfers = (
+            f"KV transfers ({cfg.kv_transport}) on {cfg.host}:{cfg.kv_transfer_port}"
+            if self.receiver is not None
+            else "no KV transfer port (mixed role)"
+        )
         logger.info(
-            "cache manager %s: engine queue on %s, KV transfers (%s) on %s:%d, "
-            "HTTP on %s:%d, swap space %d bytes",
-            self.id, self._queue_address, cfg.kv_transport, cfg.host, cfg.kv_transfer_port,
-            cfg.host, cfg.cache_manager_port, cfg.swap_bytes,
+            "cache manager %s (%s role): engine queue on %s, %s, HTTP on %s:%d, swap space %d "
+            "bytes",
+            self.id, cfg.role, self._queue_address, transfers, cfg.host, cfg.cache_manager_port,
+            cfg.swap_bytes,
         )  # fmt: skip
         poller = zmq.Poller()
         poller.register(self._queue, zmq.POLLIN)
@@ -186,7 +198,7 @@ class CacheManager:
             name
             for name, alive in (
                 ("sender", self.pusher.alive()),
-                ("receiver", self.receiver.is_alive()),
+                ("receiver", self.receiver is None or self.receiver.is_alive()),
             )
             if not alive
         ]
@@ -316,7 +328,9 @@ class CacheManager:
     def _push(self, identity: bytes, push: p.Push) -> p.PushDone | None:
         att = self.attachment
         error = None
-        if att is None:
+        if not self.config.moves_kv:
+            error = "this cache manager serves a mixed instance (--role mixed): it pushes no KV"
+        elif att is None:
             error = "no engine attached: send Hello first"
         elif not isinstance(push.blocks, list) or not isinstance(push.dest_blocks, list):
             error = "blocks and dest_blocks must be lists"
@@ -325,6 +339,12 @@ class CacheManager:
             error = f"push needs as many dest_blocks as blocks (at least 1), got {n} and {m}"
         else:
             error = bad_blocks(push.blocks, att.layout.num_blocks, "device block")
+            layer_bytes = att.layout.block_bytes // att.layout.num_layers * len(push.blocks)
+            if error is None and layer_bytes > MAX_KV_FRAME_BYTES:
+                error = (
+                    f"one layer of {len(push.blocks)} blocks is {layer_bytes} bytes, more than a "
+                    f"KV transfer frame may carry ({MAX_KV_FRAME_BYTES})"
+                )
             if error is None:
                 try:
                     parse_dest(push.dest)

@@ -16,10 +16,13 @@ gathered); the receiver is a ROUTER receiving without copies and answering one `
 frame per push. A DEALER whose
 peer timed out or failed is closed with linger 0 (queued data dropped) and made anew next time;
 a sender keeps at most ``MAX_SOCKETS`` (the least recently used goes first).
-With a peer key every part travels as ``[header, data, seal]`` and every answer as
+With a peer key a sender must first prove it holds the key when it connects
+(``peer_auth.gate_server``: an unauthenticated peer is dropped at the handshake, before it can
+send a single message), then every part travels as ``[header, data, seal]`` and every answer as
 ``[ack, seal]`` (``peer_auth.PeerAuth``: one HMAC over the header and the data); a part without a
 valid, fresh seal is counted and dropped unanswered (no KV is written), an answer without one
-fails the push.
+fails the push. The receiver drops a connection that sends a frame over ``MAX_KV_FRAME_BYTES``
+(libzmq refuses it before buffering it), and a sender refuses to build such a part.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from ketch.engine.cache_manager.protocol import (
     decode,
     encode,
 )
-from ketch.engine.peer_auth import PeerAuth
+from ketch.engine.peer_auth import PeerAuth, gate_client, gate_server, ungate
 from ketch.engine.wire import BadMessages
 
 logger = logging.getLogger("ketch.cache_manager.transport")
@@ -55,6 +58,9 @@ _POLL_MS = 100
 MAX_SOCKETS = 64  # DEALERs one sender keeps open (one per recent destination)
 PUSH = b"ketch kv-transfer push v1"  # channel labels of peer_auth.PeerAuth seals
 ACK = b"ketch kv-transfer ack v1"
+MAX_KV_FRAME_BYTES = 1 << 30
+"""The largest frame a KV transfer port takes: a part's data is one or more whole layers of the
+pushed blocks (``segment.layer_ranges``), so this allows one layer of 16 384 blocks of 64 KiB."""
 
 
 class TransferError(Exception):
@@ -127,6 +133,7 @@ class TcpSender(KVSender):
         self._context = context
         self._timeout_ms = int(timeout * 1000)
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._key = key
         self._auth = PeerAuth(key) if key else None
 
     def _socket(self, dest: str) -> zmq.Socket:
@@ -139,6 +146,7 @@ class TcpSender(KVSender):
                 self._drop(next(iter(self._sockets)))
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            gate_client(sock, self._key, PUSH)
             address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
@@ -231,16 +239,21 @@ class TcpReceiver(KVReceiver):
     ) -> None:
         self._auth = PeerAuth(key) if key else None
         self.bad_messages = BadMessages("cache manager kv-transfer")
+        self._context = context
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # libzmq drops a bigger frame (and the connection that sent it) before buffering it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_KV_FRAME_BYTES)
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
+        self._zap_domain = gate_server(self._sock, key, PUSH)
         bind_host = "*" if host in ("0.0.0.0", "::") else host
         bind_host = f"[{bind_host}]" if ":" in bind_host else bind_host
         try:
             self._sock.bind(f"tcp://{bind_host}:{port}")
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
+            ungate(context, self._zap_domain)
             raise ValueError(f"--kv-transfer-port {port} on {host} is not free: {exc}") from exc
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -311,6 +324,7 @@ class TcpReceiver(KVReceiver):
             self._thread.join(timeout=2)
         else:
             self._sock.close(linger=0)
+        ungate(self._context, self._zap_domain)
 
 
 class TcpTransport(KVTransport):

@@ -1,7 +1,10 @@
 """Messages between the API server and the engine process: small, typed, JSON on the wire.
 
 Each step's ``RequestDelta``s (``ketch.engine.outputs``, what the engine emits) travel as they
-are, in one ``StepOutputs``.
+are, in one ``StepOutputs`` (``encode_step``). A step whose frame would pass ``FRAME_BUDGET``
+goes in several frames, and a delta larger than that in pieces (``StepOutputs.continued``,
+joined by ``join_pieces`` on the API side), so no frame reaches what the receiver refuses
+(``wire.MAX_MESSAGE_BYTES``); that costs one length check per step, nothing per delta.
 
 Nothing here is pickled: each message encodes itself to a tagged JSON object and decodes back,
 so either side can be replaced (or inspected with a plain ZMQ client) without sharing objects.
@@ -9,7 +12,8 @@ so either side can be replaced (or inspected with a plain ZMQ client) without sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from ketch.engine import wire
 from ketch.engine.outputs import RequestDelta
@@ -38,10 +42,15 @@ class AbortRequests:
 
 @dataclass
 class StepOutputs:
-    """Everything one engine step produced, and the engine's state after it."""
+    """Everything one engine step produced, and the engine's state after it.
+
+    ``continued``: the requests whose delta here is a piece of one too large for a frame; it
+    goes on in the next frames, up to a piece not listed (``encode_step``). Empty almost
+    always: a frame holds at most one delta per request."""
 
     deltas: list[RequestDelta]
     snapshot: EngineSnapshot | None = None
+    continued: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,9 +71,13 @@ class EngineFailed:
 
 
 __all__ = [
-    "AbortRequests", "AddRequest", "EngineFailed", "EngineReady", "RequestDelta", "StepOutputs",
-    "decode", "encode",
+    "FRAME_BUDGET", "AbortRequests", "AddRequest", "EngineFailed", "EngineReady", "RequestDelta",
+    "StepOutputs", "decode", "encode", "encode_step", "join_pieces",
 ]  # fmt: skip
+
+FRAME_BUDGET = 16 << 20
+"""Most bytes the engine puts in one ``StepOutputs`` frame: far below what the API server
+accepts (``wire.MAX_MESSAGE_BYTES``), and small enough to decode without stalling its loop."""
 
 Message = AddRequest | AbortRequests | StepOutputs | EngineReady | EngineFailed
 _TYPES = wire.registry(AddRequest, AbortRequests, StepOutputs, EngineReady, EngineFailed)
@@ -77,3 +90,90 @@ def encode(message: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """Parses one message; raises wire.MessageError on anything malformed."""
     return wire.decode(data, _TYPES, "engine")
+
+
+def encode_step(
+    deltas: list[RequestDelta], snapshot: EngineSnapshot | None, budget: int = FRAME_BUDGET
+) -> list[bytes]:
+    """A step's frames: one, unless it is over ``budget`` bytes; then as many as it takes, in
+    order, the snapshot on the last, each delta over the budget cut into pieces."""
+    data = encode(StepOutputs(deltas=deltas, snapshot=snapshot))
+    if len(data) <= budget:
+        return [data]
+    room = budget - len(encode(StepOutputs(deltas=[], snapshot=snapshot)))
+    frames: list[bytes] = []
+    pack: list[RequestDelta] = []
+    continued: list[str] = []
+    size = 0
+    for delta in deltas:
+        pieces = _pieces(delta, room)
+        for i, (piece, piece_size) in enumerate(pieces):
+            # At most one delta per request in a frame: its pieces go in successive frames.
+            if pack and (size + piece_size > room or (i and pack[-1] is pieces[i - 1][0])):
+                frames.append(encode(StepOutputs(deltas=pack, continued=continued)))
+                pack, continued, size = [], [], 0
+            pack.append(piece)
+            size += piece_size
+            if i < len(pieces) - 1:
+                continued.append(piece.request_id)
+    frames.append(encode(StepOutputs(deltas=pack, snapshot=snapshot, continued=continued)))
+    return frames
+
+
+def _pieces(delta: RequestDelta, budget: int) -> list[tuple[RequestDelta, int]]:
+    """``delta`` (or its pieces, halved until each fits), each with its encoded size (an upper
+    bound of what it adds to a frame). A delta that cannot be cut goes whole: the receiver
+    refuses that frame and fails the requests it names."""
+    size = len(wire.encode(delta)) + 2  # ", " between deltas
+    halves = _halve(delta) if size > budget else None
+    if halves is None:
+        return [(delta, size)]
+    return _pieces(halves[0], budget) + _pieces(halves[1], budget)
+
+
+def _halve(delta: RequestDelta) -> tuple[RequestDelta, RequestDelta] | None:
+    """The delta as two consecutive ones (the second with its end: finish reason, metrics),
+    each with about half its tokens, logprobs, text and prompt logprobs; None if too small."""
+    tokens, text = delta.new_token_ids, delta.new_text
+    logprobs, prompt_logprobs = delta.logprobs, delta.prompt_logprobs
+    lengths = (len(tokens), len(text), len(logprobs or ()), len(prompt_logprobs or ()))
+    if max(lengths) <= 1:
+        return None
+    t = (len(tokens) + 1) // 2
+    lp = t if logprobs is not None and len(logprobs) == len(tokens) else (lengths[2] + 1) // 2
+    c, p = len(text) // 2, (lengths[3] + 1) // 2
+    first = RequestDelta(
+        request_id=delta.request_id,
+        new_token_ids=tokens[:t],
+        new_text=text[:c],
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        logprobs=None if logprobs is None else logprobs[:lp],
+        prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs[:p],
+    )
+    second = dataclasses.replace(
+        delta,
+        new_token_ids=tokens[t:],
+        new_text=text[c:],
+        logprobs=None if logprobs is None else logprobs[lp:],
+        prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs[p:],
+    )
+    return first, second
+
+
+def join_pieces(pieces: list[RequestDelta]) -> RequestDelta:
+    """The delta that ``pieces`` (in order, the last one its end) were cut from."""
+    last = pieces[-1]
+    logprobs = last.logprobs
+    if logprobs is not None:
+        logprobs = [lp for piece in pieces for lp in piece.logprobs or ()]
+    prompt_logprobs = last.prompt_logprobs
+    if prompt_logprobs is not None:
+        prompt_logprobs = [lp for piece in pieces for lp in piece.prompt_logprobs or ()]
+    return dataclasses.replace(
+        last,
+        new_token_ids=[t for piece in pieces for t in piece.new_token_ids],
+        new_text="".join(piece.new_text for piece in pieces),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )

@@ -5,9 +5,15 @@ Every prefill or decode engine binds a ROUTER on ``host:pd_comm_port``: a prefil
 answers pings on it (so either role can be probed). A decode engine reaches each prefill peer
 through its own DEALER, created on first use, and gets the answers back on it.
 
-With a peer key (``--peer-key-file`` or ``$KETCH_PEER_KEY``) every message, both ways, travels
-as ``[message, seal]`` (see ``peer_auth.PeerAuth``); one without a valid, fresh seal is counted and
-dropped unanswered. Without a key a message is one frame and any peer is trusted.
+With a peer key (``--peer-key-file`` or ``$KETCH_PEER_KEY``; these roles refuse to start without
+one unless ``--insecure-no-peer-key``) a peer must first prove it holds the key when it connects
+(``peer_auth.gate_server``: until then it can send no message), and every message, both ways,
+travels as ``[message, seal]`` (see ``peer_auth.PeerAuth``); one without a valid, fresh seal is
+counted and dropped unanswered. Without a key a message is one frame and any peer is trusted.
+
+The engine's step loop handles at most ``MAX_MESSAGES_PER_TICK`` messages per socket per tick:
+a flood of (even sealed) messages delays its own handling, never the decoding of running
+requests for longer than that.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ketch.engine.disagg.messages import (
     encode,
 )
 from ketch.engine.disagg.prefill import PrefillSide
-from ketch.engine.peer_auth import PeerAuth, read_peer_key
+from ketch.engine.peer_auth import PeerAuth, gate_client, gate_server, require_peer_key, ungate
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
 from ketch.engine.wire import BadMessages
@@ -44,6 +50,7 @@ TO_ROUTER = b"ketch pd-comm to-router v1"  # channel labels of peer_auth.PeerAut
 FROM_ROUTER = b"ketch pd-comm from-router v1"
 
 MAX_PEERS = 64  # prefill peers a decode engine keeps a socket to at once
+MAX_MESSAGES_PER_TICK = 64  # per socket; the rest wait for the next tick (the socket stays ready)
 PEER_IDLE_S = 60.0  # a peer no request has used for this long loses its socket
 
 
@@ -66,18 +73,28 @@ class PDCoordinator:
         # libzmq drops a bigger frame (and the connection that sent it) before it is buffered.
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
         self.bad_messages = BadMessages(f"{self.role} pd-comm")
-        key = read_peer_key(config.peer_key_file)
+        try:
+            key = require_peer_key(
+                config.peer_key_file, config.insecure_no_peer_key, f"the {self.role} role"
+            )
+        except ValueError:
+            self.router.close()
+            raise
+        self._key = key
         self.auth = PeerAuth(key) if key else None
         if key is None:
             logger.warning(
-                "%s role without a peer key (--peer-key-file / KETCH_PEER_KEY): pd-comm accepts "
+                "%s role without a peer key (--insecure-no-peer-key): pd-comm accepts "
                 "messages from anyone who reaches port %d; trusted networks only",
                 self.role, config.pd_comm_port,
             )  # fmt: skip
+        # Unauthenticated peers are dropped at the handshake, before they can send a message.
+        self._zap_domain = gate_server(self.router, key, TO_ROUTER)
         try:
             self.router.bind(f"tcp://{config.host}:{config.pd_comm_port}")
         except zmq.ZMQError as exc:
             self.router.close()
+            ungate(self._context, self._zap_domain)
             raise ValueError(f"--pd-comm-port {config.pd_comm_port} is not free: {exc}") from exc
         self._peers: dict[str, zmq.Socket] = {}
         self._peer_of: dict[zmq.Socket, str] = {}
@@ -154,13 +171,17 @@ class PDCoordinator:
     def tick(self) -> tuple[list[RequestDelta], list[RequestDelta]]:
         """Handles what arrived, timeouts and reservations; returns deltas and errors for the
         API server."""
-        while self.router.poll(0):
+        for _ in range(MAX_MESSAGES_PER_TICK):
+            if not self.router.poll(0):
+                break
             identity, *frames = self.router.recv_multipart()
             data = self._opened(frames, TO_ROUTER, "a pd-comm peer")
             if data is not None:
                 self._on_router(identity, data)
         for socket, peer in list(self._peer_of.items()):
-            while socket.poll(0):
+            for _ in range(MAX_MESSAGES_PER_TICK):
+                if not socket.poll(0):
+                    break
                 data = self._opened(socket.recv_multipart(), FROM_ROUTER, peer)
                 if data is not None:
                     self._on_peer(peer, data)
@@ -180,6 +201,7 @@ class PDCoordinator:
     def close(self) -> None:
         for socket in self.sockets():
             socket.close(linger=0)
+        ungate(self._context, self._zap_domain)
 
     def _opened(self, frames: list[bytes], channel: bytes, peer: str) -> bytes | None:
         """The message of ``frames`` (checked against its seal when there is a key), or None
@@ -259,6 +281,7 @@ class PDCoordinator:
             # writes nothing (the reservation was revoked).
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_PD_MESSAGE_BYTES)
+            gate_client(socket, self._key, TO_ROUTER)
             socket.connect(f"tcp://{peer}")
             self._peers[peer] = socket
             self._peer_of[socket] = peer

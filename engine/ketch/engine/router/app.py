@@ -9,6 +9,10 @@ body only for prefix-hash, and only to hash its prompt; the instances validate r
 streams are passed through chunk by chunk; a stream that breaks mid-way ends with an in-stream
 error event, so clients fail promptly instead of hanging.
 
+Clients never see backends' addresses or errors (503, 502, 504 bodies and ``/ready`` say what
+happened in general terms); the router's log and ``/v1/ketch/instances`` (admin key or
+registration token) have the details.
+
 A request goes to a second instance only when the connection to the first failed, so nothing
 of it reached that instance (which leaves rotation). Once an instance has the request, its
 answer — a 503 included — or its failure is the client's answer: a request that broke one
@@ -58,10 +62,15 @@ class RouterState:
     draining: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     registration_token: str | None = None  # None: registration is refused, whatever the config
+    admin_key: str | None = None  # for /v1/ketch/instances (besides the registration token)
+    _details_logged: float = -60.0  # when the details of "no instance" were last logged
 
     @classmethod
     def from_config(
-        cls, config: RouterConfig, registration_token: str | None = None
+        cls,
+        config: RouterConfig,
+        registration_token: str | None = None,
+        admin_key: str | None = None,
     ) -> RouterState:
         policy = make_policy(config.policy, config.prefix_cache_entries, config.prefix_slack)
         decode = make_policy("round-robin" if config.policy == "round-robin" else "least-requests")
@@ -71,6 +80,7 @@ class RouterState:
             policy,
             decode_policy=decode,
             registration_token=registration_token,
+            admin_key=admin_key,
         )
         state.idle.set()
         return state
@@ -100,21 +110,25 @@ def create_app(state: RouterState) -> FastAPI:
     async def models(request: Request) -> Response:
         serving = state.registry.healthy("mixed") or state.registry.healthy("decode")
         if not serving:
-            return error_response(503, _no_instance_message(state))
+            return error_response(503, _no_instance(state))
         headers = _passed_headers(request)
         try:
             async with state.registry.session.get(  # type: ignore[union-attr]
-                f"{serving[0].url}/v1/models", headers=headers, timeout=_timeout(state)
+                f"{serving[0].url}/v1/models",
+                headers=headers,
+                timeout=_timeout(state),
+                allow_redirects=False,
             ) as resp:
                 body = await resp.read()
                 kind = resp.headers.get("content-type", "application/json")
                 return Response(body, status_code=resp.status, media_type=kind)
         except _NOT_SENT as exc:
             state.registry.mark_down(serving[0], f"/v1/models: connect failed: {_describe(exc)}")
-            return error_response(502, f"instance {serving[0].url} failed: {_describe(exc)}")
+            return error_response(502, "the instance could not be reached; retry")
         except _FAILED as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502
-            return error_response(status, f"instance {serving[0].url} failed: {_describe(exc)}")
+            logger.warning("/v1/models from %s failed: %s", serving[0].url, _describe(exc))
+            return error_response(status, "the instance failed to answer; retry")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -126,7 +140,7 @@ def create_app(state: RouterState) -> FastAPI:
         if state.draining:
             problems.append("draining")
         if not state.registry.can_serve():
-            problems.append(_no_instance_message(state))
+            problems.append(_no_instance(state))
         body = {"ready": not problems, "problems": problems, "policy": state.policy.name}
         return JSONResponse(body, status_code=503 if problems else 200)
 
@@ -138,7 +152,7 @@ def create_app(state: RouterState) -> FastAPI:
     @app.get("/v1/ketch/instances")
     async def instances(request: Request) -> JSONResponse:
         try:  # the backends' addresses and errors: for operators, not for every client
-            check_listing_access(request, state.registration_token)
+            check_listing_access(request, state.registration_token, state.admin_key)
         except Refused as exc:
             return refused_response(exc)
         listed = sorted(state.registry.instances.values(), key=lambda i: (i.role, i.url))
@@ -161,6 +175,22 @@ def _passed_headers(request: Request) -> dict[str, str]:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".rstrip(": ")
+
+
+_NO_INSTANCE = (
+    "no healthy instance can serve this request now (a mixed one, or a prefill and a decode "
+    "one, is needed); retry shortly"
+)
+
+
+def _no_instance(state: RouterState) -> str:
+    """What a client is told when nothing can serve; the details (addresses, the instances' own
+    errors) go to the log, at most every 10 s, and to /v1/ketch/instances."""
+    now = time.monotonic()
+    if now - state._details_logged >= 10.0:
+        state._details_logged = now
+        logger.warning("%s", _no_instance_message(state))
+    return _NO_INSTANCE
 
 
 def _no_instance_message(state: RouterState) -> str:
@@ -258,9 +288,10 @@ async def forward(state: RouterState, request: Request, path: str, paired: bool 
         return await _relay(state, target, resp, started)
     if unreachable:
         state.metrics.requests.labels("none", "502").inc()
-        return error_response(502, f"no instance could be reached: {unreachable}")
+        logger.warning("no instance could be reached: %s", unreachable)
+        return error_response(502, "no instance could be reached; retry shortly")
     state.metrics.requests.labels("none", "503").inc()
-    return error_response(503, _no_instance_message(state))
+    return error_response(503, _no_instance(state))
 
 
 async def _send(
@@ -276,8 +307,12 @@ async def _send(
     if prefill is not None:
         send[PREFILL_HEADER] = f"{prefill.host}:{prefill.pd_comm_port}"
     assert state.registry.session is not None  # opened by Registry.start before serving
-    return await state.registry.session.post(
-        f"{target.url}{path}", data=body, headers=send, timeout=_timeout(state)
+    return await state.registry.session.post(  # a 307/308 would re-send the body elsewhere
+        f"{target.url}{path}",
+        data=body,
+        headers=send,
+        timeout=_timeout(state),
+        allow_redirects=False,
     )
 
 
@@ -291,16 +326,15 @@ def _failed_after_send(
     if isinstance(exc, TimeoutError):
         status = 504
         message = (
-            f"instance {target.url} did not answer within {state.config.request_timeout:g} s "
+            f"the instance did not answer within {state.config.request_timeout:g} s "
             "(--request-timeout); not retried elsewhere"
         )
     else:
         status = 502
         message = (
-            f"instance {target.url} failed after the request was sent ({_describe(exc)}); "
-            "not retried: it may have started on it"
+            "the instance failed after the request was sent; not retried: it may have started on it"
         )
-    logger.warning("%s", message)
+    logger.warning("instance %s: %s (%s)", target.url, message, _describe(exc))
     state.metrics.requests.labels(target.url, str(status)).inc()
     return error_response(status, message)
 
@@ -319,8 +353,9 @@ async def _relay(
         except _FAILED as exc:
             metrics.upstream_errors.labels(target.url).inc()
             status = 504 if isinstance(exc, TimeoutError) else 502
-            why = "--request-timeout" if status == 504 else _describe(exc)
-            return error_response(status, f"instance {target.url} broke off its answer: {why}")
+            logger.warning("answer from %s broke off: %s", target.url, _describe(exc))
+            why = " (--request-timeout)" if status == 504 else ""
+            return error_response(status, f"the instance broke off its answer{why}; retry")
         finally:
             resp.release()
             _leave(state, target)
@@ -334,9 +369,7 @@ async def _relay(
         except _FAILED as exc:
             metrics.upstream_errors.labels(target.url).inc()
             logger.warning("stream from %s broke: %s: %s", target.url, type(exc).__name__, exc)
-            yield b"\n\n" + _sse_error(
-                f"instance {target.url} broke off the stream ({type(exc).__name__}); retry"
-            )
+            yield b"\n\n" + _sse_error("the instance broke off the stream; retry")
         finally:
             resp.close()
             _leave(state, target)

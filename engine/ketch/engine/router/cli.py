@@ -19,6 +19,7 @@ from ketch.engine.ports import Listener, check_free
 from ketch.engine.router.app import RouterState, create_app
 from ketch.engine.router.config import RouterConfig
 from ketch.engine.router.registration import read_registration_token
+from ketch.engine.serving.admission import local_admin_key
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 
 logger = logging.getLogger("ketch.router")
@@ -31,8 +32,11 @@ port (a headless Service: every address it resolves to is an instance on --engin
 may also register themselves when --registration is on: POST /v1/ketch/register {"url":
 "http://host:port", "role": "mixed"} with 'Authorization: Bearer <token>' (the token from
 --registration-token-file or KETCH_ROUTER_REGISTRATION_TOKEN; required), repeated as a
-heartbeat within --registration-ttl; DELETE to leave. GET /v1/ketch/instances lists what the
-router knows.
+heartbeat within --registration-ttl; DELETE to leave (at most 256 registered at once).
+GET /v1/ketch/instances lists what the router knows, to 'Authorization: Bearer <key>' with the
+registration token or the admin key the router writes to router-admin-key-<port> in its run
+directory ($KETCH_RUN_DIR, else <tmp>/ketch-<uid>; read it with kubectl exec). Clients get no
+backend addresses or errors in 502/503 bodies or /ready: those go to the log.
 
 A request is tried on a second instance only when the connection to the first failed (nothing
 was sent); an instance's own answer, 503 included, is passed back, and a failure after sending
@@ -106,7 +110,9 @@ def _listeners(config: RouterConfig) -> dict[int, Listener]:
 
 async def serve_router(config: RouterConfig, registration_token: str | None = None) -> int:
     """Runs until SIGTERM/SIGINT; returns 0 after draining."""
-    state = RouterState.from_config(config, registration_token)
+    admin_key, where = local_admin_key(f"router-admin-key-{config.port}")
+    logger.info("/v1/ketch/instances needs the admin key in %s (or the registration token)", where)
+    state = RouterState.from_config(config, registration_token, admin_key)
     await state.registry.start()
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
     stop = stop_event()

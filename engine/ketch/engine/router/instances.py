@@ -8,11 +8,16 @@ every ``health_interval``: a non-200, a connection error or a role that disagree
 instance's list takes it out of rotation at once; the next success puts it back. Besides the
 polls only a refused connection takes an instance out (``mark_down``); a slow or failed answer
 to one request does not, since the instance may be healthy and busy with a long request.
+
+Bounds: at most ``MAX_REGISTERED`` registered instances (each costs two GETs per health round);
+no request of the router follows a redirect; a ``/ready`` body is read up to
+``MAX_READY_BYTES`` and a ``/metrics`` body up to ``MAX_METRICS_BYTES`` (more: not scraped).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -28,6 +33,27 @@ from ketch.engine.router.config import ROLES, RouterConfig, normalise_url
 logger = logging.getLogger("ketch.router")
 
 _LOAD_METRICS = ("ketch:num_requests_running", "ketch:num_requests_waiting")
+MAX_REGISTERED = 256  # registered instances at once; more registrations are refused (503)
+MAX_READY_BYTES = 64 * 1024
+MAX_METRICS_BYTES = 4 << 20  # an engine's /metrics is tens of KB
+
+
+class RegistryFull(ValueError):
+    """No room for another registered instance."""
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None when it is longer than ``limit`` bytes (nothing more is read)."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        return None
+    body = await resp.content.read(limit + 1)
+    while len(body) <= limit and not resp.content.at_eof():
+        more = await resp.content.read(limit + 1 - len(body))
+        if not more:
+            break
+        body += more
+    return None if len(body) > limit else body
 
 
 @dataclass
@@ -107,6 +133,9 @@ class Registry:
             self._remove(url, f"re-registered as {role}")
             inst = None
         if inst is None:
+            registered = sum(1 for i in self.instances.values() if i.source == "registered")
+            if registered >= MAX_REGISTERED:
+                raise RegistryFull(f"this router already has {MAX_REGISTERED} registered instances")
             inst = self._add(url, role, "registered")
             if self.session is not None:
                 self._tasks = [t for t in self._tasks if not t.done()]
@@ -162,11 +191,14 @@ class Registry:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
-            async with self.session.get(f"{inst.url}/ready", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{inst.url}/ready", timeout=timeout, allow_redirects=False
+            ) as resp:
                 status = resp.status
+                raw = await read_bounded(resp, MAX_READY_BYTES)
                 try:
-                    body = await resp.json(content_type=None)
-                except (ValueError, RecursionError, aiohttp.ContentTypeError):
+                    body = json.loads(raw) if raw else {}
+                except (ValueError, RecursionError):
                     body = {}
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             inst.checked = True
@@ -202,10 +234,19 @@ class Registry:
     async def _scrape(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
         assert self.session is not None
         try:
-            async with self.session.get(f"{inst.url}/metrics", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{inst.url}/metrics", timeout=timeout, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text(errors="replace")
+                raw = await read_bounded(resp, MAX_METRICS_BYTES)
+                if raw is None:
+                    logger.warning(
+                        "instance %s: /metrics is over %d bytes; not scraped", inst.url,
+                        MAX_METRICS_BYTES,
+                    )  # fmt: skip
+                    return
+                text = raw.decode(errors="replace")
         except (aiohttp.ClientError, TimeoutError, OSError):
             return  # load stays as last known; /ready decides health
         try:

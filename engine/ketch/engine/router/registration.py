@@ -20,8 +20,7 @@ from fastapi.responses import JSONResponse
 
 from ketch.engine.router.admission import Refused, error_response, read_body, refused_response
 from ketch.engine.router.config import RouterConfig
-from ketch.engine.router.instances import Registry
-from ketch.engine.serving.admission import is_loopback
+from ketch.engine.router.instances import Registry, RegistryFull
 
 TOKEN_ENV = "KETCH_ROUTER_REGISTRATION_TOKEN"
 _MAX_BYTES = 64 * 1024  # a registration is one small JSON object
@@ -38,6 +37,8 @@ def registration_routes(config: RouterConfig, registry: Registry, token: str | N
             inst = registry.register(_text(data, "url"), _text(data, "role", "mixed"))
         except Refused as exc:
             return refused_response(exc)
+        except RegistryFull as exc:
+            return error_response(503, f"{exc}; unregister one first", "server_error")
         except ValueError as exc:
             message = f'register needs JSON {{"url": "http://host:port", "role": ...}}: {exc}'
             return error_response(400, message, "invalid_request_error")
@@ -132,13 +133,20 @@ def check_token(request: Request, token: str) -> None:
         raise Refused(403, "wrong registration token", "permission_error")
 
 
-def check_listing_access(request: Request, token: str | None) -> None:
-    """``GET /v1/ketch/instances``: loopback clients (``kubectl exec``/``port-forward``), or
-    the registration token when the router has one; 403 for anyone else."""
-    client = request.client.host if request.client else None
-    if is_loopback(client):
-        return
-    if token is None:
-        message = "/v1/ketch/instances answers loopback clients only (no registration token set)"
-        raise Refused(403, message, "permission_error")
-    check_token(request, token)
+def check_listing_access(request: Request, token: str | None, admin_key: str | None) -> None:
+    """``GET /v1/ketch/instances``: the router's admin key (written into its run directory,
+    for ``kubectl exec``) or the registration token when it has one; 401/403 for anyone else.
+    Where the client connects from proves nothing: behind a same-pod proxy or a service-mesh
+    sidecar every client is loopback."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given or not given.isascii():
+        message = (
+            "/v1/ketch/instances needs 'Authorization: Bearer <key>': the router's admin key "
+            "(router-admin-key-<port> in its run directory) or its registration token"
+        )
+        raise Refused(401, message, "authentication_error")
+    for key in (admin_key, token):
+        if key is not None and hmac.compare_digest(given.encode(), key.encode()):
+            return
+    raise Refused(403, "wrong key for /v1/ketch/instances", "permission_error")

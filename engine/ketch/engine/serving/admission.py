@@ -8,20 +8,27 @@
   (408 after), whatever the client declares in Content-Length.
 - Credentials are compared as bytes in constant time: a header with non-ASCII characters is a
   wrong credential (401), not a server error.
+- /pause and /resume always need the admin key; where the client connects from proves nothing
+  (``check_control_access``).
 - Limits on what one request may carry (sequences, stop strings, stop token ids, logit bias),
   and token ids within the model's vocabulary, as the engine announced it.
+- A bound on what one request may produce (``--max-output-entries``), checked before it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import ipaddress
+import os
+import secrets
 import weakref
+from pathlib import Path
 from typing import Protocol
 
 from fastapi import Request
 
+from ketch.engine import rundir
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.protocol import ProtocolError
@@ -94,24 +101,31 @@ def credential_ok(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())
 
 
-def check_control_access(
-    path: str, header: str, admin_key: str | None, client_host: str | None
-) -> None:
-    """/pause and /resume: the admin key when one is set, else loopback clients only."""
-    if admin_key is not None:
-        if not credential_ok(header, admin_key):
-            raise ProtocolError(401, "missing or wrong admin key: send 'Bearer <admin key>'")
-    elif not is_loopback(client_host):
+def check_control_access(path: str, header: str, admin_key: str | None) -> None:
+    """/pause and /resume: always the admin key (``--admin-key-file``, else the one ``ketch
+    serve`` wrote into its run directory, see ``local_admin_key``). The peer's address proves
+    nothing: a same-pod proxy (a service-mesh sidecar, which connects from 127.0.0.6, or any
+    reverse proxy on 127.0.0.1) makes every client look like loopback. No key: refused."""
+    if admin_key is None or not credential_ok(header, admin_key):
         raise ProtocolError(
-            403, f"{path} answers loopback clients only unless --admin-key-file is set"
+            401,
+            f"missing or wrong admin key: {path} needs 'Authorization: Bearer <admin key>' "
+            "(--admin-key-file, else the admin-key file in the server's run directory)",
         )
 
 
-def is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def local_admin_key(name: str) -> tuple[str, Path]:
+    """A fresh random admin key, written (mode 0600) to ``name`` in the private run directory
+    (0700, ``ketch.engine.rundir``): whoever can read it — this user, ``kubectl exec`` into the
+    container — can send it; nobody else, wherever they connect from."""
+    key = secrets.token_urlsafe(32)
+    path = rundir.run_dir() / name
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a previous run's; never written through (O_EXCL below)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key, path
 
 
 def check_limits(config: ServerConfig, params: SamplingParams, num_prompts: int) -> None:
@@ -146,6 +160,33 @@ def check_limits(config: ServerConfig, params: SamplingParams, num_prompts: int)
             f"logit_bias has {len(params.logit_bias)} entries; at most {config.max_logit_bias} "
             "are allowed (--max-logit-bias)",
             param="logit_bias",
+        )
+
+
+def check_output_size(
+    config: ServerConfig, params: SamplingParams, prompts: list[list[int]], max_model_len: int
+) -> None:
+    """400 when a request could produce more than ``--max-output-entries``: each sequence's
+    tokens (max_tokens, or the room left in max_model_len) times ``1 + logprobs``, and its
+    prompt's tokens times ``1 + prompt_logprobs`` when it asks for those. Counted before any
+    work, so a non-streaming response, the engine's frames and the JSON body stay bounded."""
+    per_token = 1 + (params.logprobs or 0)
+    scored = None if params.prompt_logprobs is None else 1 + params.prompt_logprobs
+    entries = 0
+    for prompt in prompts:
+        room = max(max_model_len - len(prompt), 0)
+        tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        entries += tokens * per_token + (0 if scored is None else len(prompt) * scored)
+    entries *= params.n
+    limit = config.max_output_entries
+    if entries > limit:
+        raise ProtocolError(
+            400,
+            f"the request may produce {entries} output entries (sequences x max_tokens x "
+            f"(1 + logprobs), plus prompt tokens x (1 + prompt_logprobs)); this server allows "
+            f"at most {limit} per request (--max-output-entries): lower n, max_tokens or "
+            "logprobs",
+            param="max_tokens",
         )
 
 

@@ -24,6 +24,7 @@ from ketch.engine.serving.admission import (
     Slot,
     check_control_access,
     check_limits,
+    check_output_size,
     check_token_ids,
     credential_ok,
     read_body,
@@ -65,7 +66,7 @@ class ServingState:
     vocab_size: int = 0  # the model's, as the engine announced it
     hidden_size: int = 0  # the model's (its embeddings' size), as the engine announced it
     api_key: str | None = None
-    admin_key: str | None = None  # for /pause and /resume; None: loopback clients only
+    admin_key: str | None = None  # for /pause and /resume; None: refused to everyone
     in_flight: int = 0
     draining: bool = False
     paused: bool = False
@@ -131,8 +132,7 @@ def _check_access(state: ServingState, request: Request) -> None:
     path = request.url.path
     header = request.headers.get("authorization", "")
     if path in _CONTROL_PATHS:
-        client = request.client.host if request.client else None
-        check_control_access(path, header, state.admin_key, client)
+        check_control_access(path, header, state.admin_key)
         return
     if path in _OPEN_PATHS or state.api_key is None:
         return
@@ -164,6 +164,7 @@ async def _completions(request: Request) -> Response:
         await _check_grammar(state, body.grammar_source())
         prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
+        check_output_size(state.config, params, prompts, state.max_model_len)
         echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
         paired = await pairing(state.config, state.prefill_peers, request)
         choices = make_choices(
@@ -173,7 +174,7 @@ async def _completions(request: Request) -> Response:
         meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
         if body.stream:
             return _sse(slot, _completion_events(state, meta, choices, echoes))
-        done = await run_to_end(state.engine, choices)
+        done = await run_to_end(state.engine, choices, request)
     except BaseException:
         slot.release()
         raise
@@ -239,6 +240,7 @@ async def _chat_completions(request: Request) -> Response:
             raise ProtocolError(400, str(exc), param="messages") from exc
         prompt = state.tokenizer.encode(text, add_special_tokens=False)
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
+        check_output_size(state.config, params, [prompt], state.max_model_len)
         paired = await pairing(state.config, state.prefill_peers, request)
         whole = not body.stream or (plan is not None and plan.streams_whole)
         choices = make_choices([prompt], params, state.max_model_len, paired, accumulate=whole)
@@ -246,7 +248,7 @@ async def _chat_completions(request: Request) -> Response:
         meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
         if body.stream:
             return _sse(slot, _chat_events(state, meta, choices, plan))
-        done = await run_to_end(state.engine, choices)
+        done = await run_to_end(state.engine, choices, request)
     except BaseException:
         slot.release()
         raise

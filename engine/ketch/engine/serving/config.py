@@ -114,6 +114,13 @@ class ServerConfig:
     max_stop_length: int = _opt(256, "Longest stop string, in characters.", minimum=1)
     max_stop_token_ids: int = _opt(256, "Most stop token ids one request may give.", minimum=1)
     max_logit_bias: int = _opt(1024, "Most logit_bias entries one request may give.", minimum=1)
+    max_output_entries: int = _opt(
+        2_000_000,
+        "Most output one request may ask for, counted before it runs: sequences x max_tokens "
+        "x (1 + logprobs), plus sequences x prompt tokens x (1 + prompt_logprobs); max_tokens "
+        "unset counts as the room left in max_model_len. More is refused with 400.",
+        minimum=1,
+    )
     embedding_pooling: str = _opt(
         "last",
         "How /v1/embeddings pools a prompt's final-normed hidden states: 'last' (the last "
@@ -133,14 +140,23 @@ class ServerConfig:
     admin_key_file: str | None = _opt(
         None,
         "File holding the admin key for /pause and /resume; or set KETCH_ADMIN_KEY. Without "
-        "one, those endpoints answer loopback clients only (e.g. kubectl exec ... curl).",
+        "one, ketch serve writes a random key to admin-key-<port> in its private run directory "
+        "($KETCH_RUN_DIR, else <tmp>/ketch-<uid>; read it with kubectl exec). The client's "
+        "address is never enough: a same-pod proxy or mesh sidecar makes everyone loopback.",
         crd=False,
     )
     peer_key_file: str | None = _opt(
         None,
         "File holding the key shared by an InferenceService's prefill and decode pods; or set "
-        "KETCH_PEER_KEY. Then every pd-comm message must carry its HMAC. Without one, pd-comm "
-        "trusts the network.",
+        "KETCH_PEER_KEY. Then a pd-comm peer must prove it holds the key when it connects, and "
+        "every message must carry its HMAC. The prefill and decode roles refuse to start "
+        "without one (see --insecure-no-peer-key).",
+        crd=False,
+    )
+    insecure_no_peer_key: bool = _opt(
+        False,
+        "Let the prefill and decode roles run without a peer key: pd-comm then takes messages "
+        "from anyone who reaches --pd-comm-port. Trusted networks only (tests, one host).",
         crd=False,
     )
 
@@ -182,6 +198,7 @@ class ServerConfig:
             "max_stop_length",
             "max_stop_token_ids",
             "max_logit_bias",
+            "max_output_entries",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -3,6 +3,8 @@
 One choice is one engine request (a prompt times ``n``). A non-streaming response runs them to
 the end, each as one final delta added up into its choice; a stream yields each delta with its
 choice as it arrives, the choice having counted it (and kept it only if it ``accumulate``s).
+Either way, a request that ends early (a client that goes away, a choice that fails) aborts
+every one of its engine requests still running.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+
+from starlette.requests import Request
 
 from ketch.engine.choices import Choice, expand
 from ketch.engine.disagg.messages import prompt_scores_problem
@@ -71,15 +75,49 @@ async def _deltas(
         raise ProtocolError(503, f"the engine is not running: {exc}") from exc
 
 
-async def run_to_end(engine: EngineClient, choices: list[Choice]) -> list[Choice]:
-    """Runs all choices concurrently to completion (non-streaming responses)."""
+CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never received
+
+
+async def run_to_end(
+    engine: EngineClient, choices: list[Choice], client: Request | None = None
+) -> list[Choice]:
+    """Runs all choices concurrently to completion (non-streaming responses).
+
+    If one fails, or ``client`` disconnects first (ProtocolError 499), the others are
+    cancelled at once: their engine requests are aborted, so their KV blocks and batch places
+    come back within a step, as the caller's slot does when this raises."""
 
     async def one(choice: Choice) -> None:
         async for delta in _deltas(engine, choice, final_only=True):
             choice.add(delta)
 
-    await asyncio.gather(*(one(c) for c in choices))
+    tasks = [asyncio.create_task(one(c)) for c in choices]
+    work = asyncio.gather(*tasks)
+    waiters = [work]
+    if client is not None:
+        waiters.append(asyncio.create_task(_client_gone(client)))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ProtocolError(
+                CLIENT_GONE, "the client closed the connection; its requests were aborted"
+            )
+        work.result()  # the first choice's failure, if one failed
+    finally:
+        for task in [*tasks, *waiters[1:]]:
+            task.cancel()  # no-op for those done
+        await asyncio.gather(*waiters, *tasks, return_exceptions=True)
     return choices
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. Its body is read by now, so the server's next
+    message for this request is ``http.disconnect``, whenever the connection closes."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.1)  # not expected once the body is read: never spin
+    except Exception:  # cannot be watched: the request runs to its end, as it would anyway
+        await asyncio.get_running_loop().create_future()
 
 
 async def merge_streams(

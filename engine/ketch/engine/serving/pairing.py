@@ -28,13 +28,19 @@ PREFILL_HEADER = "x-ketch-prefill"
 NOT_ACCEPTED_HEADER = "x-ketch-not-accepted"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
 _RESOLVE_EVERY_S = 5.0
+_MIN_GAP_S = 1.0  # between two resolutions, however many unknown peers ask
 
 
 class PrefillPeers:
     """The prefill peers a decode instance accepts: entries of ``--pd-prefill-peers`` (DNS names
     or addresses, each with its pd-comm ``:port``, or this instance's own ``--pd-comm-port``
-    when it has none: every pod of one service shares the port), names resolved at most every
-    few seconds. A peer must match an entry's host and port."""
+    when it has none: every pod of one service shares the port). A peer must match an entry's
+    host and port, or one of the addresses the names resolved to.
+
+    Names are resolved again every ``_RESOLVE_EVERY_S`` seconds, and when a peer is not among
+    the addresses (a new prefill pod) — but never more than once per ``_MIN_GAP_S``: requests
+    naming unknown peers wait for the next resolution and share it, so a flood of forged
+    headers costs at most one DNS lookup a second, not one each."""
 
     def __init__(self, spec: str | None, default_port: int = 0) -> None:
         self.entries: list[tuple[str, int]] = []
@@ -46,6 +52,7 @@ class PrefillPeers:
                 self.entries.append((host.strip("[]"), int(port)))
         self._addresses: set[tuple[str, int]] = set()
         self._resolved_at = -_RESOLVE_EVERY_S
+        self._pending: asyncio.Future[None] | None = None  # the next resolution, when due
 
     @property
     def restricted(self) -> bool:
@@ -59,9 +66,20 @@ class PrefillPeers:
         if not self.restricted or peer in self.entries:
             return True
         if time.monotonic() - self._resolved_at >= _RESOLVE_EVERY_S or peer not in self._addresses:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._pending)
+        return peer in self._addresses
+
+    async def _refresh(self) -> None:
+        try:
+            wait = self._resolved_at + _MIN_GAP_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
             self._addresses = await asyncio.to_thread(self._resolve)
             self._resolved_at = time.monotonic()
-        return peer in self._addresses
+        finally:
+            self._pending = None
 
     def _resolve(self) -> set[tuple[str, int]]:
         found: set[tuple[str, int]] = set()

@@ -23,8 +23,9 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
 from ketch.engine.models.paths import resolve_model_path
-from ketch.engine.peer_auth import read_peer_key
+from ketch.engine.peer_auth import require_peer_key
 from ketch.engine.ports import Listener, check_free
+from ketch.engine.serving.admission import local_admin_key
 from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.pairing import PrefillPeers
@@ -78,8 +79,13 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
     check_ports(config)
     api_key, admin_key = read_api_key(config), read_admin_key(config)
-    if config.role != "mixed":
-        read_peer_key(config.peer_key_file)  # a bad --peer-key-file fails here, before loading
+    if admin_key is None:  # /pause and /resume never trust the client's address
+        admin_key, where = local_admin_key(f"admin-key-{config.port}")
+        logger.info("no --admin-key-file: /pause and /resume need the admin key in %s", where)
+    if config.role != "mixed":  # a missing or bad key fails here, before the model loads
+        require_peer_key(
+            config.peer_key_file, config.insecure_no_peer_key, f"the {config.role} role"
+        )
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
     name = config.served_model_name or engine_config.model
