@@ -32,6 +32,7 @@ from ketch.engine.disagg.coordinator import PDCoordinator
 from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot
+from ketch.engine.structured.compiler import UNUSABLE
 from ketch.engine.wire import BadMessages, MessageError
 
 if TYPE_CHECKING:  # paddle is imported only inside the engine process
@@ -255,9 +256,7 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
             links.after_step(step_outputs)
             deltas += step_outputs
             for request_id, error in links.failures():  # one request's fault, not the engine's
-                deltas.append(
-                    RequestDelta(request_id, error=f"internal error: {error}", error_code=500)
-                )
+                deltas.append(_failure(request_id, error))
             changed = True
         if changed:  # one frame, unless the step's output is over the frame budget
             for frame in encode_step(deltas, links.snapshot()):
@@ -300,3 +299,10 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
             metrics += links.pd.abort(message.request_ids)
         for m in metrics:
             rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=m))
+
+
+def _failure(request_id: str, error: str) -> RequestDelta:
+    """A request that failed alone: its grammar's fault is the sender's (400), the rest ours."""
+    if error.startswith(UNUSABLE):
+        return RequestDelta(request_id, error=error, error_code=400)
+    return RequestDelta(request_id, error=f"internal error: {error}", error_code=500)

@@ -6,7 +6,8 @@ objects.
 
 Decoding never trusts the peer. One codec serves every protocol, driven by the message classes'
 own type hints: the size of the frame, the nesting depth, the type of every field (``int`` is
-never a bool, and fits 64 bits; ``float`` is a number; lists, tuples, sets, dicts, unions,
+never a bool, and fits 64 bits; ``float`` is a finite number, and NaN or an infinity is refused
+wherever it appears, as JSON itself has none; lists, tuples, sets, dicts, unions,
 optionals and nested dataclasses recursively), unknown and missing fields; the class's
 ``__post_init__`` then checks ranges. Anything that fails is a ``MessageError`` naming the
 protocol and the field, for the caller to count and drop or answer: never a crash in a loop.
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 import types
 import typing
@@ -100,7 +102,7 @@ def decode(
         if len(data) > max_bytes:
             raise MessageError(f"{len(data)} bytes is over the {max_bytes}-byte limit")
         try:
-            raw = json.loads(bytes(data))
+            raw = json.loads(bytes(data), parse_constant=_no_constant)
         except RecursionError:
             raise MessageError("nested too deeply") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -113,6 +115,11 @@ def decode(
         return _message(kind, raw["body"])
     except MessageError as exc:
         raise MessageError(f"malformed {protocol} message: {exc}") from None
+
+
+def _no_constant(name: str) -> Any:
+    """json's hook for NaN, Infinity and -Infinity, which Python writes but JSON has not."""
+    raise MessageError(f"{name} is not a finite number (JSON has no NaN or Infinity)")
 
 
 Decoder = Callable[[Any, int], Any]
@@ -183,6 +190,8 @@ def _scalar_decoder(hint: Any) -> Decoder:
 
         def number(value: Any, depth: int) -> float:
             if type(value) is float:
+                if not math.isfinite(value):  # 1e999 parses as inf
+                    raise _Bad("number out of range (not finite)")
                 return value
             if type(value) is not int:
                 raise _Bad(f"expected a number, got {_kind(value)}")

@@ -233,16 +233,20 @@ def test_a_late_push_cannot_write_blocks_reassigned_to_another_request(pair, seg
     prefill.hello(segments[0])
     decode.hello(segments[1])
     old_nonce = decode.reserve("old", [3, 4])
-    decode.send(p.Revoke(["old"]))  # decode timed out: revoke, then free the blocks
+    # decode timed out: revoke, then free the blocks once the revoke is confirmed
+    assert decode.ask(p.Revoke(["old"])) == p.Revoked(["old"])
     new = prefill.reserved_push(decode, "new", [1, 2], receiver.kv_address, [3, 4])
     assert new.ok, new
     kept = np.array(segments[1].kv)
+    decode.reserve("next", [3, 4])  # the stored push used "new"'s reservation up
     for push, words in [
         (p.Push("old", [5, 6], receiver.kv_address, [3, 4], decode.engine_id, old_nonce),
          "no KV blocks are reserved for request 'old'"),
         (p.Push("new", [5, 6], receiver.kv_address, [3, 4], decode.engine_id, old_nonce),
+         "no KV blocks are reserved for request 'new'"),
+        (p.Push("next", [5, 6], receiver.kv_address, [3, 4], decode.engine_id, old_nonce),
          "does not carry its reservation's nonce"),
-        (p.Push("new", [5], receiver.kv_address, [7], decode.engine_id, "x" * 32),
+        (p.Push("next", [5], receiver.kv_address, [7], decode.engine_id, "x" * 32),
          "nonce"),
     ]:  # fmt: skip
         done = prefill.ask(push)

@@ -16,10 +16,10 @@ import time
 
 import httpx
 import pytest
-from procs import free_ports
 
 from ketch.engine.cache_manager.http import HttpEndpoint
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
+from procs import free_ports
 
 pytestmark = pytest.mark.timeout(60)
 

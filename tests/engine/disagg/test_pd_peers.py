@@ -85,14 +85,23 @@ def test_the_peer_cap_counts_waiting_requests_and_retires_idle_peers(
         assert f"already talks to {MAX_PEERS} prefill instances" in _error(over)
         answers = [f.result() for f in [*pending, again]]
         answer_starved = starved.result()
-    assert stranger.connected == 0 and newcomer.connected == 0
+    assert stranger.connected == 0
     for response in answers:
         assert response.status_code == 504, response.text
         assert f"--pd-request-timeout {REQUEST_TIMEOUT_S} s" in _error(response)
         assert "had not handed its KV over" in _error(response)
-    # Waiting for blocks counts against the deadline like waiting for the peer.
+    # Waiting for blocks counts against the deadline like waiting for the peer. The timed-out
+    # requests' blocks come back once their revokes are confirmed (milliseconds, no fixed
+    # quarantine), so the starved request usually gets them before its own deadline and reaches
+    # its peer, carrying the deadline from its arrival.
     assert answer_starved.status_code == 504, answer_starved.text
-    assert "still waiting for free KV blocks" in _error(answer_starved)
+    if newcomer.requests:
+        ((received, message),) = newcomer.requests
+        assert message.expires_at - received < REQUEST_TIMEOUT_S - 1  # it waited for blocks
+        assert "had not handed its KV over" in _error(answer_starved)
+    else:
+        assert "still waiting for free KV blocks" in _error(answer_starved)
+        assert newcomer.connected == 0
     # Each peer was given the deadline and was told to stop when it passed.
     for peer in stalls:
         for received, message in peer.requests:

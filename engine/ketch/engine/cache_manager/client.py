@@ -6,6 +6,12 @@ and says ``Hello`` with its KV layout every second until answered; once attached
 second and detaches after ``SILENCE_S`` without a word (the sidecar died or restarted), which
 drops the swap tier. Nothing here blocks the step loop for long: ``tick`` never waits; ``swap``
 waits at most ``SWAP_TIMEOUT_S`` for plain memory copies and detaches if that passes.
+
+Revokes (decode role) are a barrier the engine waits on without blocking: ``revoke`` queues the
+request ids, sends them when attached (at once, again every ``REVOKE_RESEND_S`` until answered,
+and on every (re-)attach, so one issued or lost while detached is replayed), and
+``take_revoked`` reports those the cache manager confirmed with ``Revoked``: nothing more lands
+in their blocks. A re-attach also drops, at the cache manager, every reservation made before.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ketch.engine.cache_manager.protocol import (
     Reserve,
     Reserved,
     Revoke,
+    Revoked,
     Swap,
     SwapDone,
     decode,
@@ -41,6 +48,9 @@ logger = logging.getLogger(__name__)
 HELLO_INTERVAL_S = 1.0
 SILENCE_S = 3.0
 SWAP_TIMEOUT_S = 5.0
+REVOKE_RESEND_S = 1.0  # an unanswered Revoke is sent again this often (while attached)
+REVOKE_BATCH = 1024  # request ids per Revoke message
+MAX_REVOKING = 1 << 16  # unanswered revokes kept (the oldest is forgotten first): a bound
 
 
 class CacheManagerClient:
@@ -71,6 +81,10 @@ class CacheManagerClient:
         self._seq = 0
         self._push_results: list[PushDone] = []
         self._reserved: list[Reserved] = []
+        # Revokes not confirmed yet: request id -> when last sent (0: not since (re-)attach).
+        self._revoking: dict[str, float] = {}
+        self._revoked: list[str] = []
+        self._next_revoke_send = 0.0
         self._last_error: str | None = None
 
     @property
@@ -84,13 +98,15 @@ class CacheManagerClient:
         now = time.monotonic()
         if self.attached and now - self._last_heard > SILENCE_S:
             self._detach(f"the cache manager was silent for {SILENCE_S:.0f} s")
-        # Only answered messages count: Reserve/Revoke get no answer, so a steady stream of
-        # them must not hold back the pings that keep the link alive.
+        # Only messages answered at once count: a steady stream of Reserve/Revoke must not
+        # hold back the pings that keep the link alive.
         if now - self._last_sent >= HELLO_INTERVAL_S:
             if self.attached:
                 self._send(Ping(self.engine_id))
             else:
                 self._send(Hello(self.engine_id, PROTOCOL_VERSION, self.layout))
+        if self._revoking and now >= self._next_revoke_send:
+            self._send_revokes(now)
 
     def swap(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> bool:
         """Copies blocks out to swap slots, then slots into blocks; True once confirmed."""
@@ -135,9 +151,24 @@ class CacheManagerClient:
         return self.attached and self._send(Reserve(request_id, blocks, nonce, ttl))
 
     def revoke(self, request_ids: list[str]) -> None:
-        """Ends reservations; sent before their blocks are freed (then quarantined a while)."""
-        if request_ids and self.attached:
-            self._send(Revoke(request_ids))
+        """Ends reservations; their blocks may be freed once ``take_revoked`` names them.
+        Sent now if attached, else on the next attach; repeated until answered."""
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self._revoking.pop(request_id, None)
+            self._revoking[request_id] = 0.0
+        while len(self._revoking) > MAX_REVOKING:
+            forgotten = next(iter(self._revoking))
+            del self._revoking[forgotten]
+            logger.warning("too many unanswered revokes: %s is not waited for", forgotten)
+        if self.attached:
+            self._send_revokes(time.monotonic(), request_ids)
+
+    def take_revoked(self) -> list[str]:
+        """The request ids whose revoke the cache manager confirmed since the last call."""
+        answers, self._revoked = self._revoked, []
+        return answers
 
     def take_reserved(self) -> list[Reserved]:
         """The cache manager's answers to ``reserve`` since the last call."""
@@ -150,6 +181,23 @@ class CacheManagerClient:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+    def _send_revokes(self, now: float, request_ids: list[str] | None = None) -> None:
+        """Sends ``request_ids`` (default: every revoke not sent within REVOKE_RESEND_S)."""
+        if request_ids is None:
+            self._next_revoke_send = now + REVOKE_RESEND_S
+        if not self.attached:
+            return
+        if request_ids is None:
+            due = [r for r, sent in self._revoking.items() if now - sent >= REVOKE_RESEND_S]
+        else:
+            due = [r for r in request_ids if r in self._revoking]
+        for start in range(0, len(due), REVOKE_BATCH):
+            batch = due[start : start + REVOKE_BATCH]
+            if not self._send(Revoke(batch)):
+                return  # no cache manager connected: tried again later
+            for request_id in batch:
+                self._revoking[request_id] = now
 
     def _send(self, message: object) -> bool:
         try:
@@ -174,7 +222,13 @@ class CacheManagerClient:
         elif isinstance(message, PushDone):
             self._push_results.append(message)
         elif isinstance(message, Reserved):
-            self._reserved.append(message)
+            # One that comes while detached was dropped by the Hello that re-attaches.
+            if self.attached:
+                self._reserved.append(message)
+        elif isinstance(message, Revoked):  # confirmed whatever the link's state
+            for request_id in message.request_ids:
+                if self._revoking.pop(request_id, None) is not None:
+                    self._revoked.append(request_id)
         return message
 
     def _attach(self, ack: HelloAck) -> None:
@@ -190,6 +244,7 @@ class CacheManagerClient:
         self.cache_manager_id = ack.cache_manager_id
         self.swap_slots = ack.swap_slots
         self._last_error = None
+        self._reserved.clear()  # answers from before this Hello: those reservations are gone
         logger.info(
             "cache manager attached on port %d: %d host swap slots (%.1f MiB)",
             self.port,
@@ -197,6 +252,11 @@ class CacheManagerClient:
             ack.swap_slots * self.layout.block_bytes / 2**20,
         )
         self._on_attach(ack.swap_slots)
+        if self._revoking:  # replayed: issued while detached, or lost with the last link
+            logger.info("replaying %d revokes to the cache manager", len(self._revoking))
+            for request_id in self._revoking:
+                self._revoking[request_id] = 0.0
+            self._send_revokes(time.monotonic())
 
     def _detach(self, why: str) -> None:
         if not self.attached:

@@ -16,6 +16,12 @@ answers ``HelloAck``. After that:
   transfer). Asynchronous: the engine keeps the blocks referenced until ``PushDone`` arrives.
   A push that cannot be taken (too many queued for its destination, the destination's circuit
   open, its deadline ``expires_at`` passed) gets its ``PushDone`` at once (``push.Pusher``).
+- ``Reserve`` -> ``Reserved`` (decode role): a peer may write these blocks for this request.
+- ``Revoke`` -> ``Revoked``: the reservations end. A barrier: ``Revoked`` comes once no part of
+  a push is being stored into them any more, and none is stored after, so the engine frees the
+  blocks only then (``reservations.py``). Idempotent: the engine repeats it until answered.
+  A ``Hello`` (a new engine, or one that re-attaches after being silent) drops every
+  reservation.
 
 Cache manager -> cache manager (KV transfer, ``--kv-transfer-port``, bound on all interfaces): the
 sender connects a DEALER to ``tcp://<host>:<kv_transfer_port>`` and sends the push as ``parts``
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 
 from ketch.engine import wire
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a message or the KV layout changes; peers with another version are refused."""
 MAX_CONTROL_BYTES = 16 << 20
 """A control message or transfer header (block lists of a long prompt fit; KV data travels in
@@ -167,7 +173,16 @@ class Reserved:
 
 @dataclass
 class Revoke:
-    """Decode side: the reservations of these requests end now (before their blocks are freed)."""
+    """Decode side: the reservations of these requests end now (before their blocks are freed).
+    Answered with ``Revoked`` once nothing more can land in their blocks."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Revoked:
+    """Cache manager -> decode engine: nothing is being stored, nor will be, into the blocks of
+    these requests' reservations (ended, or never there): their blocks may go to others."""
 
     request_ids: list[str]
 
@@ -237,6 +252,7 @@ Message = (
     | Reserve
     | Reserved
     | Revoke
+    | Revoked
     | HelloAck
     | Pong
     | SwapDone
@@ -245,8 +261,8 @@ Message = (
     | TransferAck
 )
 _TYPES = wire.registry(
-    Hello, Ping, Swap, Push, Reserve, Reserved, Revoke, HelloAck, Pong, SwapDone, PushDone,
-    TransferHeader, TransferAck,
+    Hello, Ping, Swap, Push, Reserve, Reserved, Revoke, Revoked, HelloAck, Pong, SwapDone,
+    PushDone, TransferHeader, TransferAck,
 )  # fmt: skip
 
 

@@ -7,6 +7,11 @@ refused part. Parts that follow a refused one are dropped unanswered; a push who
 coming is forgotten after ``timeout`` seconds without an acknowledgement. The blocks a failed
 push wrote into belong to that push alone (the engine reserved them for it and drops them when
 the push fails), so no other request sees a partial write.
+
+Each part is checked against its reservation and stored as one step as far as a revoke is
+concerned (``Reservations.begin``/``end`` around the scatter): a part being stored while its
+reservation is revoked holds back the cache manager's ``Revoked`` until it is stored, and no
+part is stored after. The last part of a push uses the reservation up.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ def check_part(
     error = bad_blocks(blocks, att.layout.num_blocks, "destination block")
     if error:
         return None, error
+    # A first look (an early refusal); the receiver's ``begin`` checks again with the write.
     error = att.reservations.check(header.request_id, header.nonce, blocks)
     if error:
         return None, error
@@ -129,6 +135,9 @@ class TransferReceiver:
         layers, error = check_part(att, header, data)
         if layers is not None and att is not None:
             state, error = self._follow(state, att, header, layers, now)
+        if error is None and state is not None and att is not None:
+            # From here until ``end``, a revoke of this request is not confirmed.
+            error = att.reservations.begin(request_id, header.nonce, state.dest_blocks)
         if error is not None or state is None or layers is None or att is None:
             part, parts = header.part, header.parts
             if _is_int(part) and _is_int(parts) and part + 1 < parts:  # more are coming
@@ -139,7 +148,13 @@ class TransferReceiver:
         lo, hi = layers
         blocks = state.dest_blocks
         shape = att.layout.transfer_shape(len(blocks), hi - lo)
-        scatter(att.kv[lo:hi], blocks, np.frombuffer(data, dtype=att.kv.dtype).reshape(shape))
+        stored = False
+        try:
+            scatter(att.kv[lo:hi], blocks, np.frombuffer(data, dtype=att.kv.dtype).reshape(shape))
+            stored = True
+        finally:  # the push's last part stored: its reservation is used up
+            last = stored and state.next_part + 1 == state.parts
+            att.reservations.end(request_id, header.nonce if last else None)
         state.next_part, state.next_layer = state.next_part + 1, hi
         state.num_bytes += len(data)
         if state.next_part < state.parts:

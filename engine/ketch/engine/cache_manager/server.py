@@ -3,8 +3,10 @@
 Threads (ZMQ sockets never cross them):
 
 - main: a ROUTER on the run directory's ``cache-<cache_queue_port>.sock`` for the engine (Hello,
-  Ping, Swap, Push) and a PULL on an inproc address where the senders post finished pushes.
-  Swaps are done here, at once (the engine waits on them inside its step loop).
+  Ping, Swap, Push, Reserve, Revoke) and a PULL on an inproc address where the senders post
+  finished pushes. Swaps are done here, at once (the engine waits on them inside its step loop).
+  A ``Revoke`` is answered (``Revoked``) once no part of a push is being stored into its
+  blocks; while one is, the answer waits (polled every ``_REVOKE_POLL_MS``), never the loop.
 - senders (``push.Pusher``): a few threads that take pushes from per-destination queues, in
   turn, gather the blocks and send them with the transport, a few layers per part (the next
   part is gathered while the last one travels); so a slow or dead peer never delays the
@@ -37,6 +39,7 @@ from ketch.engine.cache_manager.http import HttpEndpoint
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
 from ketch.engine.cache_manager.push import Pusher, PushJob, PushSettings
 from ketch.engine.cache_manager.receive import TransferReceiver
+from ketch.engine.cache_manager.reservations import Reservations
 from ketch.engine.cache_manager.segment import Attachment, bad_blocks, map_segment
 from ketch.engine.cache_manager.swap import SwapStore
 from ketch.engine.cache_manager.transport import MAX_KV_FRAME_BYTES, make_transport, parse_dest
@@ -47,6 +50,7 @@ logger = logging.getLogger("ketch.cache_manager")
 ENGINE_SILENCE_S = 5.0
 """An engine that sent nothing for this long is detached (its mapping dropped)."""
 _POLL_MS = 100
+_REVOKE_POLL_MS = 1  # while a revoke waits for a part being stored (a memory copy)
 # SIGTERM waits this long for queued KV pushes (a pod's grace period is 30 s by default).
 DRAIN_TIMEOUT_S = 60.0
 ENGINE_GONE_AFTER_S = 2.5  # an attached engine pings every second
@@ -65,6 +69,10 @@ class CacheManager:
         self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set by SIGTERM: finish queued pushes first
         self._pushes_pending = 0  # queued or sending, until their PushDone goes to the engine
+        # Every attachment's reservations (cleared at each attach and detach): a part still
+        # being stored for an engine that re-attached holds back its request's Revoked.
+        self.reservations = Reservations()
+        self._revoking: list[tuple[bytes, list[str]]] = []  # Revoked not sent yet: (to, ids)
         self._context = zmq.Context()
         self._closers: list[Any] = []
         try:
@@ -144,9 +152,11 @@ class CacheManager:
         poller.register(self._queue, zmq.POLLIN)
         poller.register(self._done, zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(_POLL_MS))
+            events = dict(poller.poll(_REVOKE_POLL_MS if self._revoking else _POLL_MS))
             if self._queue in events:
                 self._serve_engine()
+            if self._revoking:
+                self._answer_revokes()
             if self._done in events:
                 identity, data = self._done.recv_multipart()
                 self._queue.send_multipart([identity, data])
@@ -238,8 +248,10 @@ class CacheManager:
             reply = self._swap(message)
         elif isinstance(message, p.Push):
             reply = self._push(identity, message)
-        elif isinstance(message, p.Reserve | p.Revoke):
-            reply = self._reservation(message)
+        elif isinstance(message, p.Reserve):
+            reply = self._reserve(message)
+        elif isinstance(message, p.Revoke):
+            reply = self._revoke(identity, message)
         else:
             logger.warning("engine queue: unexpected %s ignored", type(message).__name__)
         if reply is not None:
@@ -254,6 +266,15 @@ class CacheManager:
             logger.error("refusing engine %s: %s", hello.engine_id, error)
             return p.HelloAck(self.id, p.PROTOCOL_VERSION, 0, error)
         att = self.attachment
+        # Whoever says Hello starts without reservations: a new engine, or this one after it
+        # was silent (it treats that as a detach), so nothing reserved before lands from now on
+        # (a part being stored meanwhile holds back its request's Revoked, see _revoke).
+        dropped = self.reservations.clear()
+        if dropped:
+            logger.warning(
+                "engine %s said Hello: %d KV reservations from before dropped",
+                hello.engine_id, dropped,
+            )  # fmt: skip
         if att is not None and att.engine_id == hello.engine_id and att.layout == hello.layout:
             return p.HelloAck(self.id, p.PROTOCOL_VERSION, att.swap.slots)
         try:
@@ -267,7 +288,7 @@ class CacheManager:
         elif att is not None:
             old, new = att.engine_id, hello.engine_id
             logger.info("engine %s replaced by engine %s; swap reset", old, new)
-        self.attachment = Attachment(hello.engine_id, hello.layout, kv, swap)
+        self.attachment = Attachment(hello.engine_id, hello.layout, kv, swap, self.reservations)
         lay = hello.layout
         logger.info(
             "attached to engine %s: segment %s, %d layers x %d KV heads x %d blocks of %d tokens "
@@ -290,16 +311,30 @@ class CacheManager:
             ENGINE_SILENCE_S,
         )
         self.attachment = None
+        self.reservations.clear()
         self.metrics.engine_attached.set(0)
         self.metrics.swap_total_blocks.set(0)
         self.metrics.swap_used_blocks.set(0)
 
-    def _reservation(self, message: p.Reserve | p.Revoke) -> p.Reserved | None:
+    def _revoke(self, identity: bytes, message: p.Revoke) -> p.Revoked | None:
+        """Ends the reservations (attached or not: an unknown id is already ended); answered
+        at once unless a part is being stored into them, then once it is stored."""
+        if self.reservations.revoke(message.request_ids, timeout=0):
+            return p.Revoked(message.request_ids)
+        self._revoking.append((identity, message.request_ids))
+        return None
+
+    def _answer_revokes(self) -> None:
+        waiting = []
+        for identity, request_ids in self._revoking:
+            if self.reservations.idle(request_ids):
+                self._queue.send_multipart([identity, p.encode(p.Revoked(request_ids))])
+            else:
+                waiting.append((identity, request_ids))
+        self._revoking = waiting
+
+    def _reserve(self, message: p.Reserve) -> p.Reserved:
         att = self.attachment
-        if isinstance(message, p.Revoke):
-            if att is not None:
-                att.reservations.revoke(message.request_ids)
-            return None
         error = "no engine attached: send Hello first" if att is None else None
         if att is not None:
             error = bad_blocks(message.blocks, att.layout.num_blocks, "reserved block")

@@ -20,7 +20,14 @@ ROOT: BlockKey = (0, 0)
 UNCACHED: BlockKey = (-1, -1)
 """A parent that is not in the cache: its children can never be found, so are not cached."""
 
-EvictHook = Callable[[int, int, int, tuple[int, ...]], None]
+BlockHash = bytes
+"""A block's chained hash: a keyed digest of its tokens and its parent's hash
+(``KVCacheManager._block_hashes``), so of the whole prefix up to the block's end."""
+
+ROOT_HASH: BlockHash = b""
+"""The parent hash of a sequence's first block."""
+
+EvictHook = Callable[[int, BlockHash, BlockHash, tuple[int, ...]], None]
 """Called as (block id, block hash, parent's block hash, tokens) just before a cached block's
 content is forgotten, while the block still holds it (the host swap tier keeps a copy)."""
 
@@ -37,11 +44,11 @@ class BlockPool:
         # Free blocks in eviction order (oldest first). dict order gives O(1) append,
         # pop-front and removal from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self._hash_of: dict[int, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._parent_of: dict[int, BlockKey] = {}
-        self._parent_hash_of: dict[int, int] = {}
-        self._cached: dict[int, int] = {}
+        self._parent_hash_of: dict[int, BlockHash] = {}
+        self._cached: dict[BlockHash, int] = {}
         # Bumped on every eviction, so (block id, generation) names one content forever and a
         # child can name its parent exactly, even after the parent's block is reused.
         self._generation = [0] * num_blocks
@@ -99,7 +106,9 @@ class BlockPool:
     def key(self, block_id: int) -> BlockKey:
         return (block_id, self._generation[block_id])
 
-    def lookup(self, block_hash: int, parent: BlockKey, tokens: tuple[int, ...]) -> int | None:
+    def lookup(
+        self, block_hash: BlockHash, parent: BlockKey, tokens: tuple[int, ...]
+    ) -> int | None:
         """Finds the cached block with this hash whose parent and tokens match exactly.
 
         The hash only narrows the search; the token and parent comparison makes a hit exact.
@@ -114,10 +123,10 @@ class BlockPool:
     def cache(
         self,
         block_id: int,
-        block_hash: int,
+        block_hash: BlockHash,
         parent: BlockKey,
         tokens: tuple[int, ...],
-        parent_hash: int = 0,
+        parent_hash: BlockHash = ROOT_HASH,
     ) -> BlockKey:
         """Registers a full, computed block; returns the identity under which it is cached.
 

@@ -6,7 +6,10 @@ device cache's hits finds the rest here and has it copied back instead of recomp
 decides every slot; the cache manager (``ketch cache-manager``) only copies.
 
 Entries are keyed by the block's chained hash and checked against its tokens and its parent's
-chained hash, so a hit is the exact prefix (up to a 64-bit hash collision of the whole chain).
+chained hash. The chain is a keyed 128-bit BLAKE2b (``KVCacheManager._block_hashes``), so the
+hash stands for the whole prefix: a hit is the exact prefix, and no client can construct a
+prompt whose chain lands on another's entry (the device pool checks the parent's identity
+instead; this tier cannot, as the parent's block may be long gone).
 Slots are reused least recently used first. Slots that a pending swap-in will read are pinned
 until the copy is done, so an eviction in the same step cannot overwrite them first.
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ketch.engine.core.block_pool import BlockHash
+
 
 @dataclass
 class _Entry:
     slot: int
-    parent_hash: int
+    parent_hash: BlockHash
     tokens: tuple[int, ...]
 
 
@@ -28,7 +33,7 @@ class HostCache:
     """Chained block hash -> swap slot, LRU, with pinning; capacity 0 means no swap tier."""
 
     def __init__(self, capacity: int = 0) -> None:
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()
         self._free: list[int] = []
         self._pinned: set[int] = set()
         self.capacity = 0
@@ -44,7 +49,9 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, block_hash: int, parent_hash: int, tokens: tuple[int, ...]) -> int | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash, tokens: tuple[int, ...]
+    ) -> int | None:
         """The slot holding this exact block, pinned and marked recently used; or None."""
         entry = self._entries.get(block_hash)
         if entry is None or entry.parent_hash != parent_hash or entry.tokens != tokens:
@@ -53,7 +60,9 @@ class HostCache:
         self._pinned.add(entry.slot)
         return entry.slot
 
-    def store(self, block_hash: int, parent_hash: int, tokens: tuple[int, ...]) -> int | None:
+    def store(
+        self, block_hash: BlockHash, parent_hash: BlockHash, tokens: tuple[int, ...]
+    ) -> int | None:
         """A slot to copy this block into (evicting the least recently used entry if full);
         None if there is no room (no swap tier, or every slot pinned)."""
         old = self._entries.pop(block_hash, None)
@@ -71,7 +80,7 @@ class HostCache:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
-    def drop(self, block_hash: int) -> None:
+    def drop(self, block_hash: BlockHash) -> None:
         """Forgets an entry whose copy failed."""
         entry = self._entries.pop(block_hash, None)
         if entry is not None:

@@ -5,14 +5,27 @@ swap slots, and a prefix that continues past the device cache's hits is looked u
 copied back into freshly allocated blocks instead of being recomputed (``HostCache``). The
 copies are batched: evictions queue swap-outs, and ``flush`` sends them (with any swap-ins, outs
 first) before the worker next touches the cache.
+
+Block hashes are a keyed chain: a block's is BLAKE2b (16 bytes, keyed with a random key drawn
+per manager, so per engine process) over its parent's hash and its token ids, so it stands for
+the whole prefix up to the block's end. Nobody without the key can steer two prefixes to one
+hash, which the host tier relies on: it finds a block by its hash (and checks the parent's hash
+and its tokens), not by the identity of a cached parent as the device pool does. Python's
+``hash`` of a tuple, used before, is not keyed and each round is invertible: a client could build
+a prompt whose chain collides with another user's prefix and have its KV served to that user
+from the host tier. The hashes never leave the process (the cache manager sees slots only), so
+the key is never shared; about 3 microseconds a 64-token block, once per block of a request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
+from array import array
 from typing import Protocol
 
-from ketch.engine.core.block_pool import ROOT, UNCACHED, BlockKey, BlockPool
+from ketch.engine.core.block_pool import ROOT, ROOT_HASH, UNCACHED, BlockHash, BlockKey, BlockPool
 from ketch.engine.core.host_cache import HostCache
 from ketch.engine.core.request import Request
 
@@ -37,7 +50,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host = HostCache(0)
         self._swapper: SwapExecutor | None = None
-        self._pending_out: list[tuple[int, int, int]] = []  # (block, slot, block hash)
+        self._pending_out: list[tuple[int, int, BlockHash]] = []  # (block, slot, block hash)
+        # Copied per block: the key's setup is done once.
+        self._hasher = hashlib.blake2b(key=secrets.token_bytes(32), digest_size=16)
         self.num_swapped_in = 0
         self.num_swapped_out = 0
 
@@ -61,7 +76,9 @@ class KVCacheManager:
         self._pending_out.clear()
         self.host.reset(0)
 
-    def _on_evict(self, block_id: int, block_hash: int, parent_hash: int, tokens: tuple) -> None:
+    def _on_evict(
+        self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash, tokens: tuple
+    ) -> None:
         slot = self.host.store(block_hash, parent_hash, tokens)
         if slot is not None:
             self._pending_out.append((block_id, slot, block_hash))
@@ -77,7 +94,7 @@ class KVCacheManager:
         tokens = request.token_ids
         slots: list[int] = []
         for i in range(start, max_blocks):
-            parent_hash = hashes[i - 1] if i else 0
+            parent_hash = hashes[i - 1] if i else ROOT_HASH
             slot = self.host.lookup(hashes[i], parent_hash, tuple(tokens[i * bs : (i + 1) * bs]))
             if slot is None:
                 break
@@ -185,7 +202,7 @@ class KVCacheManager:
                 hashes[i],
                 parent,
                 tuple(tokens[i * bs : (i + 1) * bs]),
-                hashes[i - 1] if i else 0,
+                hashes[i - 1] if i else ROOT_HASH,
             )
         request.num_registered_blocks = num_full
         request.cache_parent = parent
@@ -197,12 +214,17 @@ class KVCacheManager:
         request.num_registered_blocks = 0
         request.cache_parent = ROOT
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first ``num_blocks`` blocks (kept on it)."""
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.token_ids
-        prev = hashes[-1] if hashes else 0
+        prev = hashes[-1] if hashes else ROOT_HASH
+        hasher = self._hasher
         for i in range(len(hashes), num_blocks):
-            prev = hash((prev, *tokens[i * bs : (i + 1) * bs]))
+            h = hasher.copy()
+            h.update(prev)
+            h.update(array("q", tokens[i * bs : (i + 1) * bs]))  # token ids: 0 <= id < vocab
+            prev = h.digest()
             hashes.append(prev)
         return hashes

@@ -86,7 +86,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained (KVCacheManager._block_hashes)
         self.num_registered_blocks = 0
         self.cache_parent: tuple[int, int] = (0, 0)
         self.status = RequestStatus.WAITING

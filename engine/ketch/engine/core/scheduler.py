@@ -193,16 +193,21 @@ class Scheduler:
         """Advances progress, appends sampled tokens and finishes requests that stopped.
 
         Returns the requests that got a new token (finished ones included), and the embedding
-        requests whose prompt this step finished (``SamplingParams.pooling``).
+        requests whose prompt this step finished (``SamplingParams.pooling``). A request the
+        runner deferred (``ModelRunnerOutput.deferred``) got no token; its last token is
+        scheduled again.
         """
         pooled: list[Request] = []
         requests = self.requests
         kv_cache = self.kv_cache
         bs = self.block_size
+        deferred = set(runner_output.deferred) if runner_output.deferred else None
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None:
                 continue  # finished (aborted) while the step ran
+            if deferred and request_id in deferred and n > 0:
+                n -= 1  # sampled nothing (its grammar was compiling): the last token again
             request.num_computed_tokens += n
             if request.num_computed_tokens >= (request.num_registered_blocks + 1) * bs:
                 kv_cache.cache_full_blocks(request)

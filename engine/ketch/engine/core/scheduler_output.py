@@ -78,5 +78,9 @@ class ModelRunnerOutput:
     pooled: dict[str, list[float]] = field(default_factory=dict)
     # Requests the runner could not take (request id -> why); nothing of theirs was computed.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests whose scheduled tokens reached the end but that sampled nothing (their grammar
+    # was still compiling): their last token counts as not computed, to be computed again and
+    # sampled from next step.
+    deferred: list[str] = field(default_factory=list)
     # The whole step was refused (a frame the worker could not decode): why. Nothing was applied.
     refused: str | None = None

@@ -12,8 +12,17 @@ has one deadline, ``pd_request_timeout`` from its arrival, for its prompt's KV t
 whatever stage it is in (waiting for blocks, for the reservation, for the peer); the peer gets
 it as ``PrefillRequest.expires_at`` and holds to it too. Past it the request fails with 504, the
 peer is told to stop (``AbortPrefill``), the reservation is revoked and the blocks are freed.
-Blocks a peer might still write into are kept out of use for ``QUARANTINE_S`` before they are
-freed.
+
+Blocks are freed only once nothing can land in them any more. Whenever a request that had its
+blocks reserved at the cache manager lets them go (its prefill failed, timed out or was aborted)
+the reservation is revoked and the blocks are *held* (kept out of the free list) until the cache
+manager confirms the revoke (``Revoked``: no part of a push is being stored into them, and none
+will be); the step loop never waits for that. Without a confirmation (the link is down) they
+are freed once the reservation has surely expired at the cache manager: ``Reserved`` came back
+at most its TTL before that, plus ``QUARANTINE_S`` for a part being stored at that moment; a
+reservation never confirmed was never told to a peer, so its blocks go ``QUARANTINE_S`` later.
+A request handed over needs no wait: the cache manager used its reservation up when it stored
+the push's last part, before the peer heard of the acknowledgement.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from ketch.engine.stats import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-QUARANTINE_S = 10.0
+QUARANTINE_S = 10.0  # margin past a reservation's end for held blocks without a confirmation
 # A reservation ends when its request does (revoked); this only bounds a forgotten one.
 RESERVATION_TTL_S = 600.0
 PING_INTERVAL_S = 1.0
@@ -70,6 +79,16 @@ class _Remote:
     heard: float = 0.0
     # Built once its blocks are set aside; sent to the peer when the reservation is confirmed.
     pending: PrefillRequest | None = None
+    ttl: float = 0.0  # the reservation's, in seconds
+    confirmed_at: float = 0.0  # time.monotonic() when Reserved came back ok (0: not yet)
+
+
+@dataclass
+class _Held:
+    """Blocks of a revoked reservation, kept out of use until the revoke is confirmed."""
+
+    block_ids: list[int]
+    until: float  # time.monotonic(): freed then even without a confirmation
 
 
 class DecodeSide:
@@ -92,7 +111,8 @@ class DecodeSide:
         self.cache = cache  # None: no cache manager link (requests then fail clearly)
         self.reservation_ttl = RESERVATION_TTL_S
         self._remote: dict[str, _Remote] = {}
-        self._quarantine: list[tuple[float, list[int]]] = []
+        self._held: dict[str, _Held] = {}  # request id -> blocks awaiting its Revoked
+        self._next_fallback = math.inf  # the earliest _Held.until
         self._last_ping = 0.0
         self.outputs: list[RequestDelta] = []
         self.errors: list[RequestDelta] = []
@@ -101,6 +121,11 @@ class DecodeSide:
     @property
     def num_waiting(self) -> int:
         return len(self._remote)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks kept out of use until the cache manager confirms their revoke."""
+        return sum(len(held.block_ids) for held in self._held.values())
 
     def peers_in_use(self) -> set[str]:
         """The prefill peers some request here still waits on."""
@@ -127,7 +152,7 @@ class DecodeSide:
                 remote.aborted = True  # blocks stay reserved until the peer confirms
                 self._send(remote.peer, AbortPrefill(request_id))
             else:  # the peer never heard of it (its reservation, if any, is revoked)
-                self._release(request_id, quarantine=False)
+                self._release(request_id)
         return aborted
 
     # ---- the loop ----
@@ -138,9 +163,7 @@ class DecodeSide:
         self._reserve(now)
         self._confirmed()
         self._check_peers(now)
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, block_ids = self._quarantine.pop(0)
-            self.engine.kv_cache.pool.free(reversed(block_ids))
+        self._free_revoked(now)
 
     def on_message(self, peer: str, message: PdMessage) -> None:
         now = time.monotonic()
@@ -155,15 +178,15 @@ class DecodeSide:
         if isinstance(message, PrefillDone):
             if not 0 <= message.token_id < self.engine.model_config.vocab_size:
                 error = f"the prefill instance {peer} sent token id {message.token_id}"
-                self._fail(message.request_id, error + ", outside the vocabulary", 502, True)
+                self._fail(message.request_id, error + ", outside the vocabulary", 502)
                 return
             self._handed_over(message)
         elif isinstance(message, PrefillFailed):
             remote = self._remote.get(message.request_id)
             if remote is not None and not remote.aborted:
-                self._fail(message.request_id, message.error, message.status_code, False)
+                self._fail(message.request_id, message.error, message.status_code)
             elif remote is not None:
-                self._release(message.request_id, quarantine=False)
+                self._release(message.request_id)
         elif isinstance(message, PdPong):
             for request_id in message.unknown_request_ids:
                 if request_id in self._remote and self._remote[request_id].sent:
@@ -172,7 +195,6 @@ class DecodeSide:
                         request_id,
                         f"the prefill instance {peer} lost the request (it restarted?); retry",
                         503,
-                        True,
                     )
 
     def _reserve(self, now: float) -> None:
@@ -188,7 +210,6 @@ class DecodeSide:
                     "this decode instance has no cache manager attached, so it cannot receive "
                     "KV blocks; check its cache-manager sidecar",
                     503,
-                    False,
                 )
                 continue
             request = remote.request
@@ -203,7 +224,6 @@ class DecodeSide:
                         f"{needed}, {kv.pool.num_free_blocks} are free) after waiting "
                         f"{self.block_timeout:.0f} s; retry later or add decode replicas",
                         503,
-                        False,
                     )
                     continue
                 break  # first come, first served: later requests wait behind this one
@@ -215,6 +235,7 @@ class DecodeSide:
             # outlives every wait the request may do, and is revoked before its blocks go.
             nonce = secrets.token_hex(16)
             ttl = min(self.reservation_ttl, max(remote.deadline - now, 0.0) + QUARANTINE_S)
+            remote.ttl = ttl
             cache.reserve(request_id, dest_blocks, nonce, ttl)
             remote.pending = PrefillRequest(
                 version=PD_PROTOCOL_VERSION,
@@ -241,7 +262,7 @@ class DecodeSide:
             if told:
                 self._send(remote.peer, AbortPrefill(request_id))
             if remote.aborted:  # the client is gone; only the blocks are left to free
-                self._release(request_id, quarantine=True)
+                self._release(request_id)
                 continue
             if not remote.sent:
                 stage = "it was still waiting for free KV blocks here"
@@ -253,7 +274,7 @@ class DecodeSide:
                 f"the request's prompt was not prefilled within --pd-request-timeout "
                 f"{self.request_timeout:g} s ({stage}); retry"
             )
-            self._fail(request_id, error, 504, told)
+            self._fail(request_id, error, 504)
 
     def _confirmed(self) -> None:
         """Reservations the cache manager confirmed: now the peer may hear of them."""
@@ -267,8 +288,9 @@ class DecodeSide:
                 error = (
                     f"this decode instance's cache manager refused the KV blocks: {answer.error}"
                 )
-                self._fail(answer.request_id, error, 503, False)
+                self._fail(answer.request_id, error, 503)
                 continue
+            remote.confirmed_at = time.monotonic()
             request, remote.pending = remote.pending, None
             self._send(remote.peer, request)
 
@@ -280,7 +302,7 @@ class DecodeSide:
             if remote.pending is not None:  # the peer has not been told yet: nothing to ping
                 if now - remote.heard > self.peer_timeout:
                     error = "this decode instance's cache manager did not confirm the KV blocks"
-                    self._fail(request_id, error, 503, False)
+                    self._fail(request_id, error, 503)
                 continue
             if now - remote.heard > self.peer_timeout:
                 self.failed_peers.add(remote.peer)
@@ -289,7 +311,6 @@ class DecodeSide:
                     f"the prefill instance {remote.peer} did not answer for "
                     f"{self.peer_timeout:.0f} s; retry",
                     503,
-                    True,
                 )
             else:
                 waiting.setdefault(remote.peer, []).append(request_id)
@@ -303,10 +324,10 @@ class DecodeSide:
         if remote is None:
             return
         if remote.aborted:
-            self._release(done.request_id, quarantine=False)
+            self._release(done.request_id)
             return
         del self._remote[done.request_id]
-        if self.cache is not None:  # the blocks hold live KV now: nobody may write them
+        if self.cache is not None:  # tidy up: storing the push's last part used it up already
             self.cache.revoke([done.request_id])
         request = remote.request
         engine = self.engine
@@ -321,23 +342,58 @@ class DecodeSide:
         if delta is not None:
             self.outputs.append(delta)
 
-    def _fail(self, request_id: str, error: str, status_code: int, quarantine: bool) -> None:
+    def _fail(self, request_id: str, error: str, status_code: int) -> None:
         remote = self._remote.get(request_id)
         if remote is None:
             return
         logger.warning("request %s failed: %s", request_id, error)
         self.engine.drop_tracked(remote.request)
         self.errors.append(RequestDelta(request_id, error=error, error_code=status_code))
-        self._release(request_id, quarantine)
+        self._release(request_id)
 
-    def _release(self, request_id: str, quarantine: bool) -> None:
+    def _release(self, request_id: str) -> None:
+        """Frees the request's blocks: at once if they were never reserved at the cache
+        manager, else once it confirms the revoke (or surely dropped the reservation)."""
         remote = self._remote.pop(request_id)
         block_ids, remote.request.block_ids = remote.request.block_ids, []
-        if remote.sent and self.cache is not None:
-            self.cache.revoke([request_id])  # before its blocks can go to anyone else
+        if not remote.sent or self.cache is None:
+            self.engine.kv_cache.pool.free(reversed(block_ids))
+            return
+        self.cache.revoke([request_id])
         if not block_ids:
             return
-        if quarantine:
-            self._quarantine.append((time.monotonic() + QUARANTINE_S, block_ids))
-        else:
-            self.engine.kv_cache.pool.free(reversed(block_ids))
+        now = time.monotonic()
+        # Without a confirmation: after the reservation's end at the cache manager (it started
+        # before Reserved came back), or, never confirmed, with a nonce no peer learnt.
+        ends = remote.confirmed_at + remote.ttl if remote.confirmed_at else now
+        until = max(ends, now) + QUARANTINE_S
+        held = self._held.get(request_id)
+        if held is not None:  # a request id seen twice: both wait for the one confirmation
+            block_ids, until = held.block_ids + block_ids, max(held.until, until)
+        self._held[request_id] = _Held(block_ids, until)
+        self._next_fallback = min(self._next_fallback, until)
+
+    def _free_revoked(self, now: float) -> None:
+        """Frees held blocks whose revoke the cache manager confirmed, or whose fallback time
+        passed (checked only when the earliest is due: the loop's usual cost is one call)."""
+        pool = self.engine.kv_cache.pool
+        if self.cache is not None:
+            for request_id in self.cache.take_revoked():
+                held = self._held.pop(request_id, None)
+                if held is not None:
+                    pool.free(reversed(held.block_ids))
+        if not self._held:
+            self._next_fallback = math.inf
+            return
+        if now < self._next_fallback:
+            return
+        for request_id, held in list(self._held.items()):
+            if held.until <= now:
+                del self._held[request_id]
+                logger.warning(
+                    "request %s: %d KV blocks freed without the cache manager confirming the "
+                    "revoke of their reservation (it has expired there)",
+                    request_id, len(held.block_ids),
+                )  # fmt: skip
+                pool.free(reversed(held.block_ids))
+        self._next_fallback = min((h.until for h in self._held.values()), default=math.inf)

@@ -2,9 +2,13 @@
 
 ``GrammarCompiler`` builds llguidance's view of the tokenizer once (a few hundred milliseconds
 at a 32k vocabulary), caches compiled grammars by their text (a request with a schema seen
-before costs a copy, about two microseconds), and compiles on a thread of its own, so a new
-grammar never stalls the step loop: the worker asks for a matcher when a request arrives and
-waits for it only when the request's first token is sampled, after its prefill ran.
+before costs a copy, about two microseconds), and compiles on a small pool of threads of its
+own (``COMPILE_THREADS``), so a new grammar never stalls the step loop: the worker asks for a
+matcher when a request arrives, and when the request's first token is to be sampled waits a few
+milliseconds at most (``wait_compiled``); a request whose matcher is still not ready skips that
+step's token and is tried again the next step, and fails alone past a deadline
+(``ketch.engine.worker.model_runner``). Every compile runs under ``PARSER_LIMITS``, tighter than
+llguidance's defaults, which bound a grammar's memory and the cost of each step's mask.
 
 ``RequestGrammar`` is one request's matcher: the mask of tokens allowed next (end of sequence
 only where the grammar accepts what came before) and ``accept`` for each token sampled.
@@ -20,8 +24,10 @@ Python, and handing the GIL back and forth between the two cost more than the ma
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +41,30 @@ logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
 """Compiled grammars kept per model (least recently used dropped first)."""
+
+COMPILE_THREADS = 2
+"""Threads compiling grammars. llguidance drops the GIL while it builds a grammar (measured: the
+step loop's Python runs on during a compile, and Lark grammars compiled 1.4-1.9x faster on two
+threads than on one; JSON schemas gained little), and two threads mean one slow grammar does
+not hold up every grammar queued behind it. More would take cores from the model's own threads."""
+
+UNUSABLE = "the grammar cannot be used: "
+"""How a request's failure starts when its grammar did not compile (in time) in the worker:
+the engine answers it as the sender's fault (400), not an internal error."""
+
+PARSER_LIMITS = {
+    "max_lexer_states": 50_000,  # default 250_000; about 1-2 kB of memory each
+    "step_lexer_fuel": 100_000,  # default 200_000; ~14k a millisecond: one step's mask ~7 ms
+    "step_max_items": 20_000,  # default 50_000; ~20k a millisecond: one step's mask ~1 ms
+    "max_grammar_size": 100_000,  # default 500_000 symbols (the API server bounds the text too)
+    "verbose_errors": False,  # errors without the parser's state (the request's tokens, the
+    # grammar's text), which the worker logs
+}
+"""llguidance's ``LLParserLimits`` for every compile (the API server's check and the worker's
+matchers alike, so a grammar the check accepts compiles in the worker). Chosen 2-5x above what
+typical JSON schemas, regexes and Lark grammars needed at a 32k vocabulary (random walks of up
+to 300 tokens each); a grammar over a limit fails its own request (a compile error, or the
+matcher breaks and the request ends)."""
 
 
 class GrammarError(ValueError):
@@ -59,7 +89,8 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -78,13 +109,13 @@ class GrammarCompiler:
         self._template(grammar)
 
     def matcher(self, grammar: str, consumed: Sequence[int] = ()) -> RequestGrammar:
-        """A request's matcher, compiled on the compiler's thread, resumed past ``consumed``
+        """A request's matcher, compiled on the compiler's threads, resumed past ``consumed``
         (output tokens sampled elsewhere, e.g. the first token on a prefill peer)."""
-        future = self._thread.submit(self._start, grammar, list(consumed))
+        future = self._threads.submit(self._start, grammar, list(consumed))
         return RequestGrammar(future, self.vocab_size, self.eos_token_ids)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _start(self, grammar: str, consumed: list[int]) -> llguidance.LLMatcher:
         matcher = self._template(grammar).deep_copy()
@@ -98,7 +129,7 @@ class GrammarCompiler:
             if template is not None:
                 self._compiled.move_to_end(grammar)
                 return template
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        template = self._compile(grammar)
         if template.is_error():
             raise GrammarError(_why(template))
         with self._lock:
@@ -106,6 +137,10 @@ class GrammarCompiler:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return template
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """One compile (the costly part: up to about a second for a complex grammar)."""
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
 
 
 class RequestGrammar:
@@ -116,20 +151,31 @@ class RequestGrammar:
         self, future: Future[llguidance.LLMatcher], vocab_size: int, eos_token_ids: list[int]
     ) -> None:
         self._future = future
+        self.submitted = time.monotonic()  # when its compile was asked for
         self.matcher: llguidance.LLMatcher | None = None  # once compiled (``ready``)
         self.vocab_size = vocab_size
         self._eos = np.asarray(eos_token_ids, dtype=np.int64)
         self._masks: np.ndarray | None = None  # the next token's mask is row ``_row`` of it
         self._row = 0
 
+    @property
+    def compiled(self) -> bool:
+        """Whether ``ready`` answers at once (the compile finished, or failed)."""
+        return self.matcher is not None or self._future.done()
+
     def ready(self) -> str | None:
-        """Waits until the grammar is compiled; why it cannot be used, or None."""
+        """Waits until the grammar is compiled; why it cannot be used, or None. (The worker
+        calls it only once ``compiled``: it never waits there.)"""
         if self.matcher is None:
             try:
                 self.matcher = self._future.result()
             except Exception as exc:
                 return str(exc) if isinstance(exc, GrammarError) else f"{type(exc).__name__}: {exc}"
         return None
+
+    def cancel(self) -> None:
+        """The request is gone: its compile is dropped if it has not started."""
+        self._future.cancel()
 
     def allowed(self) -> np.ndarray:
         """A bool per vocabulary token: may it come next."""
@@ -189,6 +235,13 @@ def next_bitmasks(grammars: Sequence[RequestGrammar]) -> np.ndarray:
             if none or matchers[row].is_error():
                 grammars[row]._end_only(masks[row])
     return masks
+
+
+def wait_compiled(grammars: Sequence[RequestGrammar], timeout: float) -> None:
+    """Waits until every one of ``grammars`` is ``compiled``, or ``timeout`` seconds."""
+    pending = [g._future for g in grammars if not g.compiled]
+    if pending and timeout > 0:
+        concurrent.futures.wait(pending, timeout=timeout)
 
 
 def precompute_masks(grammars: Sequence[RequestGrammar]) -> None:

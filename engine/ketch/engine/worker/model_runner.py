@@ -3,12 +3,24 @@
 The runner keeps its own copy of every live request (tokens, blocks, sampler state) and applies
 only the changes the scheduler sends, so a step's message stays small however long the
 requests are. It never decides what to run.
+
+A request with a grammar is never waited for without limit. Its matcher compiles on the grammar
+compiler's threads from the moment the request arrives; when its first token is to be sampled
+and the matcher is not ready, the step waits a few milliseconds at most (``GRAMMAR_WAIT_S``,
+``GRAMMAR_IDLE_WAIT_S`` when nothing else is in the batch), then *defers* the row: no token this
+step, and its last position counts as not computed (``ModelRunnerOutput.deferred``: the scheduler
+rolls its count back the same way), so the next step computes that position again (the KV slot
+is rewritten with the same values; the block is the request's own, never a shared prefix-cache
+block, as the last token's block is never a cache hit nor registered before it is full of
+computed tokens) and samples then. A matcher not ready ``grammar_compile_timeout_s`` after its
+request arrived, or whose compile failed, fails that request alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +34,13 @@ from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
-from ketch.engine.structured.compiler import GrammarCompiler, RequestGrammar, precompute_masks
+from ketch.engine.structured.compiler import (
+    UNUSABLE,
+    GrammarCompiler,
+    RequestGrammar,
+    precompute_masks,
+    wait_compiled,
+)
 from ketch.engine.worker.kv_cache import KVCache
 from ketch.engine.worker.pooling import HiddenRows, Pooler
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
@@ -31,6 +49,14 @@ from ketch.engine.worker.tensor_parallel import StepSync
 from ketch.kernels.collective import Group
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005
+"""The most one step waits, in all, for the grammars of rows to sample that are still compiling,
+when other requests are in the batch (they would wait too)."""
+GRAMMAR_IDLE_WAIT_S = 0.05
+"""The same when the batch is nothing but such rows (recomputing them sooner gains nothing)."""
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+"""Default ``RunnerConfig.grammar_compile_timeout_s``."""
 
 
 @dataclass
@@ -50,6 +76,8 @@ class RunnerConfig:
     # 'cpu' or 'gpu:N' (rank r on gpu:N+r: ketch.engine.device). The GPU path has never run.
     device: str = "cpu"
     max_num_batched_tokens: int = 2048  # bounds a GPU step's attention gathers
+    # A request whose grammar has not compiled this long after it arrived fails (alone).
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
 
 
 @dataclass
@@ -154,7 +182,7 @@ class ModelRunner:
         sampled, which the engine never reads)."""
         failed = self._apply_changes(sched)
         if self.sync is not None:
-            failed = self.sync.agree_failed(failed, lambda r: self.requests.pop(r, None))
+            failed = self.sync.agree_failed(failed, self._forget)
         if sched.is_empty or all(r in failed for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
         batch = self._prepare_inputs(sched, failed)
@@ -168,27 +196,44 @@ class ModelRunner:
         output = self._sample(batch, logits, failed)
         if hidden is not None:
             poolers = {r: s.pooler for r, s in self.requests.items() if s.pooler is not None}
-            output.pooled = batch.hidden.pool(hidden, poolers)
+            output.pooled = self._finite_only(batch.hidden.pool(hidden, poolers), output.failed)
         if self.sync is not None:
             self.sync.share(output, before)
         return output
 
+    def _finite_only(
+        self, pooled: dict[str, list[float]], failed: dict[str, str]
+    ) -> dict[str, list[float]]:
+        """The pooled vectors, less those not finite (broken hidden states): their requests
+        fail here, as the engine would fail them, since JSON cannot carry such a vector."""
+        for request_id in [r for r, v in pooled.items() if not np.isfinite(v).all()]:
+            del pooled[request_id]
+            failed[request_id] = "the pooled hidden state is not finite"
+            self._forget(request_id)
+        return pooled
+
     def _follow(self, failed: dict[str, str]) -> ModelRunnerOutput:
-        ids, tokens, dropped = self.sync.follow()
+        ids, tokens, dropped, deferred = self.sync.follow()
         for request_id, token in zip(ids, tokens, strict=True):
             self.requests[request_id].sampling.accept(token)
         for request_id in dropped:
             self.requests.pop(request_id, None)
             failed[request_id] = "failed on rank 0"
-        return ModelRunnerOutput(request_ids=ids, sampled_token_ids=tokens, failed=failed)
+        for request_id in deferred:  # as rank 0 did: the last position is computed again
+            self.requests[request_id].num_computed_tokens -= 1
+        return ModelRunnerOutput(
+            request_ids=ids, sampled_token_ids=tokens, failed=failed, deferred=deferred
+        )
 
     def _sample(
         self, batch: StepInputs, logits: np.ndarray, failed: dict[str, str]
     ) -> ModelRunnerOutput:
         scored = self._score_prompts(batch, logits[len(batch.logit_rows) :])
-        ids, rows = self._grammars_ready(batch.sampling_ids, logits, failed)
+        ids, rows, deferred = self._grammars_ready(batch, logits, failed)
         if not ids:
-            return ModelRunnerOutput([], [], failed=failed, prompt_logprobs=scored)
+            return ModelRunnerOutput(
+                [], [], failed=failed, prompt_logprobs=scored, deferred=deferred
+            )
         states = [self.requests[rid].sampling for rid in ids]
         tokens, logprobs = sample(rows, states)
         for state, token in zip(states, tokens, strict=True):
@@ -200,6 +245,7 @@ class ModelRunner:
             logprobs=logprobs,
             failed=failed,
             prompt_logprobs=scored,
+            deferred=deferred,
         )
 
     def prepare_next_step(self) -> None:
@@ -210,22 +256,46 @@ class ModelRunner:
         precompute_masks(advanced)
 
     def _grammars_ready(
-        self, ids: list[str], logits: np.ndarray, failed: dict[str, str]
-    ) -> tuple[list[str], np.ndarray]:
-        """The requests to sample and their logits rows, less those whose grammar (compiled on
-        its own thread since the request came) did not compile: they fail."""
-        keep = []
-        for i, request_id in enumerate(ids):
-            grammar = self.requests[request_id].sampling.grammar
-            problem = grammar.ready() if grammar is not None else None
+        self, batch: StepInputs, logits: np.ndarray, failed: dict[str, str]
+    ) -> tuple[list[str], np.ndarray, list[str]]:
+        """(the requests to sample, their logits rows, the requests deferred). A request whose
+        grammar (compiling since the request came) is not ready after a short wait is deferred:
+        its last position counts as not computed, so the next step computes it again and
+        samples then. One whose grammar did not compile, or not within the deadline, fails."""
+        ids = batch.sampling_ids
+        requests = self.requests
+        grammars = [requests[r].sampling.grammar for r in ids]
+        compiling = [g for g in grammars if g is not None and not g.compiled]
+        now = 0.0
+        if compiling:
+            alone = len(compiling) == len(batch.spans)  # no other request waits on this step
+            wait_compiled(compiling, GRAMMAR_IDLE_WAIT_S if alone else GRAMMAR_WAIT_S)
+            now = time.monotonic()
+        keep, deferred = [], []
+        for i, (request_id, grammar) in enumerate(zip(ids, grammars, strict=True)):
+            if grammar is None:
+                keep.append(i)
+                continue
+            if grammar.compiled:
+                problem = grammar.ready()  # at once: it is compiled (or failed)
+            elif now - grammar.submitted < self.config.grammar_compile_timeout_s:
+                deferred.append(request_id)
+                requests[request_id].num_computed_tokens -= 1
+                continue
+            else:
+                limit = self.config.grammar_compile_timeout_s
+                problem = (
+                    f"it did not compile within {limit:g} s (too complex, or too many "
+                    "grammars compiling at once)"
+                )
             if problem is None:
                 keep.append(i)
                 continue
-            failed[request_id] = f"the grammar cannot be used: {problem}"
-            self.requests.pop(request_id)
+            failed[request_id] = f"{UNUSABLE}{problem}"
+            self._forget(request_id)
         if len(keep) == len(ids):
-            return ids, logits[: len(ids)]
-        return [ids[i] for i in keep], logits[keep]
+            return ids, logits[: len(ids)], deferred
+        return [ids[i] for i in keep], logits[keep], deferred
 
     def _score_prompts(self, batch: StepInputs, logits: np.ndarray) -> dict[str, list]:
         """prompt_logprobs: each scored row against the prompt token that follows it."""
@@ -272,7 +342,7 @@ class ModelRunner:
         """Takes the step's changes; returns the new requests it could not take (id -> why):
         one request's bad state fails that request, not the step."""
         for request_id in sched.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         failed: dict[str, str] = {}
         cfg = self.config
         for new in sched.new_requests:
@@ -326,7 +396,13 @@ class ModelRunner:
     def _refuse(self, failed: dict[str, str], request_id: str, exc: StepError) -> None:
         logger.error("request %s refused by the runner: %s", request_id, exc)
         failed[request_id] = f"the runner refused the step: {exc}"
-        self.requests.pop(request_id, None)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Drops a request's state (and its grammar's compile, if it has not started)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.sampling.grammar is not None:
+            state.sampling.grammar.cancel()
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampling = SamplingState.create(

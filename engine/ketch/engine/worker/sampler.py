@@ -10,12 +10,15 @@ Greedy rows whose only processing is a grammar are decided together too: the bat
 kept where its bit in the grammar's mask is set (then it is the masked argmax as well), the
 masked argmax of the other rows otherwise.
 Log-probabilities are the model's own (log-softmax of the raw logits), before bias or penalties,
-as the ``TokenLogprob`` that goes on to the HTTP body.
+as the ``TokenLogprob`` that goes on to the HTTP body; one that is not a finite number (a token
+the logits rule out entirely, or broken logits) is reported as ``LOGPROB_FLOOR``, since JSON
+cannot carry it (``ketch.engine.wire`` refuses NaN and infinities).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +28,13 @@ from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.structured.compiler import RequestGrammar, next_bitmasks
 
 _MASK64 = (1 << 64) - 1
+
+LOGPROB_FLOOR = -9999.0
+"""Reported for a log-probability below it or not a number (-inf, NaN)."""
+
+
+def _finite(logprob: float) -> float:
+    return logprob if LOGPROB_FLOOR <= logprob < math.inf else LOGPROB_FLOOR  # NaN: false
 
 
 @dataclass
@@ -218,7 +228,7 @@ def _logprobs(raw: np.ndarray, chosen: int, top_n: int) -> TokenLogprob:
     row = raw.astype(np.float64)
     shifted = row - row.max()
     logp = shifted - np.log(np.exp(shifted).sum())
-    return TokenLogprob(chosen, float(logp[chosen]), _top(logp, top_n))
+    return TokenLogprob(chosen, _finite(float(logp[chosen])), _top(logp, top_n))
 
 
 def _top(logp: np.ndarray, top_n: int) -> list[tuple[int, float]]:
@@ -228,7 +238,7 @@ def _top(logp: np.ndarray, top_n: int) -> list[tuple[int, float]]:
         return []
     ids = np.argpartition(-logp, top_n - 1)[:top_n]
     ids = ids[np.argsort(-logp[ids], kind="stable")]
-    return [(int(t), float(logp[t])) for t in ids]
+    return [(int(t), _finite(float(logp[t]))) for t in ids]
 
 
 def prompt_logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
@@ -239,6 +249,6 @@ def prompt_logprobs(logits: np.ndarray, token_ids: list[int], top_n: int) -> lis
     rows -= np.log(np.exp(rows).sum(axis=-1, keepdims=True))
     chosen = rows[np.arange(len(token_ids)), np.asarray(token_ids, dtype=np.int64)]
     return [
-        TokenLogprob(token, float(lp), _top(row, top_n))
+        TokenLogprob(token, _finite(float(lp)), _top(row, top_n))
         for token, lp, row in zip(token_ids, chosen, rows, strict=True)
     ]

@@ -7,7 +7,8 @@ rank 0 knows, and it broadcasts them (``ShmGroup.broadcast_bytes``):
 - before the forward, which new requests it could not take (a request another rank took would
   shift that rank's batch: the ranks must drop the same ones);
 - after the forward, the tokens it sampled (the other ranks append them, so the next step's
-  inputs agree) and the requests that failed at sampling (a grammar that did not compile).
+  inputs agree), the requests that failed at sampling (a grammar that did not compile) and
+  those it deferred (a grammar still compiling: every rank computes their last position again).
 
 A rank that failed a request rank 0 took cannot follow the batch: it raises, its process exits,
 and the engine fails the instance (``RemoteRunner`` watches every rank).
@@ -52,12 +53,18 @@ class StepSync:
         return theirs
 
     def share(self, output: ModelRunnerOutput, before: set[str]) -> None:
-        """Rank 0: the sampled tokens, and the failures added since ``before``."""
+        """Rank 0: the sampled tokens, the failures added since ``before`` and the deferred."""
         failed = {r: why for r, why in output.failed.items() if r not in before}
-        message = {"ids": output.request_ids, "tokens": output.sampled_token_ids, "failed": failed}
+        message = {
+            "ids": output.request_ids,
+            "tokens": output.sampled_token_ids,
+            "failed": failed,
+            "deferred": output.deferred,
+        }
         self.group.broadcast_bytes(json.dumps(message).encode())
 
-    def follow(self) -> tuple[list[str], list[int], list[str]]:
-        """The other ranks: (sampled request ids, their tokens, requests that failed)."""
+    def follow(self) -> tuple[list[str], list[int], list[str], list[str]]:
+        """The other ranks: (sampled request ids, their tokens, requests that failed, requests
+        deferred)."""
         message = json.loads(self.group.broadcast_bytes(None))
-        return message["ids"], message["tokens"], list(message["failed"])
+        return message["ids"], message["tokens"], list(message["failed"]), message["deferred"]

@@ -36,6 +36,7 @@ from ketch.engine.device import parse_device, rank_devices
 from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.kv_cache import KVCache
+from ketch.engine.worker.main_guard import check_main_guard
 from ketch.engine.worker.messages import decode_result, decode_step, encode_result, encode_step
 from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
 from ketch.engine.worker.shm import (
@@ -158,6 +159,7 @@ class RemoteRunner:
 
     def __init__(self, config: RunnerConfig, port: int, start_timeout: float = 600.0) -> None:
         world = config.tensor_parallel_size
+        check_main_guard("tensor parallelism" if world > 1 else "this engine")
         if os.environ.get(COLLECTIVE_ENV, "shm") not in COLLECTIVES:
             raise ValueError(
                 f"{COLLECTIVE_ENV}={os.environ[COLLECTIVE_ENV]!r}: choose one of "
