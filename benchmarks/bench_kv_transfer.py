@@ -40,6 +40,7 @@ import httpx
 import numpy as np
 import zmq
 
+from ketch.engine import rundir
 from ketch.engine.cache_manager import protocol as p
 
 KETCH = shutil.which("ketch", path=str(Path(sys.executable).parent)) or "ketch"
@@ -90,7 +91,7 @@ def measure_raw(nbytes: int, pushes: int) -> list[float]:
 class Instance:
     """A KV segment plus the cache manager attached to it, and the engine's DEALER."""
 
-    def __init__(self, num_blocks: int, seed: int) -> None:
+    def __init__(self, num_blocks: int, seed: int, role: str) -> None:
         self.layout = p.KVLayout(
             **LAYOUT, num_blocks=num_blocks, segment=f"ketch-bench-kv-{uuid.uuid4().hex[:8]}"
         )
@@ -106,7 +107,7 @@ class Instance:
                 [KETCH, "cache-manager", "--host", "127.0.0.1", "--log-level", "WARNING",
                  "--cache-queue-port", str(queue_port), "--kv-transfer-port", str(self.kv_port),
                  "--cache-manager-port", str(http_port), "--swap-space", "0",
-                 "--role", "decode", "--insecure-no-peer-key"],
+                 "--role", role, "--insecure-no-peer-key"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
             )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -119,13 +120,34 @@ class Instance:
             time.sleep(0.05)
         self.engine_id = uuid.uuid4().hex[:8]
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.connect(f"tcp://127.0.0.1:{queue_port}")
+        self.sock.connect(rundir.cache_queue_address(queue_port))
         self.hello()
 
     def hello(self) -> None:
-        """(Re-)attaches: a cache manager detaches an engine silent for 5 s."""
+        """Attaches (a Hello again would drop the reservations made since)."""
         ack = self.ask(p.Hello(self.engine_id, p.PROTOCOL_VERSION, self.layout))
         assert isinstance(ack, p.HelloAck) and ack.error is None, ack
+
+    def ping(self) -> None:
+        """The engine's heartbeat: a cache manager detaches an engine silent for 5 s."""
+        assert isinstance(self.ask(p.Ping(self.engine_id)), p.Pong)
+
+    def reserve(self, request_id: str, blocks: list[int]) -> str:
+        """Reserves ``blocks`` for ``request_id`` as the decode engine does; returns the nonce."""
+        nonce = uuid.uuid4().hex
+        done = self.ask(p.Reserve(request_id, blocks, nonce, ttl=60.0))
+        assert isinstance(done, p.Reserved) and done.ok, done
+        return nonce
+
+    def push(self, request_id: str, blocks: list[int], dst: Instance, dest: list[int]) -> p.Message:
+        """Pushes ``blocks`` into ``dest`` of ``dst``, reserved there first (untimed)."""
+        nonce = dst.reserve(request_id, dest)
+        start = time.perf_counter()
+        done = self.ask(
+            p.Push(request_id, blocks, f"127.0.0.1:{dst.kv_port}", dest, dst.engine_id, nonce)
+        )
+        self.last_push_s = time.perf_counter() - start
+        return done
 
     def ask(self, message: p.Message) -> p.Message:
         self.sock.send(p.encode(message))
@@ -148,12 +170,11 @@ def measure_push(src: Instance, dst: Instance, batch: int, pushes: int) -> list[
     src.hello()
     dst.hello()
     for i in range(pushes + 1):
-        dst.hello()  # the decode engine's heartbeat, untimed
+        dst.ping()  # the decode engine's heartbeat, untimed
         blocks = [int(b) for b in rng.choice(np.arange(1, src.layout.num_blocks), batch, False)]
         dest = [int(b) for b in rng.choice(np.arange(1, dst.layout.num_blocks), batch, False)]
-        start = time.perf_counter()
-        done = src.ask(p.Push(f"bench-{i}", blocks, f"127.0.0.1:{dst.kv_port}", dest))
-        elapsed = time.perf_counter() - start
+        done = src.push(f"bench-{batch}-{i}", blocks, dst, dest)
+        elapsed = src.last_push_s
         assert isinstance(done, p.PushDone) and done.ok, done
         if i:
             times.append(elapsed)
@@ -168,9 +189,9 @@ def warm_up(src: Instance, dst: Instance) -> None:
     every = list(range(1, min(src.layout.num_blocks, dst.layout.num_blocks)))
     for start in range(0, len(every), 16):
         blocks = every[start : start + 16]
-        done = src.ask(p.Push("warm-up", blocks, f"127.0.0.1:{dst.kv_port}", blocks))
+        done = src.push(f"warm-up-{start}", blocks, dst, blocks)
         assert isinstance(done, p.PushDone) and done.ok, done
-        dst.hello()
+        dst.ping()
 
 
 def _harness() -> None:
@@ -248,7 +269,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", default="64,256,500", help="hand-over prompt sizes")
     parser.add_argument("--requests", type=int, default=5, help="hand-over requests per size")
     args = parser.parse_args()
-    src, dst = Instance(args.num_blocks, 1), Instance(args.num_blocks, 2)
+    src, dst = Instance(args.num_blocks, 1, "prefill"), Instance(args.num_blocks, 2, "decode")
     block_bytes = src.layout.block_bytes
     print(f"layout {LAYOUT}: {block_bytes / 1e6:.2f} MB/block; {args.pushes} pushes per row")
     print(f"{'blocks':>6} {'MB':>6} {'raw MB/s':>9} {'cm MB/s':>9} {'ratio':>6} "

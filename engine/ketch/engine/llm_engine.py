@@ -38,7 +38,7 @@ class LLMEngine:
         self.worker_port = worker_port
         path = resolve_model_path(config.model)
         self.model_path = path
-        self.model_config = ModelConfig.from_dir(path)
+        self.model_config = ModelConfig.from_dir(path, context_len=config.max_model_len)
         check_runnable(config, self.model_config)  # the refusals the operator checks too
         self.tokenizer = Tokenizer(path)
         self.max_model_len = max_model_len(config, self.model_config)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2) for inference on paddle.
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3) for inference on paddle.
 
 Weights are plain tensors, fused where that saves kernel launches: q/k/v in one matmul, gate/up
 in one matmul followed by ``swiglu``. Matrices are stored transposed ([in, out]) once at load so
@@ -37,6 +37,9 @@ class LayerWeights:
     gate_up_bias: paddle.Tensor | None
     down: paddle.Tensor  # [intermediate, hidden]
     down_bias: paddle.Tensor | None
+    # Qwen3: RMSNorm weights [head_dim] of every query head and every key head (``qk_norm``)
+    q_norm: paddle.Tensor | None = None
+    k_norm: paddle.Tensor | None = None
 
 
 @dataclass
@@ -105,10 +108,11 @@ class LlamaModel:
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
             qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
+            qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
+            if layer.q_norm is not None:
+                qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, rms_norm)
             # Queries and keys rotate together: one set of rotary ops per layer.
-            qk = _rotate(
-                qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim]), cos, sin
-            )
+            qk = rotate(qk, cos, sin)
             q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
             v = v.reshape([0, c.num_key_value_heads, c.head_dim])
             attn = paged_attention(q, k, v, cache, meta)
@@ -125,7 +129,20 @@ class LlamaModel:
         return logits, hidden.astype("float32")
 
 
-def _rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+def qk_norm(
+    qk: paddle.Tensor, heads: int, layer: LayerWeights, eps: float, rms_norm
+) -> paddle.Tensor:
+    """Qwen3's RMSNorm of each query head (``layer.q_norm``) and key head (``layer.k_norm``),
+    before the rotation. qk: [T, heads + kv_heads, D]. ``rms_norm`` normalises the last axis of
+    a 2-D tensor (the fused AVX-512 op normalises every axis after the first)."""
+    d = qk.shape[-1]
+    q, k = paddle.split(qk, [heads, qk.shape[1] - heads], axis=1)
+    q = rms_norm(q.reshape([-1, d]), layer.q_norm, eps).reshape(q.shape)
+    k = rms_norm(k.reshape([-1, d]), layer.k_norm, eps).reshape(k.shape)
+    return paddle.concat([q, k], axis=1)
+
+
+def rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + paddle.concat([-x2, x1], axis=-1) * sin

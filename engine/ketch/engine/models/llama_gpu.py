@@ -25,7 +25,7 @@ from paddle.nn.functional import swiglu
 from ketch.engine.device import attention_window
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, ModelWeights
+from ketch.engine.models.llama import LayerWeights, ModelWeights, qk_norm, rotate
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels.collective import Group
@@ -139,7 +139,10 @@ class GpuLlamaModel:
         heads, kv, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
         qkv = _linear(x, layer.qkv, layer.qkv_bias)
         qk, v = paddle.split(qkv, [(heads + kv) * d, kv * d], axis=-1)
-        qk = _rotate(qk.reshape([0, heads + kv, d]), cos, sin)
+        qk = qk.reshape([0, heads + kv, d])
+        if layer.q_norm is not None:
+            qk = qk_norm(qk, heads, layer, self.eps, rms_norm)
+        qk = rotate(qk, cos, sin)
         q, k = paddle.split(qk, [heads, kv], axis=1)
         return self.attention(q, k, v.reshape([0, kv, d]), cache, meta)
 
@@ -155,9 +158,3 @@ class GpuLlamaModel:
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
     y = paddle.matmul(x, w)
     return y if b is None else y + b
-
-
-def _rotate(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + paddle.concat([-x2, x1], axis=-1) * sin

@@ -1,7 +1,8 @@
 """The Llama-family decoder on Ketch's own CPU kernels, in dygraph (``--backend native``).
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per layer: the q/k/v
-matmul, one fused op for the split and the rotary embedding, the KV write and paged attention in
+matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
+fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
 (SwiGLU between two matmuls), and the next fused add + RMSNorm. Every matmul goes through the
 ``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
@@ -192,12 +193,25 @@ class NativeLlamaModel:
         """Writes every row's K/V; attends for every row, or only the ``kept`` ones."""
         heads, kv_heads, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
         qkv = self._dense(x, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            qkv = self._norm_heads(qkv, layer)
         q, k, v = fused.rope_qkv(qkv, cos, sin, heads, kv_heads)
         self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
         if kept is not None:
             q, meta = paddle.gather(q, kept.rows), kept.meta
         out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, d**-0.5)
         return out.reshape([0, heads * d])
+
+    def _norm_heads(self, qkv: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
+        """Qwen3: each query and key head RMS-normed with its own weights, before the rotation;
+        qkv [T, (H + 2 KV) D] in, the same layout out (what ``rope_qkv`` takes)."""
+        heads, kv_heads, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
+        q, k, v = paddle.split(
+            qkv.reshape([0, heads + 2 * kv_heads, d]), [heads, kv_heads, kv_heads], axis=1
+        )
+        q = fused.rms_norm(q, layer.q_norm, self.eps)
+        k = fused.rms_norm(k, layer.k_norm, self.eps)
+        return paddle.concat([q, k, v], axis=1).reshape([0, (heads + 2 * kv_heads) * d])
 
     def forward(
         self,

@@ -1,12 +1,13 @@
 """The Llama-family decoder with its dense layers on the paddle inference predictor.
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference); per layer, the
-predictor computes everything but attention, and ``paged_attention`` (dygraph) writes the new
-keys/values into the shared KV cache in place and attends over it: with the C++ paged-attention
-kernel of ``ketch.kernels`` where the kernels have one (the KV write too), else with the eager
-model's dygraph ``paged_attention``. Steps of very few tokens run in dygraph on the same weights
-and cache (at 1-3 rows the predictor's matmuls are slower than dygraph's, docs/backend.md): the
-programs' own functions called eagerly, around the C++ kernel, or without it the eager model.
+predictor computes everything but attention (and Qwen3's q/k norm, ``_norm_heads``), and
+``paged_attention`` (dygraph) writes the new keys/values into the shared KV cache in place and
+attends over it: with the C++ paged-attention kernel of ``ketch.kernels`` where the kernels have
+one (the KV write too), else with the eager model's dygraph ``paged_attention``. Steps of very
+few tokens run in dygraph on the same weights and cache (at 1-3 rows the predictor's matmuls are
+slower than dygraph's, docs/backend.md): the programs' own functions called eagerly, around the
+C++ kernel, or without it the eager model.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ketch.engine.models.attention import (
     paged_attention,
 )
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights, qk_norm, rotate
 from ketch.kernels import CpuKernels, dense_graph
 from ketch.kernels.dense_graph import DenseShape, Matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
@@ -110,6 +111,7 @@ class PredictorLlamaModel:
         ]
         self._last = [*_finish_weights(layers[-1]), weights.norm, weights.lm_head]
         self._identity: paddle.Tensor | None = None  # built for the first embedding step
+        self._qk_norm_layers = layers if config.qk_norm else None
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int
@@ -149,15 +151,41 @@ class PredictorLlamaModel:
         self.predictor_steps += not small
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
-        h, q, k, v = run("first", [input_ids, cos, sin, *self._first])
-        attn = attend(q, k, v, kv_caches[0], meta)
-        for weights, cache in zip(self._middle, kv_caches[1:], strict=True):
-            h, q, k, v = run("middle", [h, attn, cos, sin, *weights])
-            attn = attend(q, k, v, cache, meta)
+        rotary = (cos, sin) if self._qk_norm_layers is None else self._identity_rotary(cos)
+        h, q, k, v = run("first", [input_ids, *rotary, *self._first])
+        attn = attend(*self._norm_heads(0, q, k, cos, sin), v, kv_caches[0], meta)
+        for i, (weights, cache) in enumerate(zip(self._middle, kv_caches[1:], strict=True)):
+            h, q, k, v = run("middle", [h, attn, *rotary, *weights])
+            attn = attend(*self._norm_heads(i + 1, q, k, cos, sin), v, cache, meta)
         logits = run("last", [h, attn, logit_rows, *self._last])[0]
         if hidden_rows is None:
             return logits
         return logits, self._hidden(h, attn, hidden_rows)
+
+    @staticmethod
+    def _identity_rotary(cos: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos 1, sin 0: the programs' rotation leaves q and k exactly as projected."""
+        return paddle.ones_like(cos), paddle.zeros_like(cos)
+
+    def _norm_heads(
+        self, layer: int, q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """q and k as attention takes them. Qwen3 norms each head before the rotation, which the
+        exported programs (shaped by ``DenseShape``, which has no q/k norm) cannot do: they run
+        with the identity rotation, and the norm and the rotation run here, in dygraph."""
+        if self._qk_norm_layers is None:
+            return q, k
+        heads = q.shape[1]
+        qk = qk_norm(
+            paddle.concat([q, k], axis=1),
+            heads,
+            self._qk_norm_layers[layer],
+            float(self.config.rms_norm_eps),
+            self.kernels.rms_norm,
+        )
+        qk = rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+        q, k = paddle.split(qk, [heads, qk.shape[1] - heads], axis=1)
+        return q, k
 
     def _hidden(self, h: paddle.Tensor, attn: paddle.Tensor, rows: paddle.Tensor) -> paddle.Tensor:
         """The last layer's output at ``rows``, final-normed: the "last" program's own function

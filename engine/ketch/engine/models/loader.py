@@ -64,6 +64,12 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
                 ]
             )
         o_shape = (hidden, c.num_attention_heads * d)
+        # Per-head-dim weights, the same for every head: replicated on every rank.
+        q_norm, k_norm = (
+            (loader.get(p + f"self_attn.{n}_norm.weight", (d,)) for n in ("q", "k"))
+            if c.qk_norm
+            else (None, None)
+        )
         layers.append(
             LayerWeights(
                 input_norm=loader.get(p + "input_layernorm.weight", (hidden,)),
@@ -78,6 +84,8 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
                     p + "mlp.down_proj.weight", (hidden, inter), cols=shard.intermediate
                 ).T.contiguous(),
                 down_bias=loader.get(p + "mlp.down_proj.bias", (hidden,)) if c.mlp_bias else None,
+                q_norm=q_norm,
+                k_norm=k_norm,
             )
         )
     embed = loader.get("model.embed_tokens.weight", (c.vocab_size, hidden))

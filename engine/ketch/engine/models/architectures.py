@@ -1,0 +1,291 @@
+"""The architectures Ketch serves, and for each the ``config.json`` fields it checks at load.
+
+One table. An architecture's entry says which weights its decoder layers have (biases, per-head
+q/k norms), the defaults its Hugging Face config class gives fields that ``config.json`` may
+leave out, and the rules for the fields whose values Ketch implements only in part. A value that
+would make the model compute something other than transformers does is refused at load, in an
+error naming the field: never served silently different. Fields transformers' modeling code
+ignores for an architecture (e.g. ``attention_bias`` for Mistral) are ignored here too, except
+attention that is not full (a sliding window, other ``layer_types``): a config that declares it
+was likely trained with it, so it is refused even where transformers would ignore it (Llama).
+
+``SUPPORTED_ARCHITECTURES`` is the one list of what Ketch serves (the CLI's errors, the operator
+and docs/models.md follow it). This module imports nothing heavy: no paddle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Settings = Mapping[str, Any]  # config.json over the architecture's defaults
+# (settings, the longest sequence the model will be served at) -> why not, or None
+Problem = Callable[[Settings, int], "str | None"]
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One field (or a setting spread over a few) and the values of it Ketch implements."""
+
+    field: str
+    supported: str  # in words, for docs/models.md
+    problem: Problem
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one architecture's decoder apart. A bias is ``True``/``False``, or the name of
+    the config field that says (read after ``defaults``)."""
+
+    name: str
+    family: str
+    qkv_bias: bool | str
+    o_bias: bool | str
+    mlp_bias: bool | str
+    qk_norm: bool  # RMSNorm of each query and key head (own weights) before the rotation
+    defaults: Mapping[str, Any]
+    rules: tuple[Rule, ...]
+
+    def settings(self, raw: Mapping[str, Any]) -> Settings:
+        """config.json with the config class's defaults under it (an explicit null stays)."""
+        return {**self.defaults, **raw}
+
+    def flag(self, which: bool | str, settings: Settings) -> bool:
+        return which if isinstance(which, bool) else bool(settings.get(which))
+
+    def problems(self, settings: Settings, context_len: int) -> list[str]:
+        """Why Ketch would not compute what transformers does ([] when it would)."""
+        found = (rule.problem(settings, context_len) for rule in self.rules)
+        return [p for p in found if p is not None]
+
+
+def _show(field: str, value: Any) -> str:
+    return f"{field}={value!r}"
+
+
+def _hidden_act(s: Settings, _context: int) -> str | None:
+    act = s.get("hidden_act", "silu")
+    if act in ("silu", "swish"):
+        return None
+    return f"{_show('hidden_act', act)}: only silu (swish) is implemented"
+
+
+def rope_field(s: Settings) -> tuple[str, Any]:
+    """Where the RoPE parameters are: ``rope_parameters`` (transformers 5), else ``rope_scaling``
+    (transformers 4, with ``rope_theta`` beside it)."""
+    key = "rope_parameters" if s.get("rope_parameters") else "rope_scaling"
+    return key, s.get(key) or {}
+
+
+def _rope(s: Settings, _context: int) -> str | None:
+    key, params = rope_field(s)
+    if not isinstance(params, Mapping):
+        return f"{_show(key, params)}: expected an object"
+    if any(isinstance(v, Mapping) for v in params.values()):
+        return f"{_show(key, params)}: RoPE parameters per layer type are not implemented"
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        return (
+            f"{key}.rope_type={rope_type!r}: this RoPE scaling is not implemented; Ketch "
+            f"implements {', '.join(ROPE_TYPES)}"
+        )
+    theta = params.get("rope_theta", s.get("rope_theta", 10000.0))
+    if not _positive(theta):
+        return f"{_show('rope_theta', theta)}: must be a positive number"
+    if rope_type != "default" and not _positive(params.get("factor", 1.0)):
+        return f"{key}.factor={params.get('factor')!r}: must be a positive number"
+    return None
+
+
+def _partial_rotary(s: Settings, _context: int) -> str | None:
+    _key, params = rope_field(s)
+    factor = s.get("partial_rotary_factor")
+    if isinstance(params, Mapping) and factor is None:
+        factor = params.get("partial_rotary_factor")
+    if factor is None or factor == 1:
+        return None
+    shown = _show("partial_rotary_factor", factor)
+    return f"{shown}: rotating part of each head is not implemented"
+
+
+def _quantization(s: Settings, _context: int) -> str | None:
+    config = s.get("quantization_config")
+    if not config:
+        return None
+    method = config.get("quant_method") if isinstance(config, Mapping) else config
+    return (
+        f"quantization_config (quant_method={method!r}): quantized checkpoints are not "
+        "implemented; Ketch loads float32, bfloat16 or float16 weights"
+    )
+
+
+def _window_problem(field: str, window: Any, context_len: int, where: str = "") -> str | None:
+    """A window at least as long as the context never slides: full attention is exact."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return f"{_show(field, window)}: expected a positive integer or null"
+    if window >= context_len:
+        return None
+    return (
+        f"{_show(field, window)}{where}: sliding-window attention is not implemented yet, and "
+        f"this window is shorter than the context the model would be served at ({context_len} "
+        "tokens); Ketch serves a window only when it is at least that long (a no-op)"
+    )
+
+
+def _declared_window(s: Settings, context_len: int) -> str | None:
+    # transformers' Llama ignores a window, but a config that declares one was likely trained
+    # with it: refused rather than guessed at.
+    if s.get("use_sliding_window") is False:
+        return None
+    return _window_problem("sliding_window", s.get("sliding_window"), context_len)
+
+
+def _declared_layer_types(s: Settings, _context: int) -> str | None:
+    # Ignored by transformers' Llama and Mistral; refused for the same reason as a window.
+    given = s.get("layer_types")
+    if given is None:
+        return None
+    if not isinstance(given, list):
+        return f"{_show('layer_types', given)}: expected a list"
+    other = sorted(set(given) - {"full_attention"})
+    if not other:
+        return None
+    return f"layer_types: {', '.join(map(repr, other))} layers are not implemented"
+
+
+def _mistral_window(s: Settings, context_len: int) -> str | None:
+    # MistralAttention applies config.sliding_window to every layer; layer_types is ignored.
+    return _window_problem("sliding_window", s.get("sliding_window"), context_len)
+
+
+def qwen_layer_types(s: Settings) -> list[str]:
+    """Each layer's attention as Qwen2/Qwen3's config computes it: ``layer_types`` when given,
+    else sliding from layer ``max_window_layers`` on when ``use_sliding_window``."""
+    given = s.get("layer_types")
+    if given is not None:
+        return list(given)
+    windowed = bool(s.get("use_sliding_window")) and s.get("sliding_window") is not None
+    first = s.get("max_window_layers", 28)
+    return [
+        "sliding_attention" if windowed and i >= first else "full_attention"
+        for i in range(int(s.get("num_hidden_layers") or 0))
+    ]
+
+
+def _qwen_layer_types(s: Settings, _context: int) -> str | None:
+    given = s.get("layer_types")
+    if given is not None and not isinstance(given, list):
+        return f"{_show('layer_types', given)}: expected a list"
+    other = sorted(set(qwen_layer_types(s)) - {"full_attention", "sliding_attention"})
+    if not other:
+        return None
+    return f"layer_types: {', '.join(map(repr, other))} layers are not implemented"
+
+
+def _qwen_window(s: Settings, context_len: int) -> str | None:
+    # Qwen2Config/Qwen3Config drop the window unless use_sliding_window; the attention then
+    # slides only in the layers whose type is sliding_attention.
+    if not s.get("use_sliding_window"):
+        return None
+    sliding = [i for i, t in enumerate(qwen_layer_types(s)) if t == "sliding_attention"]
+    if not sliding:
+        return None
+    where = f" (use_sliding_window=true, sliding layers {_ranges(sliding)})"
+    return _window_problem("sliding_window", s.get("sliding_window"), context_len, where)
+
+
+def _ranges(indices: list[int]) -> str:
+    contiguous = indices == list(range(indices[0], indices[-1] + 1))
+    return f"{indices[0]}-{indices[-1]}" if contiguous else str(indices)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+_COMMON = (
+    Rule("hidden_act", "silu (swish)", _hidden_act),
+    Rule(
+        "rope_parameters / rope_scaling",
+        f"rope_type {', '.join(ROPE_TYPES)}; one set for every layer",
+        _rope,
+    ),
+    Rule("partial_rotary_factor", "absent or 1", _partial_rotary),
+    Rule("quantization_config", "absent (unquantized weights)", _quantization),
+)
+_QWEN_WINDOWS = (
+    Rule(
+        "layer_types",
+        "full_attention, sliding_attention (see sliding_window)",
+        _qwen_layer_types,
+    ),
+    Rule(
+        "sliding_window",
+        "inactive (use_sliding_window false, or no sliding layer), or at least the served context",
+        _qwen_window,
+    ),
+)
+_QWEN_DEFAULTS = {
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+
+LLAMA = Architecture(
+    name="LlamaForCausalLM",
+    family="llama",
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    mlp_bias="mlp_bias",
+    qk_norm=False,
+    defaults={"max_position_embeddings": 2048},
+    rules=(
+        *_COMMON,
+        Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
+        Rule("sliding_window", "absent or null, or at least the served context", _declared_window),
+    ),
+)
+MISTRAL = Architecture(
+    name="MistralForCausalLM",
+    family="llama",
+    qkv_bias=False,  # MistralAttention and MistralMLP have no biases, whatever the config says
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=False,
+    defaults={"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    rules=(
+        *_COMMON,
+        Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
+        Rule("sliding_window", "null, or at least the served context", _mistral_window),
+    ),
+)
+QWEN2 = Architecture(
+    name="Qwen2ForCausalLM",
+    family="qwen2",
+    qkv_bias=True,
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=False,
+    defaults=_QWEN_DEFAULTS,
+    rules=(*_COMMON, *_QWEN_WINDOWS),
+)
+QWEN3 = Architecture(
+    name="Qwen3ForCausalLM",
+    family="qwen3",
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    mlp_bias=False,
+    qk_norm=True,
+    defaults={**_QWEN_DEFAULTS, "head_dim": 128},
+    rules=(*_COMMON, *_QWEN_WINDOWS),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

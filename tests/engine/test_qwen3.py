@@ -1,0 +1,202 @@
+"""Qwen3 (per-head q/k RMSNorm before the rotation, an explicit ``head_dim``) against Hugging Face
+transformers on random checkpoints the tests make with transformers' own Qwen3 classes.
+
+Three shapes: grouped-query heads wider than hidden/heads (untied embeddings), one KV head (MQA,
+tied), and full multi-head attention narrower than hidden/heads with attention biases (tied).
+Model level: logits at every position of a chunked, paged batch within 1e-4 (relative) of
+transformers' on the eager, predictor and native backends, tensor parallelism 2 and the GPU
+model run on the CPU. Engine level: ``LLM`` greedy outputs token-identical to ``generate`` with
+chunked prefill, prefix-cache hits and preemption forced, on one rank and on two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_engine_exactness import MAX_TOKENS, make_prompts, run_constrained
+from test_llama_gpu import assert_close as assert_gpu_model_close
+from test_llama_gpu import gpu_model_logits
+from test_model_exactness import assert_close
+from test_tensor_parallel_exactness import assert_logits_close, sequences_for
+
+from hf_models import hf_greedy, make_tokenizer
+from ketch.engine import LLM, SamplingParams
+from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.loader import load_weights
+from ketch.engine.models.sharding import Shard
+from ketch.kernels import CpuKernels
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # 4 query heads of 32 on a hidden size of 64: q is twice as wide as the hidden state
+    "gqa": {"num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False},
+    "mqa": {"num_key_value_heads": 1, "head_dim": 16, "tie_word_embeddings": True},
+    # 4 heads of 16 on a hidden size of 96; q/k/v/o biases (Qwen3's attention_bias)
+    "mha-bias": {
+        "hidden_size": 96,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "attention_bias": True,
+        "num_hidden_layers": 3,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def make_random_checkpoint(out: Path, config: Any, seed: int = 0) -> Path:
+    """A random checkpoint of ``config`` (a transformers config object naming its architecture),
+    initialised as ``hf_models.make_checkpoint`` initialises its Llama/Qwen2 ones: matrices
+    widened to std 0.15, every 1-D weight (norms, q_norm/k_norm, biases) given noise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+            else:
+                param.add_(torch.randn_like(param) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    make_tokenizer(out)
+    return out
+
+
+def make_qwen3_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
+    from transformers import Qwen3Config
+
+    settings: dict[str, Any] = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    settings.update(overrides)
+    return make_random_checkpoint(out, Qwen3Config(**settings), seed)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """qwen3("gqa") -> that shape's checkpoint directory (made once per module)."""
+    made: dict[str, Path] = {}
+
+    def get(shape: str) -> Path:
+        if shape not in made:
+            out = tmp_path_factory.mktemp(f"qwen3_{shape.replace('-', '_')}")
+            made[shape] = make_qwen3_checkpoint(out, **SHAPES[shape])
+        return made[shape]
+
+    return get
+
+
+def test_the_checkpoints_have_the_shapes_they_claim(qwen3) -> None:
+    for shape in SHAPES:
+        config = ModelConfig.from_dir(qwen3(shape))
+        assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm
+        narrow_or_wide = config.head_dim * config.num_attention_heads != config.hidden_size
+        assert narrow_or_wide == (shape != "mqa")
+        assert config.qkv_bias == config.o_bias == (shape == "mha-bias")
+        assert not config.mlp_bias
+
+
+@pytest.mark.parametrize(
+    ("backend", "kernels"),
+    [
+        ("eager", "portable"),
+        ("eager", "selected"),
+        ("predictor", "selected"),
+        ("native", "selected"),
+    ],
+)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_logits_match_transformers(qwen3, shape: str, backend: str, kernels: str) -> None:
+    """Each sequence in two chunks of one paged batch (a decode step after a 99-token prefix
+    among them); the predictor runs every step on its programs."""
+    path = qwen3(shape)
+    chosen = CpuKernels.portable() if kernels == "portable" else CpuKernels.select(log=False)
+    assert_close(path, ModelConfig.from_dir(path).vocab_size, chosen, backend=backend)
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mqa"])
+def test_tensor_parallel_logits_match_transformers(qwen3, shape: str) -> None:
+    """Two ranks: KV heads split (gqa) or replicated (mqa); q_norm/k_norm on both ranks."""
+    assert_logits_close(qwen3(shape), 2)
+
+
+def test_each_rank_holds_the_whole_head_norms(qwen3) -> None:
+    path = qwen3("gqa")
+    config = ModelConfig.from_dir(path)
+    whole = load_weights(path, config, "float32").layers[1]
+    for rank in range(2):
+        part = load_weights(path, config, "float32", Shard.of(config, rank, 2)).layers[1]
+        for name in ("q_norm", "k_norm"):
+            np.testing.assert_array_equal(getattr(part, name).numpy(), getattr(whole, name).numpy())
+            assert getattr(part, name).shape == [config.head_dim]
+
+
+def test_gpu_model_on_the_cpu_matches_transformers(qwen3) -> None:
+    path = qwen3("gqa")
+    sequences, splits = sequences_for(ModelConfig.from_dir(path).vocab_size)
+    assert_gpu_model_close(gpu_model_logits(path, sequences, splits), path, sequences)
+
+
+def _assert_greedy_matches(path: Path, ours: list[list[int]], prompts: list[list[int]]) -> None:
+    reference = hf_greedy(path, prompts, MAX_TOKENS)
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
+    assert not mismatches, (
+        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "backend"),
+    [("gqa", "eager"), ("gqa", "predictor"), ("gqa", "native"), ("mqa", "native")],
+    ids=["gqa-eager", "gqa-predictor", "gqa-native", "mqa-native"],
+)
+def test_greedy_matches_transformers_with_every_mechanism(qwen3, shape: str, backend: str) -> None:
+    path = qwen3(shape)
+    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=24)
+    ours, llm = run_constrained(path, prompts, backend)
+    try:
+        model = llm.engine.runner.model
+        assert model.backend_name == backend
+        if backend == "predictor":
+            assert model.predictor_steps > 0
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
+        assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
+    finally:
+        llm.engine.close()
+    _assert_greedy_matches(path, ours, prompts)
+
+
+def test_greedy_matches_transformers_on_two_ranks(qwen3) -> None:
+    path = qwen3("mha-bias")
+    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=24, seed=1)
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=2,
+        block_size=16,
+        max_num_batched_tokens=48,
+        max_num_seqs=16,
+        num_kv_blocks=26,
+        max_model_len=256,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+        assert len(llm.engine.runner.processes) == 2
+    finally:
+        llm.engine.close()
+    _assert_greedy_matches(path, ours, prompts)
