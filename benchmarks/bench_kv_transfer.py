@@ -227,7 +227,7 @@ def measure_handover(sizes: list[int], repeats: int) -> None:
             pod.wait_ready()
         mixed.wait_ready()
         prefill, decode = pods
-        headers = {"x-ketch-prefill": prefill.pd_address, "x-ketch-decode-host": "127.0.0.1"}
+        headers = {"x-ketch-prefill": prefill.pd_address}
         print(f"\nhand-over, tiny model, block 16, {repeats} requests per prompt size (means)")
         print(f"{'tokens':>6} {'handover ms':>11} {'pd e2e ms':>9} {'mixed TTFT ms':>13} "
               f"{'handover/TTFT':>13}")  # fmt: skip

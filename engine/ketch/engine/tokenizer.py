@@ -15,6 +15,16 @@ from tokenizers import Tokenizer as HFTokenizer
 from ketch.engine.errors import ModelLoadError
 
 Message = dict[str, Any]
+RELEASE_GIL_CHARS = 2048
+"""Texts longer than this are encoded with ``encode_batch``, which releases the GIL."""
+RELEASE_GIL_TOKENS = 2048
+"""Token lists longer than this are decoded with ``decode_batch``, which releases the GIL."""
+# What rendering a template can raise when messages (whose extra fields reach the template)
+# have a shape it does not expect: a 400 for the request, never a 500 with a traceback.
+_RENDER_ERRORS = (
+    TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError,
+    RecursionError, UnicodeError,
+)  # fmt: skip
 
 
 class Tokenizer:
@@ -63,9 +73,20 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``, which releases
+        the GIL while it works (``encode`` holds it: about a second per MiB), so a thread
+        tokenising it leaves the others, and an event loop, running."""
+        if len(text) > RELEASE_GIL_CHARS:
+            # ``encode_batch_fast`` (tokenizers >= 0.20) skips offsets, which nothing here
+            # reads: about twice as fast, and it holds the GIL a third as long at the end.
+            batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+            return batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; many of them through ``decode_batch`` (GIL released)."""
+        if len(token_ids) > RELEASE_GIL_TOKENS:
+            return self._tok.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
@@ -104,16 +125,22 @@ class Tokenizer:
                 "this model has no chat template (tokenizer_config.json 'chat_template'); "
                 "use plain completions instead"
             )
+        normalised = [_normalise(m, i) for i, m in enumerate(_check_list(messages))]
         try:
             return template.render(
-                messages=[_normalise(m, i) for i, m in enumerate(_check_list(messages))],
+                messages=normalised,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 **extra,
             )
         except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+            raise ValueError(f"the chat template rejected these messages: {exc}") from None
+        except _RENDER_ERRORS as exc:  # the template met a shape it does not expect
+            raise ValueError(
+                f"the chat template cannot render these messages: {type(exc).__name__}: "
+                f"{_short(exc)}"
+            ) from None
 
 
 def _check_list(messages: Any) -> list[Any]:
@@ -141,6 +168,11 @@ def _normalise(message: Any, index: int) -> Message:
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
     return {**message, "role": role, "content": content}
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _raise_exception(message: str) -> None:

@@ -444,6 +444,11 @@ def test_completion_response(tokenizer: Tokenizer) -> None:
     assert parsed.usage is not None and parsed.usage.prompt_tokens == prompt_tokens
     assert parsed.usage.completion_tokens == completion_tokens
     assert parsed.usage.total_tokens == prompt_tokens + completion_tokens
+    # Prefix-cache hits are not reported by default (review M6: a cross-tenant oracle) ...
+    assert "prompt_tokens_details" not in body["usage"]
+    # ... only by a server run with --enable-prompt-tokens-details.
+    shown = ResponseMeta.completion("tiny", prompt_tokens_details=True)
+    body = completion_response(shown, [first, second], tokenizer)
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 

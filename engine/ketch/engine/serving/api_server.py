@@ -3,6 +3,12 @@
 This process tokenises, renders chat templates and streams SSE; the model runs in the engine
 process behind ``EngineClient``, so HTTP work never stalls the step loop. Every refusal is an
 OpenAI-shaped JSON error; nothing here leaks a stack trace to a client.
+
+Nothing slow runs on the event loop, which also answers /health, /ready and /metrics:
+structured-output grammars are built and compiled in worker processes under a time budget
+(``guided.GrammarService``), and long texts are tokenised, detokenised and chat-rendered on a
+few threads (``tokenization``, ``offload.ThreadJobs``); short ones stay inline, where a thread
+would cost more than the work.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from ketch.engine.serving.admission import (
 )
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.generation import make_choices, merge_streams, run_to_end
-from ketch.engine.serving.guided import GuidedError, check_grammar
+from ketch.engine.serving.guided import GrammarService, GuidedError
+from ketch.engine.serving.offload import NOT_ACCEPTED, Busy, ThreadJobs
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PrefillPeers, pairing
 from ketch.engine.serving.protocol import (
     ChatCompletionRequest,
@@ -41,16 +48,15 @@ from ketch.engine.serving.protocol import (
     error_body,
     parse_request,
 )
+from ketch.engine.serving.tokenization import decode, encode, render_chat
 from ketch.engine.serving.tool_parsers import parser_for_template
 from ketch.engine.serving.tools import ToolPlan, apply_plan, stream_delta
-from ketch.engine.structured.compiler import GrammarCompiler
 from ketch.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
 _CONTROL_PATHS = ("/pause", "/resume")
-NOT_ACCEPTED = "instance_unavailable"  # the error code of a refusal before any work
 
 
 @dataclass
@@ -72,7 +78,15 @@ class ServingState:
     paused: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_peers: PrefillPeers = field(default_factory=lambda: PrefillPeers(None))
-    grammars: GrammarCompiler | None = None  # built for the first structured-output request
+    grammars: GrammarService | None = None  # structured outputs' checks (``create_app``)
+    # Tokenising, detokenising and chat-rendering long texts, off the event loop.
+    text_jobs: ThreadJobs = field(default_factory=lambda: ThreadJobs("tokenizing"))
+
+    def close(self) -> None:
+        """Stops the worker processes and threads (the server is stopping)."""
+        if self.grammars is not None:
+            self.grammars.close()
+        self.text_jobs.close()
 
     def set_idle(self, idle: bool) -> None:
         if idle:
@@ -85,10 +99,17 @@ def create_app(state: ServingState) -> FastAPI:
     app = FastAPI(title="Ketch", docs_url=None, redoc_url=None)
     app.state.serving = state
     state.idle.set()
+    if state.grammars is None:
+        state.grammars = _grammar_service(state)
+        state.metrics.registry.register(state.grammars)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(_: Request, exc: ProtocolError) -> JSONResponse:
         return _error(exc)
+
+    @app.exception_handler(Busy)
+    async def busy(_: Request, exc: Busy) -> JSONResponse:
+        return _error(ProtocolError(503, exc.message, code=NOT_ACCEPTED))
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
@@ -105,8 +126,8 @@ def create_app(state: ServingState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", _models, methods=["GET"])
     app.add_api_route("/v1/embeddings", _embeddings, methods=["POST"])
-    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
     app.add_api_route("/version", tokenization.version, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/ready", _ready, methods=["GET"])
@@ -119,6 +140,20 @@ def create_app(state: ServingState) -> FastAPI:
 
 def _state(request: Request) -> ServingState:
     return request.app.state.serving
+
+
+def _grammar_service(state: ServingState) -> GrammarService:
+    config = state.config
+    tokenizer = state.tokenizer
+    return GrammarService(
+        tokenizer.path / "tokenizer.json",
+        state.vocab_size or tokenizer.vocab_size,
+        [t for t in [tokenizer.eos_token_id] if t is not None],
+        limits=config.grammar_limits(),
+        timeout=config.grammar_timeout,
+        workers=config.grammar_workers,
+        max_waiting=config.max_grammar_queue,
+    )
 
 
 def _error(exc: ProtocolError) -> JSONResponse:
@@ -159,19 +194,21 @@ async def _completions(request: Request) -> Response:
     try:
         body = parse_request(CompletionRequest, await read_body(state.config, request))
         check_model(body.model, [state.model_name])
+        await _prepare_grammar(state, body)
         params = body.to_sampling_params(None)
         check_limits(state.config, params, len(body.prompt))
-        await _check_grammar(state, body.grammar_source())
-        prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.prompt]
+        prompts = [p if isinstance(p, list) else await encode(state, p) for p in body.prompt]
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
         check_output_size(state.config, params, prompts, state.max_model_len)
-        echoes = _echo_texts(state, body, prompts, params.skip_special_tokens)
+        echoes = await _echo_texts(state, body, prompts, params.skip_special_tokens)
         paired = await pairing(state.config, state.prefill_peers, request)
         choices = make_choices(
             prompts, params, state.max_model_len, paired, accumulate=not body.stream
         )
         slot.resize(len(choices))
-        meta = R.ResponseMeta.completion(state.model_name, body.include_usage)
+        meta = R.ResponseMeta.completion(
+            state.model_name, body.include_usage, state.config.enable_prompt_tokens_details
+        )
         if body.stream:
             return _sse(slot, _completion_events(state, meta, choices, echoes))
         done = await run_to_end(state.engine, choices, request)
@@ -192,28 +229,45 @@ async def _embeddings(request: Request) -> Response:
         slot.release()
 
 
-async def _check_grammar(state: ServingState, source: tuple[str, str] | None) -> None:
-    """A 400 naming the field if the request's grammar does not compile for this model."""
-    if source is None:
-        return
-    if state.grammars is None:
-        vocab = state.vocab_size or state.tokenizer.vocab_size
-        eos = [t for t in [state.tokenizer.eos_token_id] if t is not None]
-        state.grammars = GrammarCompiler(state.tokenizer.path / "tokenizer.json", vocab, eos)
+async def _tokenize(request: Request) -> Response:
+    state = _state(request)
+    slot = _admit(state)  # as the generation endpoints: counted, and refused while draining
     try:
-        await check_grammar(state.grammars, *source)
+        return await tokenization.tokenize(request)
+    finally:
+        slot.release()
+
+
+async def _detokenize(request: Request) -> Response:
+    state = _state(request)
+    slot = _admit(state)
+    try:
+        return await tokenization.detokenize(request)
+    finally:
+        slot.release()
+
+
+async def _prepare_grammar(
+    state: ServingState, body: CompletionRequest | ChatCompletionRequest
+) -> None:
+    """Builds and compiles the request's grammar, if it asks for one, off the event loop
+    (``GrammarService``); a 400 naming the field if it is too big, wrong, does not compile for
+    this model or takes longer than --grammar-timeout."""
+    assert state.grammars is not None  # create_app made it
+    try:
+        await state.grammars.prepare(body)
     except GuidedError as exc:
         raise ProtocolError(400, str(exc), exc.param) from None
 
 
-def _echo_texts(
+async def _echo_texts(
     state: ServingState, body: CompletionRequest, prompts: list[list[int]], skip_special: bool
 ) -> list[str] | None:
     """With ``echo``: each prompt's text (as sent, or decoded from its token ids)."""
     if not body.echo:
         return None
     return [
-        given if isinstance(given, str) else state.tokenizer.decode(ids, skip_special)
+        given if isinstance(given, str) else await decode(state, ids, skip_special)
         for given, ids in zip(body.prompt, prompts, strict=True)
     ]
 
@@ -222,30 +276,28 @@ async def _chat_completions(request: Request) -> Response:
     state = _state(request)
     slot = _admit(state)
     try:
-        body = parse_request(ChatCompletionRequest, await read_body(state.config, request))
+        raw = await read_body(state.config, request)
+        body = parse_request(ChatCompletionRequest, raw)
         check_model(body.model, [state.model_name])
+        await _prepare_grammar(state, body)  # the tools' too (tool_choice required or named)
         params = body.to_sampling_params(None)
         check_limits(state.config, params, 1)
-        plan = body.tool_plan()  # checked by to_sampling_params, with the tools' grammar
+        plan = body.tool_plan()  # checked with the grammar
         if plan is not None:
             plan.parser = parser_for_template(state.tokenizer.chat_template_source)
-        await _check_grammar(state, body.grammar_source())
-        try:
-            conversation = body.conversation()
-            tools = {"tools": plan.tools} if plan is not None else {}
-            text = state.tokenizer.apply_chat_template(
-                conversation, body.add_generation_prompt, **tools
-            )
-        except ValueError as exc:
-            raise ProtocolError(400, str(exc), param="messages") from exc
-        prompt = state.tokenizer.encode(text, add_special_tokens=False)
+        tools = {"tools": plan.tools} if plan is not None else {}
+        prompt = await render_chat(
+            state, body.messages, body.add_generation_prompt, size=len(raw), **tools
+        )
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
         check_output_size(state.config, params, [prompt], state.max_model_len)
         paired = await pairing(state.config, state.prefill_peers, request)
         whole = not body.stream or (plan is not None and plan.streams_whole)
         choices = make_choices([prompt], params, state.max_model_len, paired, accumulate=whole)
         slot.resize(len(choices))
-        meta = R.ResponseMeta.chat(state.model_name, body.include_usage)
+        meta = R.ResponseMeta.chat(
+            state.model_name, body.include_usage, state.config.enable_prompt_tokens_details
+        )
         if body.stream:
             return _sse(slot, _chat_events(state, meta, choices, plan))
         done = await run_to_end(state.engine, choices, request)
@@ -295,7 +347,7 @@ async def _completion_events(
         )  # fmt: skip
         yield R.sse(chunk)
     if meta.include_usage:
-        yield R.sse(R.completion_usage_chunk(meta, R.usage(*usage_counts(choices))))
+        yield R.sse(R.completion_usage_chunk(meta, meta.usage(*usage_counts(choices))))
 
 
 async def _chat_events(
@@ -312,7 +364,7 @@ async def _chat_events(
             chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = tool_delta
         yield R.sse(chunk)
     if meta.include_usage:
-        yield R.sse(R.chat_usage_chunk(meta, R.usage(*usage_counts(choices))))
+        yield R.sse(R.chat_usage_chunk(meta, meta.usage(*usage_counts(choices))))
 
 
 async def _models(request: Request) -> JSONResponse:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ketch.engine.sampling_params import POOLINGS
+
+if TYPE_CHECKING:
+    from ketch.engine.structured.grammars import Limits
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -121,6 +124,49 @@ class ServerConfig:
         "unset counts as the room left in max_model_len. More is refused with 400.",
         minimum=1,
     )
+    max_grammar_bytes: int = _opt(
+        64 * 1024,
+        "Largest structured-output input, in bytes: a grammar (guided_grammar, "
+        "structured_outputs.grammar), a regex, the choices, or a JSON schema's text (tools' "
+        "included). Checked before any work; more is refused with 400.",
+        minimum=1,
+    )
+    max_schema_depth: int = _opt(
+        64,
+        "How deep a JSON schema's objects and arrays may nest (the document's depth); deeper is "
+        "refused with 400 before any work.",
+        minimum=1,
+    )
+    max_schema_nodes: int = _opt(
+        20_000,
+        "Most values (objects, arrays, strings, numbers) a JSON schema may hold; more is "
+        "refused with 400 before any work.",
+        minimum=1,
+    )
+    grammar_timeout: float = _opt(
+        5.0,
+        "Seconds a structured-output input may take to be converted, checked and compiled, in "
+        "a worker process off the event loop. Past it the request is refused with 400 (and so "
+        "is a resend of the same input), and the worker is killed and replaced.",
+        minimum=0,
+    )
+    grammar_workers: int = _opt(
+        2,
+        "Worker processes that build and check structured-output grammars (started when first "
+        "needed).",
+        minimum=1,
+    )
+    max_grammar_queue: int = _opt(
+        16,
+        "Requests whose grammar may wait for a busy grammar worker; more get 503 with Retry-After.",
+        minimum=0,
+    )
+    enable_prompt_tokens_details: bool = _opt(
+        False,
+        "Report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+        "cache). Off by default: with a cache shared between clients it tells one client what "
+        "others' prompts began with.",
+    )
     embedding_pooling: str = _opt(
         "last",
         "How /v1/embeddings pools a prompt's final-normed hidden states: 'last' (the last "
@@ -199,6 +245,10 @@ class ServerConfig:
             "max_stop_token_ids",
             "max_logit_bias",
             "max_output_entries",
+            "max_grammar_bytes",
+            "max_schema_depth",
+            "max_schema_nodes",
+            "grammar_workers",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -209,7 +259,18 @@ class ServerConfig:
             ("pd_peer_timeout", 1),
             ("pd_request_timeout", 1),
             ("request_read_timeout", 0.001),
+            ("grammar_timeout", 0.001),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{name} must be >= {least} seconds, got {value!r}")
+        queue = self.max_grammar_queue
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
+            raise ValueError(f"max_grammar_queue must be a non-negative integer, got {queue!r}")
+
+    def grammar_limits(self) -> Limits:
+        """What one structured-output input may be (``--max-grammar-bytes`` and the schema's
+        ``--max-schema-depth`` and ``--max-schema-nodes``)."""
+        from ketch.engine.structured.grammars import Limits  # not for the operator's imports
+
+        return Limits(self.max_grammar_bytes, self.max_schema_depth, self.max_schema_nodes)

@@ -33,6 +33,7 @@ from ketch.engine.outputs import RequestDelta, l2_normalized
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.admission import Slot, read_body
 from ketch.engine.serving.protocol import PromptField, ProtocolError, check_model, parse_request
+from ketch.engine.serving.tokenization import encode
 
 if TYPE_CHECKING:
     from ketch.engine.serving.api_server import ServingState
@@ -80,7 +81,7 @@ async def create(state: ServingState, request: Request, slot: Slot) -> JSONRespo
     except ProtocolError as exc:  # over --max-concurrency: the inputs are the sequences
         exc.param = "input" if exc.status_code == 400 else exc.param
         raise
-    prompts = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in body.input]
+    prompts = [p if isinstance(p, list) else await encode(state, p) for p in body.input]
     _check_prompts(prompts, state.vocab_size or state.tokenizer.vocab_size, state.max_model_len)
     params = SamplingParams(pooling=body.pooling or state.config.embedding_pooling)
     deltas = await _embed_all(state.engine, prompts, params)

@@ -43,16 +43,34 @@ class ResponseMeta:
     model: str
     created: int
     include_usage: bool = False  # streamed chunks then carry "usage": null until the last one
+    # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details): off by
+    # default, because prefix-cache hits tell one client what others' prompts began with.
+    prompt_tokens_details: bool = False
 
     @classmethod
-    def completion(cls, model: str, include_usage: bool = False) -> ResponseMeta:
+    def completion(
+        cls, model: str, include_usage: bool = False, prompt_tokens_details: bool = False
+    ) -> ResponseMeta:
         """A fresh ``cmpl-<hex>`` id, created now."""
-        return cls(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), include_usage)
+        return cls(
+            f"cmpl-{uuid.uuid4().hex}", model, int(time.time()), include_usage,
+            prompt_tokens_details,
+        )  # fmt: skip
 
     @classmethod
-    def chat(cls, model: str, include_usage: bool = False) -> ResponseMeta:
+    def chat(
+        cls, model: str, include_usage: bool = False, prompt_tokens_details: bool = False
+    ) -> ResponseMeta:
         """A fresh ``chatcmpl-<hex>`` id, created now."""
-        return cls(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), include_usage)
+        return cls(
+            f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()), include_usage,
+            prompt_tokens_details,
+        )  # fmt: skip
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Json:
+        """``usage``, with ``prompt_tokens_details`` only when this server reports it."""
+        cached = cached_tokens if self.prompt_tokens_details else None
+        return usage(prompt_tokens, completion_tokens, cached)
 
 
 def sse(data: Json | str) -> str:
@@ -76,22 +94,26 @@ def models_response(names: Sequence[str], created: int | None = None) -> Json:
 # ---- usage ----
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Json:
-    """OpenAI's ``usage`` object."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Json:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` only when
+    ``cached_tokens`` is given (a server with ``--enable-prompt-tokens-details``)."""
+    body: Json = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
-def usage_of(outputs: Sequence[RequestOutput]) -> Json:
+def usage_of(outputs: Sequence[RequestOutput], prompt_tokens_details: bool = False) -> Json:
     """Usage of finished outputs, one RequestOutput per prompt (its n choices inside it)."""
+    cached = sum(r.num_cached_tokens for r in outputs)
     return usage(
         sum(len(r.prompt_token_ids) for r in outputs),
         sum(len(c.token_ids) for r in outputs for c in r.outputs),
-        sum(r.num_cached_tokens for r in outputs),
+        cached if prompt_tokens_details else None,
     )
 
 
@@ -215,7 +237,8 @@ def completion_response(
                 choice["prompt_logprobs"] = scored
             choices.append(choice)
         base += len(request_output.outputs)
-    return _envelope(meta, "text_completion", choices) | {"usage": usage_of(outputs)}
+    usage_body = usage_of(outputs, meta.prompt_tokens_details)
+    return _envelope(meta, "text_completion", choices) | {"usage": usage_body}
 
 
 def chat_completion_response(
@@ -232,7 +255,8 @@ def chat_completion_response(
                 "finish_reason": c.finish_reason,
             }
         )
-    body = _envelope(meta, "chat.completion", choices) | {"usage": usage_of([output])}
+    usage_body = usage_of([output], meta.prompt_tokens_details)
+    body = _envelope(meta, "chat.completion", choices) | {"usage": usage_body}
     scored = prompt_logprobs(output.prompt_logprobs, tokenizer)
     if scored is not None:
         body["prompt_logprobs"] = scored

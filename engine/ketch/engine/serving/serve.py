@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -30,13 +32,14 @@ from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.pairing import PrefillPeers
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
-from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 
 logger = logging.getLogger("ketch.serve")
 
 _WATCH_INTERVAL_S = 0.5
 _EXIT_ENGINE_DIED = 1
 _DEATH_GRACE_S = 3.0
+_SWITCH_INTERVAL_S = 0.001
 
 
 def check_ports(config: ServerConfig) -> None:
@@ -72,7 +75,11 @@ def _read_key(file: str | None, flag: str, env: str) -> str | None:
         if not key:
             raise ValueError(f"{flag} {path} is empty")
         return key
-    return os.environ.get(env) or None
+    # as from a file: a Secret written with a trailing newline must not make every request a 401
+    key = os.environ.get(env, "").strip()
+    if os.environ.get(env) and not key:
+        raise ValueError(f"${env} is set but holds only whitespace")
+    return key or None
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
@@ -110,6 +117,17 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
+    # tokenizers' thread pool starts with its first long text, and its threads keep the
+    # priority of the thread that started it: start it from a (lower-priority) offload thread.
+    await state.text_jobs.run(tokenizer.encode, "warm up " * (RELEASE_GIL_CHARS // 8 + 1))
+    # Everything built so far lives as long as the process: the collector need not scan it
+    # again. A full collection then looks at requests' objects only (a 1 MiB JSON body makes
+    # ~60 k of them: one full scan of the whole heap meanwhile held the event loop ~50 ms).
+    gc.collect()
+    gc.freeze()
+    # Long chats are rendered on a thread (jinja is Python: it holds the GIL); the event loop
+    # gets the GIL back within this interval (default 5 ms) each time it needs it.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     stop = stop_event()
     server_task = asyncio.create_task(server.serve())
     metrics_server = _metrics_server(state)
@@ -130,6 +148,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     await asyncio.gather(
         server_task, *([metrics_task] if metrics_task else []), return_exceptions=True
     )
+    state.close()  # the grammar workers and tokenizing threads
     await engine.shutdown()
     return code
 

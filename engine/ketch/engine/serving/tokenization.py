@@ -8,24 +8,79 @@ default true; ``add_special_tokens`` defaults to false, as the template adds the
 included, so a rendered chat round-trips).
 
 These run in the API server only (the engine is not asked), behind the same API key, body-size
-limit and read timeout as the completions endpoints. As in vLLM, a prompt longer than
-``max_model_len`` is tokenised, not refused: the count is what a client asks for.
+limit, read timeout and admission (a slot of ``--max-concurrency``; 503 while paused or
+draining) as the completions endpoints. As in vLLM, a prompt longer than ``max_model_len`` is
+tokenised, not refused: the count is what a client asks for; but ``return_token_strs`` gives
+the tokens' strings for at most ``max_model_len`` tokens.
+
+The helpers ``encode``, ``decode`` and ``render_chat`` serve every endpoint: a long text (more
+than ``INLINE_CHARS``, ``INLINE_TOKENS`` or, for a chat, ``INLINE_BYTES`` of request body) is
+worked on a thread (``ServingState.text_jobs``), where ``tokenizers`` releases the GIL, so the
+event loop keeps answering; a short one inline, where a thread would cost more than the work.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ketch.engine.serving.admission import read_body
 from ketch.engine.serving.protocol import ChatMessage, ProtocolError, check_model, parse_request
+from ketch.engine.tokenizer import RELEASE_GIL_CHARS, RELEASE_GIL_TOKENS
 
 if TYPE_CHECKING:
     from ketch.engine.serving.api_server import ServingState
+
+INLINE_CHARS = RELEASE_GIL_CHARS
+"""Texts up to this long are tokenised on the event loop (about 3 ms at most)."""
+INLINE_TOKENS = RELEASE_GIL_TOKENS
+"""Token lists up to this long are detokenised (or given token strings) on the event loop."""
+INLINE_BYTES = 4096
+"""Chats whose request body is up to this long are rendered and tokenised on the event loop."""
+
+
+async def encode(state: ServingState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids, on a thread if it is long."""
+    if len(text) <= INLINE_CHARS:
+        return state.tokenizer.encode(text, add_special_tokens)
+    return await state.text_jobs.run(state.tokenizer.encode, text, add_special_tokens)
+
+
+async def decode(state: ServingState, token_ids: list[int], skip_special_tokens: bool) -> str:
+    """The text of ``token_ids``, on a thread if they are many."""
+    if len(token_ids) <= INLINE_TOKENS:
+        return state.tokenizer.decode(token_ids, skip_special_tokens)
+    return await state.text_jobs.run(state.tokenizer.decode, token_ids, skip_special_tokens)
+
+
+async def render_chat(
+    state: ServingState,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    size: int,
+    add_special_tokens: bool = False,
+    **extra: Any,
+) -> list[int]:
+    """A chat rendered with the model's template and tokenised; on a thread when its request
+    body was over ``INLINE_BYTES``. A 400 naming ``messages`` when the template cannot render
+    it (whatever the template raised)."""
+    tokenizer = state.tokenizer
+
+    def work() -> list[int]:
+        conversation = [m.model_dump(exclude_none=True) for m in messages]
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **extra)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    try:
+        return work() if size <= INLINE_BYTES else await state.text_jobs.run(work)
+    except ValueError as exc:
+        raise ProtocolError(400, str(exc), param="messages") from None
 
 
 class TokenizeRequest(BaseModel):
@@ -67,44 +122,95 @@ def ketch_version() -> str:
 
 
 async def tokenize(request: Request) -> JSONResponse:
+    """The endpoint's work, inside the request's admission slot (the API server's)."""
     state: ServingState = request.app.state.serving
-    body = parse_request(TokenizeRequest, await read_body(state.config, request))
+    raw = await read_body(state.config, request)
+    body = parse_request(TokenizeRequest, raw)
     body.check()
     _check_model(state, body.model)
-    tokenizer = state.tokenizer
     if body.messages is not None:
-        conversation = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
-        except ValueError as exc:
-            raise ProtocolError(400, str(exc), param="messages") from exc
         special = bool(body.add_special_tokens)
+        tokens = await render_chat(
+            state, body.messages, body.add_generation_prompt, len(raw), special
+        )
     else:
         text = body.prompt or ""
         special = body.add_special_tokens is not False
-    tokens = tokenizer.encode(text, add_special_tokens=special) if text else []
+        tokens = await encode(state, text, special) if text else []
     reply: dict[str, Any] = {
         "count": len(tokens),
         "max_model_len": state.max_model_len,
         "tokens": tokens,
     }
     if body.return_token_strs:
-        reply["token_strs"] = [tokenizer.id_to_token(t) or "" for t in tokens]
-    return JSONResponse(reply)
+        reply["token_strs"] = await _token_strs(state, tokens)
+    return await _json(state, reply, len(tokens))
+
+
+async def _json(state: ServingState, reply: dict[str, Any], size: int) -> Response:
+    """``reply`` as a JSON response; built on a thread, a slice at a time, when it holds
+    many tokens (one ``json.dumps`` of 300 k of them holds the GIL for 50 ms)."""
+    if size <= INLINE_TOKENS:
+        return JSONResponse(reply)
+    body = await state.text_jobs.run(_dumps_in_slices, reply)
+    return Response(body, media_type="application/json")
+
+
+_SLICE = 4096
+
+
+def _dumps_in_slices(reply: dict[str, Any]) -> bytes:
+    """Compact JSON of ``reply`` (as JSONResponse writes it), its long lists dumped a slice at
+    a time so that the thread doing it lets the event loop run in between."""
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    fields = []
+    for key, value in reply.items():
+        if isinstance(value, list) and len(value) > _SLICE:
+            parts = [dumps(value[i : i + _SLICE])[1:-1] for i in range(0, len(value), _SLICE)]
+            text = "[" + ",".join(parts) + "]"
+        else:
+            text = dumps(value)
+        fields.append(f"{dumps(key)}:{text}")
+    return ("{" + ",".join(fields) + "}").encode("utf-8")
+
+
+async def _token_strs(state: ServingState, tokens: list[int]) -> list[str]:
+    """Each token's string, for at most ``max_model_len`` tokens (a 400 past that: a list of
+    strings as long as the whole body helps nobody, and costs a response many times its
+    size)."""
+    limit = state.max_model_len
+    if len(tokens) > limit:
+        raise ProtocolError(
+            400,
+            f"return_token_strs is available for at most max_model_len ({limit}) tokens; "
+            f"this input is {len(tokens)} tokens (leave return_token_strs unset to count it)",
+            param="return_token_strs",
+        )
+    tokenizer = state.tokenizer
+
+    def strs() -> list[str]:
+        return [tokenizer.id_to_token(t) or "" for t in tokens]
+
+    return strs() if len(tokens) <= INLINE_TOKENS else await state.text_jobs.run(strs)
 
 
 async def detokenize(request: Request) -> JSONResponse:
+    """The endpoint's work, inside the request's admission slot (the API server's)."""
     state: ServingState = request.app.state.serving
     body = parse_request(DetokenizeRequest, await read_body(state.config, request))
     _check_model(state, body.model)
     vocab = state.vocab_size or state.tokenizer.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
+    tokens = body.tokens
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        bad = [t for t in tokens if not 0 <= t < vocab]
         raise ProtocolError(
             400, f"tokens has token ids {bad[:5]} outside [0, {vocab})", param="tokens"
         )
     # Special tokens stay (as in vLLM): a chat template's markers are part of the text.
-    text = state.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    text = await decode(state, tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})
 
 

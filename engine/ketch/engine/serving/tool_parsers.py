@@ -4,32 +4,39 @@ A parser takes the whole generated text and returns the text that is not a call 
 the calls found, each ``(function name, arguments as JSON text)``. Adding a format is one
 function here, one registry entry and the marker its chat templates contain
 (``parser_for_template`` picks the parser of the served model from its template).
+
+The text is the model's, and a prompt can steer it: a parser never raises on it (JSON nested
+past the recursion limit is not a call) and takes time linear in it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
 ToolCall = tuple[str, str]
 Parser = Callable[[str], tuple[str | None, list[ToolCall]]]
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 def hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; a
-    block that is not such JSON stays in the content."""
+    block that is not such JSON stays in the content. (Each opening tag pairs with the first
+    closing tag after it; scanned with ``str.find``, linear in the text whatever it holds.)"""
     calls: list[ToolCall] = []
     kept: list[str] = []
-    last = 0
-    for match in _HERMES.finditer(text):
-        call = _call(match.group(1))
+    last = position = 0
+    while (start := text.find(_OPEN, position)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        position = end + len(_CLOSE)
+        call = _call(text[start + len(_OPEN) : end].strip())
         if call is None:
             continue
-        kept.append(text[last : match.start()])
-        last = match.end()
+        kept.append(text[last:start])
+        last = position
         calls.append(call)
     kept.append(text[last:])
     content = "".join(kept).strip()
@@ -54,10 +61,13 @@ def mistral(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     try:
         items = json.loads(tail.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return text, []
     items = items if isinstance(items, list) else [items]
-    calls = [_call(json.dumps(i)) if isinstance(i, dict) else None for i in items]
+    try:
+        calls = [_call(json.dumps(i)) if isinstance(i, dict) else None for i in items]
+    except (ValueError, RecursionError):
+        return text, []
     if not calls or None in calls:
         return text, []
     return head.strip() or None, [c for c in calls if c is not None]
@@ -66,14 +76,14 @@ def mistral(text: str) -> tuple[str | None, list[ToolCall]]:
 def _call(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments as JSON text already
+            return value["name"], arguments
+        return value["name"], json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text already
-        return value["name"], arguments
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 PARSERS: dict[str, Parser] = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}

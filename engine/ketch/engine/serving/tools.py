@@ -23,6 +23,7 @@ a call is known only at its end.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +32,10 @@ from pydantic import PrivateAttr
 
 from ketch.engine.choices import Choice
 from ketch.engine.outputs import RequestDelta
-from ketch.engine.serving.guided import GuidedError, GuidedFields
+from ketch.engine.serving.guided import GuidedError, GuidedFields, Recipe
 from ketch.engine.serving.tool_parsers import PARSERS, ToolCall
-from ketch.engine.structured import grammars
+
+logger = logging.getLogger(__name__)
 
 MAX_TOOLS = 128
 """The most tools one request may offer."""
@@ -60,23 +62,36 @@ class ToolPlan:
     def functions(self) -> dict[str, dict[str, Any]]:
         return {t["function"]["name"]: t["function"] for t in self.tools}
 
-    def grammar(self) -> str | None:
-        """The grammar that enforces ``required`` or a named function; None otherwise."""
+    def recipe(self) -> Recipe | None:
+        """How to build the grammar that enforces ``required`` or a named function; None
+        otherwise. Built like any structured output (``guided``), off the event loop."""
         params = {n: f.get("parameters") or {"type": "object"} for n, f in self.functions().items()}
-        try:
-            if self.mode == "named":
-                return grammars.json_schema(params[self.name or ""])
-            if self.mode == "required":
-                items = [_call_schema(n, p) for n, p in params.items()]
-                schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}}
-                schema.update(minItems=1, maxItems=MAX_PARALLEL_CALLS if self.parallel else 1)
-                return grammars.json_schema(schema)
-        except ValueError as exc:
-            raise GuidedError("tools", f"tools: {exc}") from None
+        if self.mode == "named":
+            return Recipe("tools", "json", params[self.name or ""])
+        if self.mode == "required":
+            items = [_call_schema(n, p) for n, p in params.items()]
+            schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}}
+            schema.update(minItems=1, maxItems=MAX_PARALLEL_CALLS if self.parallel else 1)
+            return Recipe("tools", "json", schema)
         return None
 
+    def grammar(self) -> str | None:
+        """The grammar that enforces ``required`` or a named function, built in this thread;
+        None otherwise."""
+        recipe = self.recipe()
+        return None if recipe is None else recipe.build()
+
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished choice's text."""
+        """(content, calls) of a finished choice's text. The text is the model's, which a
+        prompt can steer: whatever it holds (nesting past the parser's recursion limit, the
+        wrong shapes), it is never an error; what does not parse stays plain content."""
+        try:
+            return self._calls(text)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            logger.debug("tool-call text did not parse (%s); kept as content", type(exc).__name__)
+            return text, []
+
+    def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "none":
             return text, []
         if self.mode == "named":
@@ -121,8 +136,8 @@ class ToolFields(GuidedFields):
     parallel_tool_calls: bool | None = None
     _plan: tuple[ToolPlan | None] | None = PrivateAttr(None)
 
-    def grammar_source(self) -> tuple[str, str] | None:
-        return tool_grammar(self.tool_plan(), super().grammar_source())
+    def _make_recipe(self) -> Recipe | None:
+        return tool_recipe(self.tool_plan(), super()._make_recipe())
 
     def tool_plan(self) -> ToolPlan | None:
         """The request's ToolPlan (None without tools); GuidedError naming a bad field."""
@@ -217,13 +232,13 @@ def _last_delta(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[d
     return delta, finish_reason
 
 
-def tool_grammar(plan: ToolPlan | None, guided: tuple[str, str] | None) -> tuple[str, str] | None:
-    """(grammar, field) the request's output is constrained with: tools' or response_format's;
-    GuidedError when both ask."""
-    grammar = plan.grammar() if plan is not None else None
-    if plan is None or grammar is None:
+def tool_recipe(plan: ToolPlan | None, guided: Recipe | None) -> Recipe | None:
+    """What the request's output is constrained with: the tools' recipe or response_format's
+    (and the others'); GuidedError when both ask."""
+    tools = plan.recipe() if plan is not None else None
+    if plan is None or tools is None:
         return guided
     if guided is not None:
-        message = f"tool_choice '{plan.mode}' cannot be combined with {guided[1]}"
+        message = f"tool_choice '{plan.mode}' cannot be combined with {guided.param}"
         raise GuidedError("tool_choice", message)
-    return grammar, "tools"
+    return tools

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 import time
 from multiprocessing import resource_tracker
@@ -71,7 +72,24 @@ def fresh_segment(name: str, size: int) -> SharedMemory:
     return SharedMemory(name=name, create=True, size=max(size, 1))
 
 
-def remove_segment(name: str) -> None:
+def remove_segment(name: str, shm_dir: Path | None = None) -> None:
+    """Removes our segment ``name`` if it exists. One that is not a plain file of this user (a
+    link, or another user's file in the sticky ``/dev/shm``, which we could not unlink) is a
+    ValueError naming it: a local user who made it first would otherwise fail every start with
+    a PermissionError (review L5)."""
+    path = (shm_dir or SHM_DIR) / name
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError:  # no /dev/shm to look at (not Linux): let SharedMemory decide
+        info = None
+    if info is not None and (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else f"owned by uid {info.st_uid}"
+        raise ValueError(
+            f"shared-memory segment {path} exists and is {kind}, not this user's "
+            f"(uid {os.getuid()}): remove it, or run on other ports"
+        )
     with contextlib.suppress(FileNotFoundError):
         stale = SharedMemory(name=name)
         stale.close()
@@ -92,18 +110,21 @@ def reclaim_stale_segments(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) 
     """Removes this user's ``ketch-*`` segments that no live process has open or mapped: what
     a killed instance left behind, on whatever port. Returns the names removed."""
     try:
-        candidates = {
-            p.name: p for p in shm_dir.glob(f"{_PREFIX}*") if p.stat().st_uid == os.getuid()
-        }
+        found = list(shm_dir.glob(f"{_PREFIX}*"))
     except OSError:  # no /dev/shm (not Linux)
         return []
+    candidates = {p.name: p for p in found if _ours(p)}  # never a link, never another user's
     if not candidates or not proc.is_dir():
         return []
     stale = set(candidates) - segments_in_use(shm_dir, proc)
     stale = {name for name in stale if not _beating(shm_dir, name)}
     for name in sorted(stale):
-        with contextlib.suppress(FileNotFoundError):
+        try:
             candidates[name].unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # e.g. gone read-only: not a reason to refuse to start
+            logger.warning("cannot remove stale shared-memory segment %s: %s", name, exc)
     if stale:
         logger.warning(
             "removed %d shared-memory segment(s) that no live process uses: %s",
@@ -149,3 +170,12 @@ def segments_in_use(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> set[
                     if target.startswith(prefix):
                         used.add(target[len(prefix) - len(_PREFIX) :].split()[0])
     return used
+
+
+def _ours(path: Path) -> bool:
+    """A plain file of this user (``lstat``: a symbolic link is never followed)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
