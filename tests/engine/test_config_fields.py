@@ -255,6 +255,7 @@ def test_the_supported_list_is_the_table() -> None:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
 
 

@@ -17,14 +17,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_engine_exactness import MAX_TOKENS, make_prompts, run_constrained
+from test_engine_exactness import make_prompts, run_constrained
 from test_llama_gpu import assert_close as assert_gpu_model_close
 from test_llama_gpu import gpu_model_logits
 from test_model_exactness import assert_close
-from test_tensor_parallel_exactness import assert_logits_close, sequences_for
+from test_tensor_parallel_exactness import (
+    assert_greedy_matches,
+    assert_logits_close,
+    assert_two_ranks_greedy_match,
+    sequences_for,
+)
 
-from hf_models import hf_greedy, make_tokenizer
-from ketch.engine import LLM, SamplingParams
+from hf_models import make_tokenizer
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
@@ -149,14 +153,6 @@ def test_gpu_model_on_the_cpu_matches_transformers(qwen3) -> None:
     assert_gpu_model_close(gpu_model_logits(path, sequences, splits), path, sequences)
 
 
-def _assert_greedy_matches(path: Path, ours: list[list[int]], prompts: list[list[int]]) -> None:
-    reference = hf_greedy(path, prompts, MAX_TOKENS)
-    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    assert not mismatches, (
-        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
-    )
-
-
 @pytest.mark.parametrize(
     ("shape", "backend"),
     [("gqa", "eager"), ("gqa", "predictor"), ("gqa", "native"), ("mqa", "native")],
@@ -176,27 +172,11 @@ def test_greedy_matches_transformers_with_every_mechanism(qwen3, shape: str, bac
         assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
     finally:
         llm.engine.close()
-    _assert_greedy_matches(path, ours, prompts)
+    assert_greedy_matches(path, ours, prompts)
 
 
 def test_greedy_matches_transformers_on_two_ranks(qwen3) -> None:
     path = qwen3("mha-bias")
-    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=24, seed=1)
-    llm = LLM(
-        str(path),
-        tensor_parallel_size=2,
-        block_size=16,
-        max_num_batched_tokens=48,
-        max_num_seqs=16,
-        num_kv_blocks=26,
-        max_model_len=256,
+    assert_two_ranks_greedy_match(
+        path, make_prompts(ModelConfig.from_dir(path).vocab_size, count=24, seed=1)
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        stats = llm.engine.scheduler.stats
-        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
-        assert len(llm.engine.runner.processes) == 2
-    finally:
-        llm.engine.close()
-    _assert_greedy_matches(path, ours, prompts)

@@ -106,10 +106,18 @@ def test_shards_cover_the_model_once() -> None:
         Shard.of(config, 2, 2)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-mqa"])
-def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str) -> None:
-    path = checkpoint(name)
-    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size)
+def assert_greedy_matches(path: Path, ours: list[list[int]], prompts: list[list[int]]) -> None:
+    """``ours`` equals transformers' greedy ``generate`` of ``prompts``, token for token."""
+    reference = hf_greedy(path, prompts, MAX_TOKENS)
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
+    assert not mismatches, (
+        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
+    )
+
+
+def assert_two_ranks_greedy_match(path: Path, prompts: list[list[int]]) -> None:
+    """``LLM`` on two ranks, with a pool small enough to preempt and shared prefixes hitting the
+    prefix cache, is greedy token-identical to transformers."""
     llm = LLM(
         str(path),
         tensor_parallel_size=2,
@@ -128,11 +136,13 @@ def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str)
         assert len(llm.engine.runner.processes) == 2
     finally:
         llm.engine.close()
-    reference = hf_greedy(path, prompts, MAX_TOKENS)
-    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    assert not mismatches, (
-        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
-    )
+    assert_greedy_matches(path, ours, prompts)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-mqa"])
+def test_greedy_matches_transformers_with_every_mechanism(checkpoint, name: str) -> None:
+    path = checkpoint(name)
+    assert_two_ranks_greedy_match(path, make_prompts(ModelConfig.from_dir(path).vocab_size))
 
 
 def test_an_unknown_collective_is_a_clear_error(monkeypatch) -> None:

@@ -110,6 +110,10 @@ def refusals(
             )
         )
     if model is not None:
+        unsupported = model.backend_problem(config.backend, gpu=device.is_gpu)
+        if unsupported is not None:  # before any weights load
+            where = ("device", config.device) if device.is_gpu else ("backend", config.backend)
+            out.append(Refusal(*where, unsupported))
         if device.is_gpu and (gpu_facts is None or problem is not None):
             out += _model_refusals(config, model, kv=False)  # no GPU (or dtype) to size it by
         else:

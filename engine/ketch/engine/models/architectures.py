@@ -48,6 +48,7 @@ class Architecture:
     qk_norm: bool  # RMSNorm of each query and key head (own weights) before the rotation
     defaults: Mapping[str, Any]
     rules: tuple[Rule, ...]
+    moe: bool = False  # routed experts in the layers ``moe_layers`` names (Qwen3-MoE)
 
     def settings(self, raw: Mapping[str, Any]) -> Settings:
         """config.json with the config class's defaults under it (an explicit null stays)."""
@@ -287,5 +288,105 @@ QWEN3 = Architecture(
     rules=(*_COMMON, *_QWEN_WINDOWS),
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+
+def num_experts(s: Settings) -> Any:
+    """transformers 5 writes ``num_local_experts`` (Qwen3MoeConfig maps ``num_experts`` to it);
+    earlier configs (and the Qwen3-MoE checkpoints on the Hub) write ``num_experts``."""
+    return s["num_local_experts"] if "num_local_experts" in s else s.get("num_experts")
+
+
+def moe_layers(s: Settings) -> list[int]:
+    """The layers whose MLP is the routed experts, as Qwen3MoeDecoderLayer decides: not in
+    ``mlp_only_layers``, and ``(i + 1) % decoder_sparse_step == 0``; none without experts."""
+    if not num_experts(s):
+        return []
+    dense = set(s.get("mlp_only_layers") or ())
+    step = s.get("decoder_sparse_step", 1)
+    layers = int(s.get("num_hidden_layers") or 0)
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _moe_sizes(s: Settings, _context: int) -> str | None:
+    experts, top_k = num_experts(s), s.get("num_experts_per_tok")
+    if not _count(experts):
+        return f"{_show('num_experts', experts)}: expected a non-negative integer"
+    if not experts:
+        return None  # every layer dense, as transformers builds it
+    if not _count(top_k) or not 1 <= top_k <= experts:
+        return f"{_show('num_experts_per_tok', top_k)}: expected 1 to num_experts ({experts})"
+    size = s.get("moe_intermediate_size")
+    if not _count(size) or not size:
+        return f"{_show('moe_intermediate_size', size)}: expected a positive integer"
+    return None
+
+
+def _moe_layer_choice(s: Settings, _context: int) -> str | None:
+    step = s.get("decoder_sparse_step", 1)
+    if not _count(step) or not step:
+        return f"{_show('decoder_sparse_step', step)}: expected a positive integer"
+    dense = s.get("mlp_only_layers")
+    if dense is not None and (not isinstance(dense, list) or not all(_count(i) for i in dense)):
+        return f"{_show('mlp_only_layers', dense)}: expected a list of layer indices"
+    return None
+
+
+def _moe_window(s: Settings, context_len: int) -> str | None:
+    # Qwen3MoeConfig keeps the window only with use_sliding_window; the attention then slides
+    # in every layer (there is no max_window_layers or layer_types for it).
+    if not s.get("use_sliding_window"):
+        return None
+    where = " (use_sliding_window=true: every layer)"
+    return _window_problem("sliding_window", s.get("sliding_window"), context_len, where)
+
+
+QWEN3_MOE = Architecture(
+    name="Qwen3MoeForCausalLM",
+    family="qwen3_moe",
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    mlp_bias=False,
+    qk_norm=True,
+    # Qwen3MoeConfig's defaults; it has no head_dim default (hidden_size / heads).
+    defaults={
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "intermediate_size": 6144,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768,
+        "num_experts_per_tok": 8,
+        "num_experts": 128,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [],
+    },
+    rules=(
+        *_COMMON,
+        Rule(
+            "num_experts / num_experts_per_tok / moe_intermediate_size",
+            "any sizes (0 experts: every layer dense); top-k at most num_experts",
+            _moe_sizes,
+        ),
+        Rule(
+            "decoder_sparse_step / mlp_only_layers",
+            "any (they choose the expert layers as transformers does)",
+            _moe_layer_choice,
+        ),
+        Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
+        Rule(
+            "sliding_window",
+            "inactive (use_sliding_window false), or at least the served context",
+            _moe_window,
+        ),
+    ),
+    moe=True,
+)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

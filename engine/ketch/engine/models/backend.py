@@ -1,6 +1,9 @@
 """Chooses what executes the model: Ketch's native kernels, the paddle inference predictor, or
 eager dygraph.
 
+Routed-expert (MoE) models run on native and eager only: ``predictor`` is refused for them, and
+``auto`` falls back from native straight to eager.
+
 ``native`` runs every step in dygraph on Ketch's C++ kernels: matmuls in the GEMM op (OpenBLAS)
 or paddle.matmul, whichever measures faster here (``ketch.kernels.linear.choose_matmul``),
 fused RMSNorm and rotary ops, attention in the paged-attention kernel (``llama_native``);
@@ -44,6 +47,9 @@ def build_model(
     the native backend runs (``auto`` then means native, with no fallback)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    problem = config.backend_problem(backend)
+    if problem is not None:
+        raise ValueError(problem)
     parallel = shard is not None and shard.world > 1
     if parallel and backend not in ("auto", "native"):
         raise ValueError(
@@ -79,7 +85,10 @@ def build_model(
     if backend == "predictor":
         return predictor()
     why = []
-    for name, make in (("native", native), ("predictor", predictor)):
+    candidates = (("native", native), ("predictor", predictor))
+    if config.is_moe:  # the predictor's programs have no routed experts
+        candidates = candidates[:1]
+    for name, make in candidates:
         try:
             model = make()
         except Exception as exc:  # any failure to build or load: the next one is tried

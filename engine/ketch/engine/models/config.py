@@ -13,10 +13,12 @@ from ketch.engine.models.architectures import (
     SUPPORTED_ARCHITECTURES,
     Architecture,
     Settings,
+    moe_layers,
+    num_experts,
     rope_field,
 )
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
+__all__ = ["MOE_BACKENDS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "moe_refusal"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,24 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Qwen3-MoE: routed experts (``ketch.engine.models.moe``) in the layers ``moe_layers``; the
+    # other layers have the dense MLP of ``intermediate_size``. 0 / () for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def backend_problem(self, backend: str, gpu: bool = False) -> str | None:
+        """Why this model cannot run on ``backend`` (or on a GPU); None when it can. For start-up
+        checks (``capabilities.refusals``); ``build_model`` raises the same at load."""
+        if self.is_moe and (gpu or backend not in MOE_BACKENDS):
+            return moe_refusal(self.architecture, "--device gpu" if gpu else f"--backend {backend}")
+        return None
 
     @property
     def family(self) -> str:
@@ -115,6 +135,7 @@ class ModelConfig:
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            **(_moe(s) if arch.moe else {}),
         )
         config._validate(source)
         return config
@@ -137,6 +158,31 @@ def _architecture(raw: dict[str, Any], source: str) -> Architecture:
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     found = ", ".join(architectures) or f"model_type={raw.get('model_type')!r}"
     raise ModelLoadError(f"{source}: unsupported architecture {found}; Ketch supports {supported}")
+
+
+MOE_BACKENDS = ("auto", "native", "eager")  # where routed experts run (auto: native, else eager)
+
+
+def moe_refusal(architecture: str, where: str) -> str:
+    """``where``: the backend as the user chose it (``--backend predictor``, ``--device gpu``)."""
+    return (
+        f"{architecture} runs on the eager/native backend only; {where} has no routed-expert "
+        "(MoE) layers yet: use --backend native, eager or auto on the CPU"
+    )
+
+
+def _moe(s: Settings) -> dict[str, Any]:
+    """The expert fields (the architecture's rules have checked them)."""
+    layers = tuple(moe_layers(s))
+    if not layers:
+        return {}
+    return {
+        "num_experts": int(num_experts(s)),
+        "num_experts_per_tok": int(s["num_experts_per_tok"]),
+        "moe_intermediate_size": int(s["moe_intermediate_size"]),
+        "norm_topk_prob": bool(s.get("norm_topk_prob")),
+        "moe_layers": layers,
+    }
 
 
 def _int(s: Settings, key: str, source: str) -> int:

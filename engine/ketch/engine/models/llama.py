@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3) for inference on paddle.
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, Qwen3-MoE) for inference on paddle.
 
 Weights are plain tensors, fused where that saves kernel launches: q/k/v in one matmul, gate/up
 in one matmul followed by ``swiglu``. Matrices are stored transposed ([in, out]) once at load so
@@ -21,6 +21,7 @@ from ketch.engine.models.attention import (
     paged_attention,
 )
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.moe import MoeWeights, eager_moe
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.kernels import CpuKernels
 
@@ -33,13 +34,14 @@ class LayerWeights:
     o: paddle.Tensor  # [H * D, hidden]
     o_bias: paddle.Tensor | None
     post_norm: paddle.Tensor
-    gate_up: paddle.Tensor  # [hidden, 2 * intermediate]
+    gate_up: paddle.Tensor | None  # [hidden, 2 * intermediate]; None in an expert layer
     gate_up_bias: paddle.Tensor | None
-    down: paddle.Tensor  # [intermediate, hidden]
+    down: paddle.Tensor | None  # [intermediate, hidden]; None in an expert layer
     down_bias: paddle.Tensor | None
     # Qwen3: RMSNorm weights [head_dim] of every query head and every key head (``qk_norm``)
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
+    moe: MoeWeights | None = None  # Qwen3-MoE: routed experts in place of the dense MLP
 
 
 @dataclass
@@ -118,6 +120,9 @@ class LlamaModel:
             attn = paged_attention(q, k, v, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            if layer.moe is not None:
+                h = h + eager_moe(x, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
+                continue
             gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
             h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
         last = paddle.gather(h, logit_rows)

@@ -26,6 +26,7 @@ from ketch.engine.device import attention_window
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights, qk_norm, rotate
+from ketch.engine.models.moe import refuse_moe
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels.collective import Group
@@ -46,6 +47,8 @@ def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tens
 def to_device(weights: ModelWeights) -> ModelWeights:
     """Every weight moved to paddle's current GPU (``Tensor.cuda()``), layer by layer, so the
     host copies can go as the loop passes them."""
+    if any(layer.moe is not None for layer in weights.layers):
+        refuse_moe("a routed-expert (MoE) model", "--device gpu")
 
     def move(t: paddle.Tensor | None) -> paddle.Tensor | None:
         return None if t is None else t.cuda()
@@ -79,6 +82,8 @@ class GpuLlamaModel:
         group: Group | None = None,
     ) -> None:
         """``weights`` already on the device this model computes on (``to_device``)."""
+        if config.is_moe:
+            refuse_moe(config.architecture, "--device gpu")
         self.config = config
         self.weights = weights
         self.attention = attention

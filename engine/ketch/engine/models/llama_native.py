@@ -4,7 +4,8 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
 fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
-(SwiGLU between two matmuls), and the next fused add + RMSNorm. Every matmul goes through the
+(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router and a matmul pair per
+routed expert, ``_experts``), and the next fused add + RMSNorm. Every matmul goes through the
 ``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
 ``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
 (the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
@@ -28,6 +29,7 @@ from paddle.nn.functional import embedding, swiglu
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.engine.models.moe import MoeWeights, combine, route
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
 from ketch.kernels.collective import Group
@@ -42,6 +44,9 @@ def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
     projections and the lm_head, where this rank holds one), and its line."""
     first = weights.layers[0]
     shapes = [first.qkv, first.o, first.gate_up, first.down, weights.lm_head]
+    experts = next((lw.moe for lw in weights.layers if lw.moe is not None), None)
+    if experts is not None and experts.gate_up:  # one expert's, for a MoE model
+        shapes += [experts.gate_up[0], experts.down[0]]
     return choose_matmul([w for w in shapes if w is not None], threads)
 
 
@@ -58,11 +63,21 @@ def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
 
     fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
 
+    def gate_up(w: paddle.Tensor):
+        return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
+
     def layer(lw: LayerWeights) -> LayerWeights:
-        names = ("qkv", "o", "gate_up", "down")
-        forms = {n: prepared(linear, getattr(lw, n)) for n in names}
-        if fuse:
-            forms["gate_up"] = linear.prepare(lw.gate_up, glu=True)
+        forms = {n: prepared(linear, getattr(lw, n)) for n in ("qkv", "o")}
+        if lw.moe is not None:
+            e = lw.moe
+            forms["moe"] = dataclasses.replace(
+                e,
+                gate_up=[gate_up(w) for w in e.gate_up],
+                down=[prepared(linear, w) for w in e.down],
+            )
+        else:
+            forms["gate_up"] = gate_up(lw.gate_up)
+            forms["down"] = prepared(linear, lw.down)
         return dataclasses.replace(lw, **forms)
 
     lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
@@ -178,6 +193,22 @@ class NativeLlamaModel:
             y = self.group.all_reduce(y)
         return y if b is None else y + b
 
+    def _experts(self, x: paddle.Tensor, moe: MoeWeights) -> paddle.Tensor:
+        """Qwen3-MoE's sparse block (``ketch.engine.models.moe``): the router in paddle ops, as
+        the eager model routes, then each of this rank's experts that has tokens through the
+        GEMM, one matmul pair per expert; the ranks' parts summed like the dense down's."""
+        c = self.config
+        routing, indices = route(x, moe.router, c.num_experts_per_tok, c.norm_topk_prob)
+
+        def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
+            up = self.linear(rows, moe.gate_up[j])
+            if not self._fused_swiglu:
+                up = swiglu(up)
+            return self.linear(up, moe.down[j])
+
+        y = combine(x, moe, routing, indices, mlp)
+        return y if self.group is None else self.group.all_reduce(y)
+
     kept_rows = staticmethod(KeptRows.build)  # what forward's ``kept`` takes
 
     def _attend(
@@ -243,11 +274,14 @@ class NativeLlamaModel:
             h, x = fused.add_rms_norm(
                 h, self._row_parallel(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
             )
-            if self._fused_swiglu:
-                up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
+            if layer.moe is not None:
+                mlp = self._experts(x, layer.moe)
             else:
-                up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
-            mlp = self._row_parallel(up, layer.down, layer.down_bias)
+                if self._fused_swiglu:
+                    up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
+                else:
+                    up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
+                mlp = self._row_parallel(up, layer.down, layer.down_bias)
             if i < last:
                 h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)
             elif w.lm_head is None:

@@ -27,6 +27,7 @@ from ketch.engine.models.attention import (
 )
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights, qk_norm, rotate
+from ketch.engine.models.moe import refuse_moe
 from ketch.kernels import CpuKernels, dense_graph
 from ketch.kernels.dense_graph import DenseShape, Matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
@@ -89,6 +90,8 @@ class PredictorLlamaModel:
         threads: int,
         cache_dir: Path | None = None,
     ) -> None:
+        if config.is_moe:
+            refuse_moe(config.architecture, "--backend predictor")
         self._setup(config, weights, eager, paddle.matmul)
         self.programs: DensePrograms | None = DensePrograms(dense_shape(config), threads, cache_dir)
 

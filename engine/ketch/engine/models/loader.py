@@ -13,6 +13,7 @@ from safetensors import safe_open
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights
+from ketch.engine.models.moe import MoeWeights
 from ketch.engine.models.paths import TINY_MODEL_DIR, resolve_model_path
 from ketch.engine.models.sharding import Shard, whole
 
@@ -51,10 +52,15 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
             qkv_bias = paddle.concat(
                 [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
             )
-        gate_up = [
-            loader.get(p + f"mlp.{n}_proj.weight", (inter, hidden), shard.intermediate)
-            for n in ("gate", "up")
-        ]
+        moe = _experts(loader, c, p, shard) if i in c.moe_layers else None
+        gate_up = (
+            None
+            if moe
+            else [
+                loader.get(p + f"mlp.{n}_proj.weight", (inter, hidden), shard.intermediate)
+                for n in ("gate", "up")
+            ]
+        )
         gate_up_bias = None
         if c.mlp_bias:
             gate_up_bias = paddle.concat(
@@ -78,14 +84,17 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
                 o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
                 o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=paddle.concat(gate_up, axis=0).T.contiguous(),
+                gate_up=None if moe else paddle.concat(gate_up, axis=0).T.contiguous(),
                 gate_up_bias=gate_up_bias,
-                down=loader.get(
+                down=None
+                if moe
+                else loader.get(
                     p + "mlp.down_proj.weight", (hidden, inter), cols=shard.intermediate
                 ).T.contiguous(),
                 down_bias=loader.get(p + "mlp.down_proj.bias", (hidden,)) if c.mlp_bias else None,
                 q_norm=q_norm,
                 k_norm=k_norm,
+                moe=moe,
             )
         )
     embed = loader.get("model.embed_tokens.weight", (c.vocab_size, hidden))
@@ -108,6 +117,32 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
     )
     loader.warn_unused()
     return weights
+
+
+def _experts(loader: _Checked, c: ModelConfig, p: str, shard: Shard) -> MoeWeights:
+    """Layer ``p``'s router and ``shard``'s experts, whole. transformers 5's save_pretrained
+    writes one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``, as the
+    Hub's checkpoints have them); its in-memory layout, stacked ``mlp.experts.gate_up_proj``
+    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], is read too."""
+    hidden, inter, count = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    first, end = shard.experts
+    router = loader.get(p + "mlp.gate.weight", (count, hidden)).T.contiguous()
+    # Other ranks' experts are theirs to read, not unused weights.
+    loader.used.update(n for n in loader.checkpoint.names if n.startswith(p + "mlp.experts."))
+    stacked = p + "mlp.experts.gate_up_proj"
+    if stacked in loader.checkpoint:
+        gate_ups = loader.get(stacked, (count, 2 * inter, hidden), (first, end))
+        downs = loader.get(p + "mlp.experts.down_proj", (count, hidden, inter), (first, end))
+        gate_up = [gate_ups[j].T.contiguous() for j in range(end - first)]
+        down = [downs[j].T.contiguous() for j in range(end - first)]
+        return MoeWeights(router, gate_up, down, first)
+    gate_up, down = [], []
+    for e in range(first, end):
+        q = f"{p}mlp.experts.{e}."
+        halves = [loader.get(q + f"{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")]
+        gate_up.append(paddle.concat(halves, axis=0).T.contiguous())
+        down.append(loader.get(q + "down_proj.weight", (hidden, inter)).T.contiguous())
+    return MoeWeights(router, gate_up, down, first)
 
 
 def _times(span: tuple[int, int], n: int) -> tuple[int, int]:

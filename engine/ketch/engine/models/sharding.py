@@ -13,6 +13,10 @@ heads than ranks (GQA, e.g. 2 KV heads on 4 ranks) each KV head is replicated on
 KV-cache segment (``[layers, 2, kv_heads, blocks, block_size, head_dim]``: a rank's heads are
 contiguous per layer), so the scheduler keeps one block table and the cache manager sees the
 same layout at any tensor-parallel size; ranks that replicate a head write the same bits to it.
+
+Routed experts (Qwen3-MoE): rank ``r`` holds experts ``[r E/w, (r+1) E/w)`` whole and the
+router entire; it adds up its own experts' contributions, and the same all-reduce as the dense
+MLP's down projection sums the ranks' parts. Dense layers of a MoE model split as above.
 """
 
 from __future__ import annotations
@@ -39,21 +43,27 @@ def shard_problems(config: ModelConfig, world: int) -> list[str]:
             f"num_key_value_heads {kv} and tensor_parallel_size {world}: one must divide the "
             "other (KV heads are split across ranks, or replicated when there are fewer)"
         )
-    if inter % world:
+    if inter % world and len(config.moe_layers) < config.num_hidden_layers:
         out.append(f"intermediate_size {inter} is not divisible by tensor_parallel_size {world}")
+    if config.num_experts % world:
+        out.append(
+            f"num_experts {config.num_experts} is not divisible by tensor_parallel_size {world} "
+            "(each rank holds an equal share of the experts, whole)"
+        )
     return out
 
 
 @dataclass(frozen=True)
 class Shard:
-    """What rank ``rank`` of ``world`` holds: [begin, end) ranges of query heads, KV heads and
-    intermediate columns."""
+    """What rank ``rank`` of ``world`` holds: [begin, end) ranges of query heads, KV heads,
+    intermediate columns (of the dense MLP) and routed experts ((0, 0) for a dense model)."""
 
     rank: int
     world: int
     heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
+    experts: tuple[int, int] = (0, 0)
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, world: int) -> Shard:
@@ -72,8 +82,14 @@ class Shard:
         else:
             head = rank // (world // kv)
             kv_range = (head, head + 1)
+        e = config.num_experts // world
         return cls(
-            rank, world, (rank * h, (rank + 1) * h), kv_range, (rank * inter, (rank + 1) * inter)
+            rank,
+            world,
+            (rank * h, (rank + 1) * h),
+            kv_range,
+            (rank * inter, (rank + 1) * inter),
+            (rank * e, (rank + 1) * e),
         )
 
     @property
