@@ -92,6 +92,26 @@ def test_a_named_tool_choice_always_calls_it_with_valid_arguments(client, temper
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
+def test_arguments_hold_only_the_declared_properties(client):
+    """A schema that leaves additionalProperties unsaid gets no others (issue 29): the tiny
+    model, sampling, would otherwise write keys of its own until max_tokens."""
+    two = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 6}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    tools = [{"type": "function", "function": {"name": "pair", "parameters": two}}]
+    for choice in ({"type": "function", "function": {"name": "pair"}}, "required"):
+        out = _chat(client, tools=tools, tool_choice=choice, temperature=1.0, seed=7, n=8)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls", c
+            assert c.message.tool_calls  # one, or with "required" maybe parallel calls
+            for call in c.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert set(arguments) == {"a", "b"}, arguments
+                jsonschema.validate(arguments, two)
+
+
 def test_streamed_and_whole_agree(client):
     """A named function's arguments stream in fragments; required's calls come whole."""
     named = {"type": "function", "function": {"name": "get_time"}}

@@ -66,13 +66,15 @@ class ToolPlan:
         """How to build the grammar that enforces ``required`` or a named function; None
         otherwise. Built like any structured output (``guided``), off the event loop."""
         params = {n: f.get("parameters") or {"type": "object"} for n, f in self.functions().items()}
+        # strict: an object schema that does not say additionalProperties gets none, so the
+        # model writes only the properties a function declares (as xgrammar and vLLM do)
         if self.mode == "named":
-            return Recipe("tools", "json", params[self.name or ""])
+            return Recipe("tools", "json", params[self.name or ""], strict=True)
         if self.mode == "required":
             items = [_call_schema(n, p) for n, p in params.items()]
             schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}}
             schema.update(minItems=1, maxItems=MAX_PARALLEL_CALLS if self.parallel else 1)
-            return Recipe("tools", "json", schema)
+            return Recipe("tools", "json", schema, strict=True)
         return None
 
     def grammar(self) -> str | None:
