@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
 from ketch.operator.crd_schema import (
     ENV_VALUE_MAX_LENGTH,
     MAX_ENV,
@@ -187,7 +188,12 @@ def model_schema() -> dict[str, Any]:
         {"name": string("Secret name (same namespace).", minLength=1, maxLength=253)},
         required=("name",),
     )
-    return obj("The model to serve.", props, required=("uri",))
+    return obj(
+        "The model to serve: a Hugging Face checkpoint directory (config.json, *.safetensors, "
+        f"tokenizer.json) of one of these architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.",
+        props,
+        required=("uri",),
+    )
 
 
 def cache_manager_schema() -> dict[str, Any]:
