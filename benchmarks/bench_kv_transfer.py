@@ -110,18 +110,22 @@ class Instance:
                  "--role", role, "--insecure-no-peer-key"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
             )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200:
-                    break
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"cache manager did not start; log: {self.log_path}")
-            time.sleep(0.05)
-        self.engine_id = uuid.uuid4().hex[:8]
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.connect(rundir.cache_queue_address(queue_port))
-        self.hello()
+        try:  # a failed start leaves no cache manager behind
+            deadline = time.monotonic() + 30
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200:
+                        break
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"cache manager did not start; log: {self.log_path}")
+                time.sleep(0.05)
+            self.engine_id = uuid.uuid4().hex[:8]
+            self.sock.connect(rundir.cache_queue_address(queue_port))
+            self.hello()
+        except BaseException:
+            self.close()
+            raise
 
     def hello(self) -> None:
         """Attaches (a Hello again would drop the reservations made since)."""
@@ -269,7 +273,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", default="64,256,500", help="hand-over prompt sizes")
     parser.add_argument("--requests", type=int, default=5, help="hand-over requests per size")
     args = parser.parse_args()
-    src, dst = Instance(args.num_blocks, 1, "prefill"), Instance(args.num_blocks, 2, "decode")
+    src = Instance(args.num_blocks, 1, "prefill")
+    try:
+        dst = Instance(args.num_blocks, 2, "decode")
+    except BaseException:
+        src.close()
+        raise
     block_bytes = src.layout.block_bytes
     print(f"layout {LAYOUT}: {block_bytes / 1e6:.2f} MB/block; {args.pushes} pushes per row")
     print(f"{'blocks':>6} {'MB':>6} {'raw MB/s':>9} {'cm MB/s':>9} {'ratio':>6} "
