@@ -48,28 +48,45 @@ def run_constrained(
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+def assert_greedy_matches(path: Path, ours: list[list[int]], prompts: list[list[int]]) -> None:
+    """``ours`` equals transformers' greedy ``generate`` of ``prompts``, token for token."""
+    reference = hf_greedy(path, prompts, MAX_TOKENS)
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
+    assert not mismatches, (
+        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
+    )
+
+
+def assert_constrained_greedy_matches(
+    path: Path, prompts: list[list[int]], backend: str, runs_on: str | None = None
+) -> None:
+    """``run_constrained`` on ``backend`` (which runs the model on ``runs_on``, default the
+    same) preempts, hits the prefix cache, returns every block, and is greedy token-identical
+    to transformers."""
+    ours, llm = run_constrained(path, prompts, backend)
+    try:
+        model = llm.engine.runner.model
+        assert model.backend_name == (runs_on or backend)
+        if model.backend_name == "predictor":
+            assert model.predictor_steps > 0
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
+        assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
+        pool = llm.engine.kv_cache.pool
+        assert pool.num_free_blocks == pool.num_usable_blocks
+    finally:
+        llm.engine.close()
+    assert_greedy_matches(path, ours, prompts)
+
+
 @pytest.mark.parametrize("backend", ["eager", "predictor", "native"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "tiny"])
 def test_greedy_matches_transformers_with_every_mechanism(
     checkpoint, name: str, backend: str
 ) -> None:
     path = TINY_MODEL_DIR if name == "tiny" else checkpoint(name)
-    vocab = ModelConfig.from_dir(path).vocab_size
-    prompts = make_prompts(vocab)
-    ours, llm = run_constrained(path, prompts, backend)
-    model = llm.engine.runner.model
-    assert model.backend_name == backend
-    if backend == "predictor":
-        assert model.predictor_steps > 0
-    stats = llm.engine.scheduler.stats
-    assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
-    assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
-    assert llm.engine.kv_cache.pool.num_free_blocks == llm.engine.kv_cache.pool.num_usable_blocks
-    reference = hf_greedy(path, prompts, MAX_TOKENS)
-    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    assert not mismatches, (
-        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
-    )
+    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size)
+    assert_constrained_greedy_matches(path, prompts, backend)
 
 
 def test_greedy_matches_transformers_on_an_avx2_only_cpu(checkpoint, monkeypatch) -> None:

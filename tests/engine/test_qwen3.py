@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_engine_exactness import make_prompts, run_constrained
+from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_llama_gpu import assert_close as assert_gpu_model_close
 from test_llama_gpu import gpu_model_logits
 from test_model_exactness import assert_close
 from test_tensor_parallel_exactness import (
-    assert_greedy_matches,
     assert_logits_close,
     assert_two_ranks_greedy_match,
     sequences_for,
@@ -161,18 +160,7 @@ def test_gpu_model_on_the_cpu_matches_transformers(qwen3) -> None:
 def test_greedy_matches_transformers_with_every_mechanism(qwen3, shape: str, backend: str) -> None:
     path = qwen3(shape)
     prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=24)
-    ours, llm = run_constrained(path, prompts, backend)
-    try:
-        model = llm.engine.runner.model
-        assert model.backend_name == backend
-        if backend == "predictor":
-            assert model.predictor_steps > 0
-        stats = llm.engine.scheduler.stats
-        assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
-        assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
-    finally:
-        llm.engine.close()
-    assert_greedy_matches(path, ours, prompts)
+    assert_constrained_greedy_matches(path, prompts, backend)
 
 
 def test_greedy_matches_transformers_on_two_ranks(qwen3) -> None:

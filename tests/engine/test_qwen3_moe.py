@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_engine_exactness import make_prompts, run_constrained
+from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_model_exactness import assert_close
 from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import (
-    assert_greedy_matches,
     assert_logits_close,
     assert_two_ranks_greedy_match,
 )
@@ -294,18 +293,10 @@ def test_backends_without_experts_refuse_naming_the_backend(qwen3_moe) -> None:
 def test_greedy_matches_transformers_with_every_mechanism(
     qwen3_moe, shape: str, backend: str
 ) -> None:
-    path = qwen3_moe(shape)
-    prompts = make_prompts(320, count=24)
-    ours, llm = run_constrained(path, prompts, backend)
-    try:
-        model = llm.engine.runner.model
-        assert model.backend_name == ("native" if backend == "auto" else backend)
-        stats = llm.engine.scheduler.stats
-        assert stats.num_preemptions > 0, "the pool should have been small enough to preempt"
-        assert stats.prefix_hit_tokens > 0, "shared prefixes should have hit the prefix cache"
-    finally:
-        llm.engine.close()
-    assert_greedy_matches(path, ours, prompts)
+    runs_on = "native" if backend == "auto" else backend
+    assert_constrained_greedy_matches(
+        qwen3_moe(shape), make_prompts(320, count=24), backend, runs_on
+    )
 
 
 def test_greedy_matches_transformers_on_two_ranks(qwen3_moe) -> None:

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_engine_exactness import MAX_TOKENS, make_prompts
+from test_engine_exactness import MAX_TOKENS, assert_greedy_matches, make_prompts
 from test_model_exactness import TOLERANCE, reference_logits
 from tp_harness import parallel_logits
 
-from hf_models import hf_greedy
 from ketch.engine import LLM, SamplingParams
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
@@ -104,15 +103,6 @@ def test_shards_cover_the_model_once() -> None:
         Shard.of(config, 0, 3)
     with pytest.raises(ValueError, match="rank 2 is not in"):
         Shard.of(config, 2, 2)
-
-
-def assert_greedy_matches(path: Path, ours: list[list[int]], prompts: list[list[int]]) -> None:
-    """``ours`` equals transformers' greedy ``generate`` of ``prompts``, token for token."""
-    reference = hf_greedy(path, prompts, MAX_TOKENS)
-    mismatches = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    assert not mismatches, (
-        f"prompts {mismatches} differ, e.g. {ours[mismatches[0]]} vs {reference[mismatches[0]]}"
-    )
 
 
 def assert_two_ranks_greedy_match(path: Path, prompts: list[list[int]]) -> None:

@@ -48,6 +48,8 @@ step loop's Python runs on during a compile, and Lark grammars compiled 1.4-1.9x
 threads than on one; JSON schemas gained little), and two threads mean one slow grammar does
 not hold up every grammar queued behind it. More would take cores from the model's own threads."""
 
+PENDING = "still compiling"
+"""``RequestGrammar.problem`` of a grammar whose compile has not finished (nor run out of time)."""
 UNUSABLE = "the grammar cannot be used: "
 """How a request's failure starts when its grammar did not compile (in time) in the worker:
 the engine answers it as the sender's fault (400), not an internal error."""
@@ -172,6 +174,18 @@ class RequestGrammar:
             except Exception as exc:
                 return str(exc) if isinstance(exc, GrammarError) else f"{type(exc).__name__}: {exc}"
         return None
+
+    def problem(self, now: float, deadline_s: float) -> str | None:
+        """None when the grammar can be used; ``PENDING`` while it is still compiling within
+        ``deadline_s`` of being asked for; else why it cannot be used. Never waits."""
+        if self.compiled:
+            return self.ready()  # at once: it is compiled (or failed)
+        if now - self.submitted < deadline_s:
+            return PENDING
+        return (
+            f"it did not compile within {deadline_s:g} s (too complex, or too many grammars "
+            "compiling at once)"
+        )
 
     def cancel(self) -> None:
         """The request is gone: its compile is dropped if it has not started."""

@@ -35,6 +35,7 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.structured.compiler import (
+    PENDING,
     UNUSABLE,
     GrammarCompiler,
     RequestGrammar,
@@ -273,26 +274,15 @@ class ModelRunner:
             now = time.monotonic()
         keep, deferred = [], []
         for i, (request_id, grammar) in enumerate(zip(ids, grammars, strict=True)):
-            if grammar is None:
-                keep.append(i)
-                continue
-            if grammar.compiled:
-                problem = grammar.ready()  # at once: it is compiled (or failed)
-            elif now - grammar.submitted < self.config.grammar_compile_timeout_s:
-                deferred.append(request_id)
-                requests[request_id].num_computed_tokens -= 1
-                continue
-            else:
-                limit = self.config.grammar_compile_timeout_s
-                problem = (
-                    f"it did not compile within {limit:g} s (too complex, or too many "
-                    "grammars compiling at once)"
-                )
+            problem = grammar and grammar.problem(now, self.config.grammar_compile_timeout_s)
             if problem is None:
                 keep.append(i)
-                continue
-            failed[request_id] = f"{UNUSABLE}{problem}"
-            self._forget(request_id)
+            elif problem is PENDING:
+                deferred.append(request_id)
+                requests[request_id].num_computed_tokens -= 1
+            else:
+                failed[request_id] = f"{UNUSABLE}{problem}"
+                self._forget(request_id)
         if len(keep) == len(ids):
             return ids, logits[: len(ids)], deferred
         return [ids[i] for i in keep], logits[keep], deferred
