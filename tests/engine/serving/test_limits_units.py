@@ -74,6 +74,20 @@ def test_the_limits_come_from_the_server_config() -> None:
     for bad in ({"grammar_timeout": 0}, {"max_grammar_bytes": 0}, {"max_grammar_queue": -1}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+    # extreme values: nan passes every comparison, inf never times out, and huge counts would
+    # cost the server itself (processes, queued inputs, recursion)
+    for bad, words in (
+        ({"grammar_timeout": float("nan")}, "finite"),
+        ({"grammar_timeout": float("inf")}, "finite"),
+        ({"drain_timeout": float("nan")}, "finite"),
+        ({"grammar_workers": 10**6}, "at most 64"),
+        ({"max_grammar_queue": 10**30}, "at most 65536"),
+        ({"max_schema_depth": 10**4}, "at most 256"),
+        ({"grammar_workers": True}, "positive integer"),
+        ({"grammar_timeout": "5"}, ">= 0.001 seconds"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            ServerConfig(**bad)
 
 
 def test_a_deeply_nested_guided_json_is_a_guided_error_naming_the_field() -> None:

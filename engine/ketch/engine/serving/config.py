@@ -7,6 +7,7 @@ generated from these fields. ``crd`` metadata gives a field's path under an Infe
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,14 @@ ROLES = ("mixed", "prefill", "decode")
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
+
+
+_CEILINGS = (
+    ("grammar_workers", 64, "each is a process"),
+    ("max_grammar_queue", 65_536, "each waiting job holds its request's input"),
+    ("max_schema_depth", 256, "schemas are walked recursively, within Python's recursion limit"),
+)
+"""Upper bounds of settings whose large values cost the server itself, not one request."""
 
 
 @dataclass(frozen=True)
@@ -264,9 +273,16 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{name} must be >= {least} seconds, got {value!r}")
+            if not math.isfinite(value):  # nan passes every comparison; inf never times out
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
         queue = self.max_grammar_queue
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
             raise ValueError(f"max_grammar_queue must be a non-negative integer, got {queue!r}")
+        for name, most, why in _CEILINGS:
+            if getattr(self, name) > most:
+                raise ValueError(
+                    f"{name} must be at most {most} ({why}), got {getattr(self, name)}"
+                )
 
     def grammar_limits(self) -> Limits:
         """What one structured-output input may be (``--max-grammar-bytes`` and the schema's
