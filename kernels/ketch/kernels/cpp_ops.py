@@ -66,8 +66,8 @@ class Library:
 
 ATTENTION = Library(
     "ketch_ops",
-    ("paged_attention.cc", "fused.cc", "comm.cc", "packed_gemm.cc"),
-    ("simd.h", "attention_kernel.inc"),
+    ("paged_attention.cc", "fused.cc", "comm.cc", "packed_gemm.cc", "fused_moe.cc"),
+    ("simd.h", "attention_kernel.inc", "packed_gemm.h"),
 )
 
 
@@ -90,7 +90,7 @@ def build_dir() -> Path:
 
 def ops() -> ModuleType:
     """The loaded op module (``ketch_paged_attention``, ``ketch_reshape_and_cache``, the fused
-    norm and rotary ops of ``fused``). A failed
+    norm and rotary ops of ``fused``, the packed GEMM, the fused experts). A failed
     build raises the same error on every later call without building again."""
     return _loaded("attention")
 

@@ -39,6 +39,9 @@ ISA_SPECIFIC_OPS: Mapping[str, frozenset[str]] = {
     # csrc/packed_gemm.cc: the packed-weight GEMM's AVX-512 and AVX2 + FMA micro-kernels.
     "ketch.kernels.packed_linear.packed_linear_avx512": AVX512,
     "ketch.kernels.packed_linear.packed_linear_avx2": AVX2_FMA,
+    # csrc/fused_moe.cc: the fused routed experts, on the same micro-kernels.
+    "ketch.kernels.fused_moe.fused_moe_avx512": AVX512,
+    "ketch.kernels.fused_moe.fused_moe_avx2": AVX2_FMA,
 }
 
 # Fused ops the engine calls that run on every x86-64 CPU paddle supports: seen on an AVX2-only

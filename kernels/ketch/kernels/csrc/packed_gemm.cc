@@ -29,28 +29,13 @@
 
 #include <immintrin.h>
 
+#include "packed_gemm.h"
 #include "paddle/extension.h"
 #include "simd.h"
 
 namespace ketch {
 
 namespace {
-
-int PanelWidth(const std::string& isa) {
-  if (isa == "avx512") return 32;
-  if (isa == "avx2") return 16;
-  PD_CHECK(isa == "generic", "unknown isa ", isa, " (expected avx512, avx2 or generic)");
-  return 8;
-}
-
-struct Gemm {
-  const float* x;       // [m, k]
-  const float* packed;  // [panels, k, nr]
-  const float* bias;    // [n] or nullptr (never with glu)
-  float* y;             // [m, n]
-  int64_t m, k, n, nr;
-  bool glu;             // panels of (gate, up) halves; y = silu(gate) * up
-};
 
 // Output columns per panel.
 KETCH_INLINE int64_t PanelOutputs(const Gemm& g) { return g.glu ? g.nr / 2 : g.nr; }
@@ -209,42 +194,66 @@ __attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64
 KETCH_TILE_SWITCH(TileAvx512, 12)
 KETCH_TILE_SWITCH(TileAvx2, 6)
 
-void Run(const Gemm& g, const std::string& isa, int num_threads) {
-  const int mr = isa == "avx512" ? 12 : isa == "avx2" ? 6 : 4;
+int TileHeight(Isa isa) { return isa == Isa::kAvx512 ? 12 : isa == Isa::kAvx2 ? 6 : 4; }
+
+}  // namespace
+
+Isa ParseIsa(const std::string& isa) {
+  if (isa == "avx512") return Isa::kAvx512;
+  if (isa == "avx2") return Isa::kAvx2;
+  PD_CHECK(isa == "generic", "unknown isa ", isa, " (expected avx512, avx2 or generic)");
+  return Isa::kGeneric;
+}
+
+int PanelWidth(Isa isa) { return isa == Isa::kAvx512 ? 32 : isa == Isa::kAvx2 ? 16 : 8; }
+
+GemmPlan PlanGemm(const Gemm& g, Isa isa) {
+  const int64_t mr = TileHeight(isa);
   const int64_t per_panel = PanelOutputs(g), panels = (g.n + per_panel - 1) / per_panel;
   // Row blocks of at most ~256 KiB of x (a multiple of MR rows), reused across all panels.
   const int64_t fit = std::max<int64_t>(mr, (256 * 1024 / 4 / std::max<int64_t>(g.k, 1)) / mr * mr);
-  const int64_t block = std::min<int64_t>(g.m, fit);
-  const int64_t blocks = (g.m + block - 1) / block;
-  const int64_t items = blocks * panels;
-  auto work = [&](int64_t item) {
-    const int64_t b = item / panels, panel = item % panels;
-    const int cols = static_cast<int>(std::min<int64_t>(per_panel, g.n - panel * per_panel));
-    const int64_t end = std::min(g.m, (b + 1) * block);
-    // Tiles of balanced height (8 rows on AVX2 are 4 + 4, not 6 + 2: each tile streams the panel).
-    for (int64_t row = b * block; row < end;) {
-      const int64_t left = end - row, tiles = (left + mr - 1) / mr;
-      const int rows = static_cast<int>((left + tiles - 1) / tiles);
-      if (isa == "avx512") {
-        TileAvx512Rows(g, row, panel, rows, cols);
-      } else if (isa == "avx2") {
-        TileAvx2Rows(g, row, panel, rows, cols);
-      } else {
-        TileGeneric<4>(g, row, panel, rows, cols);
-      }
-      row += rows;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(g.m, fit));
+  return {block, panels, (g.m + block - 1) / block * panels};
+}
+
+void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item) {
+  const int64_t mr = TileHeight(isa), per_panel = PanelOutputs(g);
+  const int64_t b = item / plan.panels, panel = item % plan.panels;
+  const int cols = static_cast<int>(std::min<int64_t>(per_panel, g.n - panel * per_panel));
+  const int64_t end = std::min(g.m, (b + 1) * plan.block);
+  // Tiles of balanced height (8 rows on AVX2 are 4 + 4, not 6 + 2: each tile streams the panel).
+  for (int64_t row = b * plan.block; row < end;) {
+    const int64_t left = end - row, tiles = (left + mr - 1) / mr;
+    const int rows = static_cast<int>((left + tiles - 1) / tiles);
+    if (isa == Isa::kAvx512) {
+      TileAvx512Rows(g, row, panel, rows, cols);
+    } else if (isa == Isa::kAvx2) {
+      TileAvx2Rows(g, row, panel, rows, cols);
+    } else {
+      TileGeneric<4>(g, row, panel, rows, cols);
     }
-  };
-  // Threads only where each gets real work: a thread start costs microseconds.
-  const int threads = static_cast<int>(
-      std::min<int64_t>(std::max(1, num_threads), std::max<int64_t>(1, g.m * g.n * g.k >> 18)));
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t item = 0; item < items; ++item) work(item);
-  } else {
-    for (int64_t item = 0; item < items; ++item) work(item);
+    row += rows;
   }
 }
+
+int GemmThreads(int64_t flops, int num_threads) {
+  // A thread start costs microseconds: only threads that each get ~2^18 multiply-adds.
+  return static_cast<int>(
+      std::min<int64_t>(std::max(1, num_threads), std::max<int64_t>(1, flops >> 18)));
+}
+
+void RunGemm(const Gemm& g, Isa isa, int num_threads) {
+  const GemmPlan plan = PlanGemm(g, isa);
+  const int threads = GemmThreads(g.m * g.n * g.k, num_threads);
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < plan.items; ++item) RunGemmItem(g, isa, plan, item);
+  } else {
+    for (int64_t item = 0; item < plan.items; ++item) RunGemmItem(g, isa, plan, item);
+  }
+}
+
+namespace {
 
 void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.place() == paddle::CPUPlace() && t.dtype() == paddle::DataType::FLOAT32, name,
@@ -258,7 +267,7 @@ std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::st
   CheckFloatCpu(w_in, "w");
   PD_CHECK(w_in.shape().size() == 2, "ketch_pack_weight: w must be [K, N]");
   const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
-  const int64_t k = w.shape()[0], n = w.shape()[1], nr = PanelWidth(isa);
+  const int64_t k = w.shape()[0], n = w.shape()[1], nr = PanelWidth(ParseIsa(isa));
   PD_CHECK(!glu || n % 2 == 0, "ketch_pack_weight: a glu weight [K, 2I] needs an even N, got ", n);
   // Each panel: `groups` runs of `width` columns; glu: gate outputs, then the same outputs' up.
   const int64_t width = glu ? nr / 2 : nr, outputs = glu ? n / 2 : n;
@@ -283,7 +292,8 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
                                          const std::string& isa, int num_threads, bool glu) {
   CheckFloatCpu(x_in, "x");
   CheckFloatCpu(packed, "packed");
-  const int64_t nr = PanelWidth(isa), width = glu ? nr / 2 : nr;
+  const Isa kind = ParseIsa(isa);
+  const int64_t nr = PanelWidth(kind), width = glu ? nr / 2 : nr;
   const auto ps = packed.shape();
   PD_CHECK(ps.size() == 3 && ps[2] == nr && packed.is_contiguous(),
            "ketch_packed_linear: packed must be [P, K, ", nr, "] as ketch_pack_weight makes it for ",
@@ -316,13 +326,13 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
       for (int64_t j = 0; j < n; ++j) g.y[r * n + j] = bias_data ? bias_data[j] : 0.0f;
     return {y};
   }
-  Run(g, isa, num_threads);
+  RunGemm(g, kind, num_threads);
   return {y};
 }
 
 std::vector<std::vector<int64_t>> PackWeightShape(const std::vector<int64_t>& w,
                                                   const std::string& isa, bool glu) {
-  const int64_t nr = PanelWidth(isa), width = glu ? nr / 2 : nr;
+  const int64_t nr = PanelWidth(ParseIsa(isa)), width = glu ? nr / 2 : nr;
   if (w.size() != 2) return {{-1, -1, nr}};
   const int64_t outputs = glu ? w[1] / 2 : w[1];
   return {{(outputs + width - 1) / width, w[0], nr}};

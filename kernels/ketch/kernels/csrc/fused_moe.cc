@@ -1,0 +1,214 @@
+// Routed experts (a MoE block's sparse MLP) in one op, float32, CPU:
+//
+//   ketch_fused_moe(x [T, H], routing [T, K], indices [T, K] int64, gate_up[E], down[E],
+//                   first, isa, num_threads) -> y [T, H]
+//
+// gate_up[j] is held expert first + j's [gate | up] weight packed with glu (packed_gemm.cc's
+// ketch_pack_weight: [P, H, NR], SwiGLU in the epilogue), down[j] its down weight packed plain
+// ([P', I, NR]). y[t] = sum over t's picks of a held expert e, in ascending e, of
+// routing[t, slot] * down_e(swiglu(x[t] . gate_up_e)); picks of experts outside
+// [first, first + E) (another rank's) add nothing, a token with none gets zeros.
+//
+// Steps: a counting sort of the T * K picks by expert (stable: token order within an expert);
+// each picked row of x gathered into its expert's contiguous run; the gate_up GEMM of every
+// expert, then the down GEMM of every expert, each as one pool of (expert, row block, panel)
+// items over one OpenMP team (dynamic: experts get uneven rows); then each token's weighted sum
+// over its picks. The micro-kernels are the dense linear's (packed_gemm.h), so every output row
+// is what ketch_packed_linear gives for that row alone, and the sum is done as the one-matmul-
+// per-expert loop (ketch.engine.models.moe.combine) does it: 0, then + (y * w) expert by expert,
+// a multiply and an add (no FMA: this file is compiled for the x86-64 baseline), so the two
+// agree bit for bit.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "packed_gemm.h"
+#include "paddle/extension.h"
+
+namespace ketch {
+
+namespace {
+
+// The picks grouped by held expert: rows [start[j], start[j + 1]) of the gathered input are
+// expert j's, row r is pick pick[r] (= t * K + slot); row_of[p] is pick p's row or -1.
+struct Groups {
+  std::vector<int64_t> start, pick, row_of;
+};
+
+Groups GroupByExpert(const int64_t* indices, int64_t picks, int64_t first, int64_t held) {
+  Groups g{std::vector<int64_t>(held + 1, 0), {}, std::vector<int64_t>(picks, -1)};
+  for (int64_t p = 0; p < picks; ++p) {
+    const int64_t j = indices[p] - first;
+    if (j >= 0 && j < held) ++g.start[j + 1];
+  }
+  for (int64_t j = 0; j < held; ++j) g.start[j + 1] += g.start[j];
+  g.pick.resize(g.start[held]);
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  for (int64_t p = 0; p < picks; ++p) {
+    const int64_t j = indices[p] - first;
+    if (j < 0 || j >= held) continue;
+    g.row_of[p] = next[j];
+    g.pick[next[j]++] = p;
+  }
+  return g;
+}
+
+// One GEMM per expert with rows, as a flat list of work items.
+struct Batch {
+  std::vector<Gemm> gemms;
+  std::vector<GemmPlan> plans;
+  std::vector<int64_t> first_item;  // prefix sums of plans[i].items
+  int64_t flops = 0;
+
+  void Add(const Gemm& g, Isa isa) {
+    if (first_item.empty()) first_item.push_back(0);
+    gemms.push_back(g);
+    plans.push_back(PlanGemm(g, isa));
+    first_item.push_back(first_item.back() + plans.back().items);
+    flops += g.m * g.n * g.k;
+  }
+  int64_t items() const { return first_item.empty() ? 0 : first_item.back(); }
+  void RunItem(Isa isa, int64_t item) const {
+    const auto at = std::upper_bound(first_item.begin(), first_item.end(), item) - 1;
+    const size_t i = static_cast<size_t>(at - first_item.begin());
+    RunGemmItem(gemms[i], isa, plans[i], item - *at);
+  }
+};
+
+void RunBatch(const Batch& batch, Isa isa, int num_threads) {
+  const int64_t items = batch.items();
+  const int threads = GemmThreads(batch.flops, num_threads);
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) batch.RunItem(isa, item);
+  } else {
+    for (int64_t item = 0; item < items; ++item) batch.RunItem(isa, item);
+  }
+}
+
+// Each token's output: its picks in ascending expert order, 0 + y * w + y * w ...
+void Combine(const Groups& g, const int64_t* indices, const float* routing, const float* rows,
+             float* y, int64_t tokens, int64_t top_k, int64_t hidden, int num_threads) {
+  const int threads = GemmThreads(tokens * top_k * hidden * 64, num_threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* out = y + t * hidden;
+    std::fill(out, out + hidden, 0.0f);
+    std::vector<int64_t> order;
+    for (int64_t s = 0; s < top_k; ++s)
+      if (g.row_of[t * top_k + s] >= 0) order.push_back(t * top_k + s);
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return indices[a] < indices[b]; });
+    for (const int64_t p : order) {
+      const float w = routing[p];
+      const float* src = rows + g.row_of[p] * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float scaled = src[i] * w;
+        out[i] += scaled;
+      }
+    }
+  }
+}
+
+void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
+  PD_CHECK(t.place() == paddle::CPUPlace() && t.dtype() == paddle::DataType::FLOAT32, name,
+           " must be a float32 CPU tensor");
+}
+
+paddle::Tensor Dense(const paddle::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Checks one held expert's packed weights against the layer's shapes.
+void CheckExpert(const paddle::Tensor& gate_up, const paddle::Tensor& down, int64_t hidden,
+                 int64_t inter, int64_t nr) {
+  CheckFloatCpu(gate_up, "gate_up");
+  CheckFloatCpu(down, "down");
+  const auto gs = gate_up.shape(), ds = down.shape();
+  PD_CHECK(gs.size() == 3 && gs[0] == (inter + nr / 2 - 1) / (nr / 2) && gs[1] == hidden &&
+               gs[2] == nr && gate_up.is_contiguous(),
+           "ketch_fused_moe: every gate_up must be [ceil(I / ", nr / 2, "), hidden, ", nr,
+           "], packed with glu, I = inter = ", inter);
+  PD_CHECK(ds.size() == 3 && ds[1] == inter && ds[2] == nr && down.is_contiguous() &&
+               ds[0] == (hidden + nr - 1) / nr,
+           "ketch_fused_moe: every down must be [ceil(hidden / ", nr, "), I, ", nr, "]");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::Tensor& routing_in,
+                                     const paddle::Tensor& indices_in,
+                                     const std::vector<paddle::Tensor>& gate_up,
+                                     const std::vector<paddle::Tensor>& down, int first, int inter,
+                                     const std::string& isa, int num_threads) {
+  const Isa kind = ParseIsa(isa);
+  const int64_t nr = PanelWidth(kind), held = static_cast<int64_t>(gate_up.size());
+  CheckFloatCpu(x_in, "x");
+  CheckFloatCpu(routing_in, "routing");
+  PD_CHECK(indices_in.place() == paddle::CPUPlace() &&
+               indices_in.dtype() == paddle::DataType::INT64,
+           "indices must be an int64 CPU tensor");
+  PD_CHECK(x_in.shape().size() == 2, "ketch_fused_moe: x must be [T, hidden]");
+  const int64_t tokens = x_in.shape()[0], hidden = x_in.shape()[1];
+  PD_CHECK(routing_in.shape().size() == 2 && routing_in.shape()[0] == tokens &&
+               indices_in.shape() == routing_in.shape(),
+           "ketch_fused_moe: routing and indices must both be [T, top_k] with x's T");
+  PD_CHECK(down.size() == gate_up.size(), "ketch_fused_moe: ", gate_up.size(),
+           " gate_up weights but ", down.size(), " down weights");
+  PD_CHECK(first >= 0 && inter > 0, "ketch_fused_moe: needs first >= 0 and inter > 0");
+  for (int64_t j = 0; j < held; ++j) CheckExpert(gate_up[j], down[j], hidden, inter, nr);
+  const int64_t top_k = routing_in.shape()[1];
+  auto y = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (tokens * hidden == 0) return {y};
+  const paddle::Tensor x = Dense(x_in), routing = Dense(routing_in), indices = Dense(indices_in);
+  const int64_t* idx = indices.data<int64_t>();
+  const Groups groups = GroupByExpert(idx, tokens * top_k, first, held);
+  const int64_t rows = groups.start[held];
+  std::vector<float> gathered(rows * hidden), act(rows * inter), out(rows * hidden);
+  const float* xp = x.data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(&gathered[r * hidden], xp + groups.pick[r] / top_k * hidden,
+                hidden * sizeof(float));
+  Batch up, dn;
+  for (int64_t j = 0; j < held; ++j) {
+    const int64_t m = groups.start[j + 1] - groups.start[j], r0 = groups.start[j];
+    if (m == 0) continue;
+    up.Add({&gathered[r0 * hidden], gate_up[j].data<float>(), nullptr, &act[r0 * inter], m,
+            hidden, inter, nr, true},
+           kind);
+    dn.Add({&act[r0 * inter], down[j].data<float>(), nullptr, &out[r0 * hidden], m, inter,
+            hidden, nr, false},
+           kind);
+  }
+  RunBatch(up, kind, num_threads);
+  RunBatch(dn, kind, num_threads);
+  Combine(groups, idx, routing.data<float>(), out.data(), y.data<float>(), tokens, top_k, hidden,
+          num_threads);
+  return {y};
+}
+
+std::vector<std::vector<int64_t>> FusedMoeShape(const std::vector<int64_t>& x,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<std::vector<int64_t>>&,
+                                                const std::vector<std::vector<int64_t>>&, int,
+                                                int, const std::string&, int) {
+  return {x};
+}
+
+std::vector<paddle::DataType> FusedMoeDtype(const paddle::DataType& x, const paddle::DataType&,
+                                            const paddle::DataType&,
+                                            const std::vector<paddle::DataType>&,
+                                            const std::vector<paddle::DataType>&) {
+  return {x};
+}
+
+}  // namespace ketch
+
+PD_BUILD_OP(ketch_fused_moe)
+    .Inputs({"x", "routing", "indices", paddle::Vec("gate_up"), paddle::Vec("down")})
+    .Outputs({"y"})
+    .Attrs({"first: int", "inter: int", "isa: std::string", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(ketch::FusedMoe))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::FusedMoeShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::FusedMoeDtype));

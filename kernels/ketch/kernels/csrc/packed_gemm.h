@@ -1,0 +1,43 @@
+// The packed-weight GEMM's building blocks (packed_gemm.cc), shared by the ops built on it: the
+// dense linear (ketch_packed_linear) and the fused routed experts (fused_moe.cc), which runs many
+// small GEMMs, one per expert, as one pool of work items over one team of threads.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ketch {
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+// "avx512", "avx2" or "generic"; anything else is refused (PD_CHECK).
+Isa ParseIsa(const std::string& isa);
+// Columns per packed panel: the layout a weight is packed in for this instruction set.
+int PanelWidth(Isa isa);
+
+struct Gemm {
+  const float* x;       // [m, k]
+  const float* packed;  // [panels, k, nr]
+  const float* bias;    // [n] or nullptr (never with glu)
+  float* y;             // [m, n]
+  int64_t m, k, n, nr;
+  bool glu;             // panels of (gate, up) halves; y = silu(gate) * up
+};
+
+// A GEMM's work as independent items: (row block, panel) pairs, each writing its own outputs.
+// Every output row's sum runs over k in order whatever the item or tile, so a row's result does
+// not depend on which other rows share its GEMM (the fused experts rely on this).
+struct GemmPlan {
+  int64_t block;   // rows per block
+  int64_t panels;  // panels per row block
+  int64_t items;   // blocks * panels
+};
+
+GemmPlan PlanGemm(const Gemm& g, Isa isa);
+void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item);
+// Threads worth starting for `flops` multiply-adds: each must get real work.
+int GemmThreads(int64_t flops, int num_threads);
+// The whole GEMM, its items over up to num_threads OpenMP threads. Needs k > 0.
+void RunGemm(const Gemm& g, Isa isa, int num_threads);
+
+}  // namespace ketch

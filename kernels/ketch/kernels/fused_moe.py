@@ -1,0 +1,119 @@
+"""A MoE block's routed experts in one op (``csrc/fused_moe.cc``), on the packed GEMM's weights.
+
+Given the router's choice (routing weights and expert indices, [T, top_k] each, computed
+elsewhere) and a rank's held experts packed by ``PackedLinear.prepare`` (gate_up with
+``glu=True``, down plain), ``FusedMoe`` returns each token's sum over its picked held experts
+of routing weight times the expert's SwiGLU MLP, experts ascending, in one call: the tokens
+grouped by expert (a counting sort), each expert's two GEMMs on its rows with the dense linear's
+micro-kernels, and the weighted sum. It replaces one Python-level matmul pair per expert with
+tokens (``ketch.engine.models.moe.combine``), whose per-expert dispatch dominates at decode.
+
+Its results equal that loop's bit for bit when the loop runs the same ``PackedLinear``; the
+plain-paddle ``fused_moe_reference`` (``paddle.matmul`` on the unpacked weights) is the spec.
+The instruction set is the packed weights' (chosen once from the CPU's features by
+``select_packed_linear``); ``select_fused_moe`` picks it the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import paddle
+import paddle.nn.functional as F
+
+from ketch.kernels import cpp_ops
+from ketch.kernels.cpu_features import CpuFeatures
+from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear, PackedWeight
+
+AVX512_OP = "ketch.kernels.fused_moe.fused_moe_avx512"
+AVX2_OP = "ketch.kernels.fused_moe.fused_moe_avx2"
+
+
+@dataclass(frozen=True)
+class FusedMoe:
+    """The routed experts of one layer (or one rank's share) for float32 CPU tensors."""
+
+    isa: str
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.isa not in PANEL_WIDTH:
+            raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
+
+    def __call__(
+        self,
+        x: paddle.Tensor,
+        routing: paddle.Tensor,
+        indices: paddle.Tensor,
+        gate_up: Sequence[PackedWeight],
+        down: Sequence[PackedWeight],
+        first: int = 0,
+    ) -> paddle.Tensor:
+        """x [T, hidden], routing [T, top_k] (x's dtype), indices [T, top_k] (global expert
+        ids); gate_up[j], down[j]: expert ``first + j``'s weights. Returns [T, hidden]."""
+        if len(gate_up) != len(down):
+            raise ValueError(f"{len(gate_up)} gate_up weights but {len(down)} down weights")
+        for w, glu in [*((w, True) for w in gate_up), *((w, False) for w in down)]:
+            if not isinstance(w, PackedWeight) or w.isa != self.isa or w.glu != glu:
+                kind = "with glu" if glu else "without glu"
+                raise TypeError(f"expects weights packed for {self.isa} {kind} by PackedLinear")
+        inter = gate_up[0].n if gate_up else 1
+        return cpp_ops.ops().ketch_fused_moe(
+            x,
+            routing,
+            indices.astype("int64"),
+            [w.data for w in gate_up],
+            [w.data for w in down],
+            int(first),
+            int(inter),
+            self.isa,
+            int(self.num_threads),
+        )
+
+    @classmethod
+    def for_linear(cls, linear: PackedLinear) -> FusedMoe:
+        """The experts op for weights ``linear`` packed, on as many threads."""
+        return cls(linear.isa, linear.num_threads)
+
+
+def fused_moe_reference(
+    x: paddle.Tensor,
+    routing: paddle.Tensor,
+    indices: paddle.Tensor,
+    gate_up: Sequence[paddle.Tensor],
+    down: Sequence[paddle.Tensor],
+    first: int = 0,
+) -> paddle.Tensor:
+    """What ``FusedMoe`` computes, on the unpacked weights ([hidden, 2I] = [gate | up], and
+    [I, hidden]) in plain paddle: for each held expert in ascending order, the rows of the
+    tokens that picked it through SwiGLU, scaled by their routing weights and added."""
+    out = paddle.zeros_like(x)
+    flat_routing = routing.reshape([-1, 1])
+    top_k = int(indices.shape[1])
+    flat = indices.reshape([-1]).numpy()
+    for j, (wg, wd) in enumerate(zip(gate_up, down, strict=True)):
+        picks = (flat == first + j).nonzero()[0]
+        if not len(picks):
+            continue
+        tokens = paddle.to_tensor(picks // top_k)
+        y = paddle.matmul(F.swiglu(paddle.matmul(paddle.gather(x, tokens), wg)), wd)
+        out = paddle.index_add(
+            out, tokens, 0, y * paddle.gather(flat_routing, paddle.to_tensor(picks))
+        )
+    return out
+
+
+fused_moe_avx512 = FusedMoe("avx512")
+fused_moe_avx2 = FusedMoe("avx2")
+fused_moe_generic = FusedMoe("generic")
+
+
+def select_fused_moe(features: CpuFeatures | None = None, num_threads: int = 1) -> FusedMoe:
+    """The widest micro-kernels ``features`` (default: this CPU's) allow, as
+    ``select_packed_linear`` picks them (weights must be packed for the same isa)."""
+    features = features or CpuFeatures.detect()
+    for isa, op in (("avx512", AVX512_OP), ("avx2", AVX2_OP)):
+        if features.can_run(op):
+            return FusedMoe(isa, max(1, int(num_threads)))
+    return FusedMoe("generic", max(1, int(num_threads)))
