@@ -62,7 +62,7 @@ class FusedMoe:
         return cpp_ops.ops().ketch_fused_moe(
             x,
             routing,
-            indices.astype("int64"),
+            indices if indices.dtype == paddle.int64 else indices.astype("int64"),
             [w.data for w in gate_up],
             [w.data for w in down],
             int(first),

@@ -4,10 +4,11 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
 fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
-(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router and a matmul pair per
-routed expert, ``_experts``), and the next fused add + RMSNorm. Every matmul goes through the
-``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
-``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
+(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router, then the routed experts
+in one fused op on the packed GEMM, or a matmul pair per expert with tokens, ``_experts``), and
+the next fused add + RMSNorm. Every matmul goes through the ``linear`` it is given: Ketch's
+packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured
+faster for that row count on this machine. A matmul with ``prepare``
 (the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
@@ -34,6 +35,7 @@ from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
 from ketch.kernels.collective import Group
 from ketch.kernels.dense_graph import Matmul
+from ketch.kernels.fused_moe import FusedMoe
 from ketch.kernels.linear import choose_matmul, prepared
 from ketch.kernels.packed_linear import PackedLinear
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
@@ -160,6 +162,8 @@ class NativeLlamaModel:
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
+        # The experts' weights are packed with glu exactly when the SwiGLU is fused.
+        self._fused_experts = FusedMoe.for_linear(linear) if self._fused_swiglu else None
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -195,10 +199,21 @@ class NativeLlamaModel:
 
     def _experts(self, x: paddle.Tensor, moe: MoeWeights) -> paddle.Tensor:
         """Qwen3-MoE's sparse block (``ketch.engine.models.moe``): the router in paddle ops, as
-        the eager model routes, then each of this rank's experts that has tokens through the
-        GEMM, one matmul pair per expert; the ranks' parts summed like the dense down's."""
+        the eager model routes, then this rank's experts (``routed_experts``); the ranks' parts
+        summed like the dense down's."""
         c = self.config
         routing, indices = route(x, moe.router, c.num_experts_per_tok, c.norm_topk_prob)
+        y = self.routed_experts(x, moe, routing, indices)
+        return y if self.group is None else self.group.all_reduce(y)
+
+    def routed_experts(
+        self, x: paddle.Tensor, moe: MoeWeights, routing: paddle.Tensor, indices: paddle.Tensor
+    ) -> paddle.Tensor:
+        """The held experts' sum for a router's choice (routing [T, top_k], indices [T, top_k]),
+        whatever router chose: the fused op on the packed GEMM, else one matmul pair per expert
+        that has tokens. Both sum each token's experts in ascending order."""
+        if self._fused_experts is not None:
+            return self._fused_experts(x, routing, indices, moe.gate_up, moe.down, moe.first)
 
         def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
             up = self.linear(rows, moe.gate_up[j])
@@ -206,8 +221,7 @@ class NativeLlamaModel:
                 up = swiglu(up)
             return self.linear(up, moe.down[j])
 
-        y = combine(x, moe, routing, indices, mlp)
-        return y if self.group is None else self.group.all_reduce(y)
+        return combine(x, moe, routing, indices, mlp)
 
     kept_rows = staticmethod(KeptRows.build)  # what forward's ``kept`` takes
 
