@@ -78,7 +78,17 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
         num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False,
     )),
+    # Qwen3-30B-A3B's proportions scaled down (hidden : expert intermediate 8 : 3, head dim
+    # 64, GQA 4:1) with 32 experts, top-4, every layer sparse; no shared expert (Qwen3-MoE has
+    # none, and vLLM's qwen3_moe neither). ~89M parameters, ~23M active per token.
+    "qwen3moe-89m": ("qwen3_moe", dict(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=192,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+    )),
 }  # fmt: skip
+# Ketch's output tok/s over vLLM's at c=32 that each model is held to (issue 29 item 5 for MoE).
+C32_TARGET = {"qwen3moe-89m": 1.3}
 PROMPT_LEN = (64, 256)
 
 
@@ -192,8 +202,9 @@ def print_table(runs: dict[tuple[str, str, int], list[Point]], models: list[str]
                   f"{f'{k.tpot:.1f} / {v.tpot:.1f}':>15}")  # fmt: skip
             ratio = k.tok_s / v.tok_s
             if c == 32:
-                name = f"{model}: Ketch tok/s >= 1.5x vLLM at c=32"
-                verdicts.append(target(name, ratio >= 1.5, f"{ratio:.2f}x"))
+                goal = C32_TARGET.get(model, 1.5)
+                name = f"{model}: Ketch tok/s >= {goal}x vLLM at c=32"
+                verdicts.append(target(name, ratio >= goal, f"{ratio:.2f}x"))
             if c == 1:
                 name = f"{model}: Ketch TTFT p50 <= vLLM's at c=1"
                 verdicts.append(target(name, k.ttft <= v.ttft, f"{k.ttft:.0f} vs {v.ttft:.0f} ms"))
