@@ -156,3 +156,21 @@ def test_big_weights_are_timed_on_a_slice(monkeypatch: pytest.MonkeyPatch) -> No
     big, small = paddle.randn([64, 5000]), paddle.randn([64, 10])
     linear.choose_matmul([big, small], candidates={"a": record, "b": paddle.matmul}, rows=(2,))
     assert set(seen) == {(64, 100), (64, 10)}
+
+
+def test_packed_gemm_of_finds_or_makes_the_packed_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a MoE model's fused experts run on: the packed GEMM in the measured matmul, else
+    this CPU's (with the winner's threads) unless KETCH_MATMUL forced another matmul."""
+    from ketch.kernels.linear import ENV, RowDispatch, packed_gemm_of
+    from ketch.kernels.packed_linear import PackedLinear
+
+    packed = PackedLinear("generic", 2)
+    assert packed_gemm_of(packed) is packed
+    assert packed_gemm_of(RowDispatch((1, 32), (Linear(1), packed))) is packed
+    monkeypatch.delenv(ENV, raising=False)
+    made = packed_gemm_of(Linear(3))
+    assert isinstance(made, PackedLinear) and made.num_threads == 3
+    assert isinstance(packed_gemm_of(paddle.matmul), PackedLinear)
+    monkeypatch.setenv(ENV, "openblas")
+    assert packed_gemm_of(Linear(1)) is None
+    assert packed_gemm_of(packed) is packed

@@ -130,6 +130,22 @@ class RowDispatch:
         return self.matmuls[band](x, w.forms[band] if isinstance(w, Forms) else w)
 
 
+def packed_gemm_of(matmul: Matmul):
+    """The packed GEMM (a ``PackedLinear``) for weights that only it runs: a MoE layer's experts,
+    whose fused op is built on its micro-kernels. ``matmul`` itself or the packed member of its
+    row dispatch; else, unless ``KETCH_MATMUL`` forced ``matmul``, this CPU's on as many threads;
+    None where the op library does not build (the experts then loop over ``matmul``)."""
+    from ketch.kernels.packed_linear import PackedLinear
+
+    members = matmul.matmuls if isinstance(matmul, RowDispatch) else (matmul,)
+    for m in members:
+        if isinstance(m, PackedLinear):
+            return m
+    if (os.environ.get(ENV, "auto").strip().lower() or "auto") != "auto":
+        return None
+    return _select_packed(max(getattr(m, "num_threads", 1) for m in members))
+
+
 def _seconds(matmul: Matmul, xs: Sequence[paddle.Tensor], ws: Sequence[paddle.Tensor]) -> float:
     """Best of a few rounds of one call per weight."""
     for x, w in zip(xs, ws, strict=True):

@@ -36,7 +36,7 @@ from ketch.kernels import fused
 from ketch.kernels.collective import Group
 from ketch.kernels.dense_graph import Matmul
 from ketch.kernels.fused_moe import FusedMoe
-from ketch.kernels.linear import choose_matmul, prepared
+from ketch.kernels.linear import choose_matmul, packed_gemm_of, prepared
 from ketch.kernels.packed_linear import PackedLinear
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 
@@ -57,31 +57,35 @@ def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
     return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
 
 
-def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
+def _prepared_weights(
+    weights: ModelWeights, linear: Matmul, experts: PackedLinear | None
+) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
-    has no ``prepare``); norms, biases and embeddings stay as they are."""
-    if getattr(linear, "prepare", None) is None:
-        return weights
-
+    has no ``prepare``), the routed experts' in ``experts``' (gate_up with glu) where given;
+    norms, biases and embeddings stay as they are."""
     fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
 
     def gate_up(w: paddle.Tensor):
         return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
 
+    def moe(e: MoeWeights) -> MoeWeights:
+        if experts is not None:
+            up = [experts.prepare(w, glu=True) for w in e.gate_up]
+            return dataclasses.replace(e, gate_up=up, down=[experts.prepare(w) for w in e.down])
+        down = [prepared(linear, w) for w in e.down]
+        return dataclasses.replace(e, gate_up=[gate_up(w) for w in e.gate_up], down=down)
+
     def layer(lw: LayerWeights) -> LayerWeights:
         forms = {n: prepared(linear, getattr(lw, n)) for n in ("qkv", "o")}
         if lw.moe is not None:
-            e = lw.moe
-            forms["moe"] = dataclasses.replace(
-                e,
-                gate_up=[gate_up(w) for w in e.gate_up],
-                down=[prepared(linear, w) for w in e.down],
-            )
+            forms["moe"] = moe(lw.moe)
         else:
             forms["gate_up"] = gate_up(lw.gate_up)
             forms["down"] = prepared(linear, lw.down)
         return dataclasses.replace(lw, **forms)
 
+    if getattr(linear, "prepare", None) is None and experts is None:
+        return weights
     lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
     layers = [layer(lw) for lw in weights.layers]
     return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
@@ -158,12 +162,14 @@ class NativeLlamaModel:
             )
         self.config = config
         self.kernels = eager.kernels
-        self.weights = _prepared_weights(weights, linear)
+        # The routed experts run in one fused op on the packed GEMM whenever it is there (the
+        # dense matmuls' measured winner or not): per-expert calls cost more than any GEMM saves.
+        experts = packed_gemm_of(linear) if config.is_moe else None
+        self.weights = _prepared_weights(weights, linear, experts)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
-        # The experts' weights are packed with glu exactly when the SwiGLU is fused.
-        self._fused_experts = FusedMoe.for_linear(linear) if self._fused_swiglu else None
+        self._fused_experts = None if experts is None else FusedMoe.for_linear(experts)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
