@@ -76,7 +76,8 @@ def check(isa, threads, tokens, hidden, inter, total, top_k, first=0, held=None,
     linear = PackedLinear(isa)
     gu_packed = [linear.prepare(w, glu=True) for w in gu]
     dn_packed = [linear.prepare(w) for w in dn]
-    out = FusedMoe(isa, threads)(x, routing, indices, gu_packed, dn_packed, first)
+    moe = FusedMoe(isa, threads)
+    out = moe(x, routing, indices, moe.prepare(gu, dn), first)
     assert out.shape == [tokens, hidden] and out.dtype == paddle.float32
     ref = fused_moe_reference(x, routing, indices, gu, dn, first).numpy()
     scale = max(float(np.abs(ref).max()), 1e-30)
@@ -122,41 +123,43 @@ def test_a_ranks_share_of_the_experts(isa: str, threads: int) -> None:
 @pytest.mark.parametrize("isa", RUNNABLE)
 def test_no_tokens_and_no_held_experts(isa: str) -> None:
     moe = FusedMoe(isa)
-    linear = PackedLinear(isa)
-    gu = [linear.prepare(paddle.ones([8, 6]), glu=True)]
-    dn = [linear.prepare(paddle.ones([3, 8]))]
-    empty = moe(paddle.ones([0, 8]), paddle.ones([0, 2]), paddle.zeros([0, 2], "int64"), gu, dn)
+    experts = moe.prepare([paddle.ones([8, 6])], [paddle.ones([3, 8])])
+    assert len(experts) == 1 and experts.inter == 3
+    empty = moe(paddle.ones([0, 8]), paddle.ones([0, 2]), paddle.zeros([0, 2], "int64"), experts)
     assert empty.shape == [0, 8]
-    none = moe(paddle.ones([2, 8]), paddle.ones([2, 1]), paddle.zeros([2, 1], "int64"), [], [])
+    ones = paddle.ones([2, 8])
+    none = moe(ones, paddle.ones([2, 1]), paddle.full([2, 1], 5, "int64"), experts)
     assert (none.numpy() == 0).all()
+    with pytest.raises(ValueError, match="gate_up weights"):
+        moe.prepare([], [])
+    with pytest.raises(ValueError, match="every expert must have"):
+        moe.prepare([paddle.ones([8, 6]), paddle.ones([8, 4])], [paddle.ones([3, 8])] * 2)
 
 
 def test_bad_operands_are_refused() -> None:
     ops = __import__("ketch.kernels.cpp_ops", fromlist=["ops"]).ops()
-    linear = PackedLinear("generic")
-    gu = [linear.prepare(paddle.ones([8, 6]), glu=True)]
-    dn = [linear.prepare(paddle.ones([3, 8]))]
+    experts = FusedMoe("generic").prepare([paddle.ones([8, 6])], [paddle.ones([3, 8])])
     x, r, i = paddle.ones([2, 8]), paddle.ones([2, 2]), paddle.zeros([2, 2], "int64")
-    data = ([w.data for w in gu], [w.data for w in dn])
+    up, down = experts.gate_up, experts.down
     op = ops.ketch_fused_moe
+    g = "generic"
     cases = [
-        (lambda: op(x, r, i, *data, 0, 3, "sse9", 1), "unknown isa"),
-        (lambda: op(x, r, i, *data, 0, 3, "avx2", 1), "gate_up must"),
-        (lambda: op(x, r, i, *data, 0, 99, "generic", 1), "gate_up must"),
-        (lambda: op(x, r, i, data[0], data[0], 0, 3, "generic", 1), "down"),
-        (lambda: op(x, r, i.astype("int32"), *data, 0, 3, "generic", 1), "int64"),
-        (lambda: op(x, r[:1], i[:1], *data, 0, 3, "generic", 1), "x's T"),
-        (lambda: op(x.astype("float64"), r, i, *data, 0, 3, "generic", 1), "float32"),
-        (lambda: op(x, r, i, data[0], [], 0, 3, "generic", 1), "down weights"),
-        (lambda: op(paddle.ones([2, 7]), r, i, *data, 0, 3, "generic", 1), "hidden"),
-    ]  # fmt: skip
+        (lambda: op(x, r, i, up, down, 0, 3, "sse9", 1), "unknown isa"),
+        (lambda: op(x, r, i, up, down, 0, 3, "avx2", 1), "gate_up must"),
+        (lambda: op(x, r, i, up, down, 0, 99, g, 1), "gate_up must"),
+        (lambda: op(x, r, i, up, up, 0, 3, g, 1), "down must"),
+        (lambda: op(x, r, i, up, down[:0], 0, 3, g, 1), "down must"),
+        (lambda: op(x, r, i.astype("int32"), up, down, 0, 3, g, 1), "int64"),
+        (lambda: op(x, r[:1], i[:1], up, down, 0, 3, g, 1), "x's T"),
+        (lambda: op(x.astype("float64"), r, i, up, down, 0, 3, g, 1), "float32"),
+        (lambda: op(paddle.ones([2, 7]), r, i, up, down, 0, 3, g, 1), "hidden"),
+        (lambda: op(x, r, i, up, down, -1, 3, g, 1), "first >= 0"),
+    ]
     for call, message in cases:
         with pytest.raises(Exception, match=message):
             call()
     with pytest.raises(TypeError, match="packed for avx2"):
-        FusedMoe("avx2")(x, r, i, gu, dn)
-    with pytest.raises(TypeError, match="with glu"):
-        FusedMoe("generic")(x, r, i, dn, dn)
+        FusedMoe("avx2")(x, r, i, experts)
     with pytest.raises(ValueError, match="unknown isa"):
         FusedMoe("sse9")
 

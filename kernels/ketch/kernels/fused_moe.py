@@ -1,17 +1,18 @@
 """A MoE block's routed experts in one op (``csrc/fused_moe.cc``), on the packed GEMM's weights.
 
 Given the router's choice (routing weights and expert indices, [T, top_k] each, computed
-elsewhere) and a rank's held experts packed by ``PackedLinear.prepare`` (gate_up with
-``glu=True``, down plain), ``FusedMoe`` returns each token's sum over its picked held experts
-of routing weight times the expert's SwiGLU MLP, experts ascending, in one call: the tokens
+elsewhere) and a rank's held experts packed by ``FusedMoe.prepare`` (each in the packed GEMM's
+layout, gate_up with SwiGLU in the epilogue, stacked), ``FusedMoe`` returns each token's sum
+over its picked held experts of routing weight times the expert's SwiGLU MLP, experts
+ascending, in one call: the tokens
 grouped by expert (a counting sort), each expert's two GEMMs on its rows with the dense linear's
 micro-kernels, and the weighted sum. It replaces one Python-level matmul pair per expert with
 tokens (``ketch.engine.models.moe.combine``), whose per-expert dispatch dominates at decode.
 
 Its results equal that loop's bit for bit when the loop runs the same ``PackedLinear``; the
 plain-paddle ``fused_moe_reference`` (``paddle.matmul`` on the unpacked weights) is the spec.
-The instruction set is the packed weights' (chosen once from the CPU's features by
-``select_packed_linear``); ``select_fused_moe`` picks it the same way.
+The instruction set is chosen once from the CPU's features (``select_fused_moe``, as
+``select_packed_linear``; the native backend takes its packed GEMM's).
 """
 
 from __future__ import annotations
@@ -24,10 +25,24 @@ import paddle.nn.functional as F
 
 from ketch.kernels import cpp_ops
 from ketch.kernels.cpu_features import CpuFeatures
-from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear, PackedWeight
+from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear
 
 AVX512_OP = "ketch.kernels.fused_moe.fused_moe_avx512"
 AVX2_OP = "ketch.kernels.fused_moe.fused_moe_avx2"
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """A layer's held experts in one instruction set's packed layout, stacked (what
+    ``FusedMoe`` runs; one tensor each, since every tensor handed to an op costs its dispatch)."""
+
+    gate_up: paddle.Tensor  # [E, ceil(I / (NR / 2)), hidden, NR]: [gate | up] packed with glu
+    down: paddle.Tensor  # [E, ceil(hidden / NR), I, NR]
+    inter: int  # I, each expert's intermediate size
+    isa: str
+
+    def __len__(self) -> int:
+        return int(self.gate_up.shape[0])
 
 
 @dataclass(frozen=True)
@@ -41,39 +56,47 @@ class FusedMoe:
         if self.isa not in PANEL_WIDTH:
             raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
 
+    def prepare(
+        self, gate_up: Sequence[paddle.Tensor], down: Sequence[paddle.Tensor]
+    ) -> PackedExperts:
+        """Expert j's gate_up[j] [hidden, 2I] ([gate | up]) and down[j] [I, hidden], packed and
+        stacked (a copy; the inputs may be dropped)."""
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"{len(gate_up)} gate_up weights and {len(down)} down weights")
+        hidden, inter = int(gate_up[0].shape[0]), int(gate_up[0].shape[1]) // 2
+        for g, d in zip(gate_up, down, strict=True):
+            if list(g.shape) != [hidden, 2 * inter] or list(d.shape) != [inter, hidden]:
+                raise ValueError(
+                    f"every expert must have gate_up [{hidden}, {2 * inter}] and down "
+                    f"[{inter}, {hidden}], got {list(g.shape)} and {list(d.shape)}"
+                )
+        pack = cpp_ops.ops().ketch_pack_weight
+        up = paddle.stack([pack(w, self.isa, True) for w in gate_up])
+        dn = paddle.stack([pack(w, self.isa, False) for w in down])
+        return PackedExperts(up, dn, inter, self.isa)
+
     def __call__(
         self,
         x: paddle.Tensor,
         routing: paddle.Tensor,
         indices: paddle.Tensor,
-        gate_up: Sequence[PackedWeight],
-        down: Sequence[PackedWeight],
+        experts: PackedExperts,
         first: int = 0,
     ) -> paddle.Tensor:
         """x [T, hidden], routing [T, top_k] (x's dtype), indices [T, top_k] (global expert
-        ids); gate_up[j], down[j]: expert ``first + j``'s weights. Returns [T, hidden]."""
-        if len(gate_up) != len(down):
-            raise ValueError(f"{len(gate_up)} gate_up weights but {len(down)} down weights")
-        for w, glu in [*((w, True) for w in gate_up), *((w, False) for w in down)]:
-            if not isinstance(w, PackedWeight) or w.isa != self.isa or w.glu != glu:
-                kind = "with glu" if glu else "without glu"
-                raise TypeError(f"expects weights packed for {self.isa} {kind} by PackedLinear")
-        inter = gate_up[0].n if gate_up else 1
+        ids); ``experts``: experts ``first``, ``first + 1``, ... Returns [T, hidden]."""
+        if experts.isa != self.isa:
+            raise TypeError(f"expects experts packed for {self.isa} by FusedMoe.prepare")
+        if indices.dtype != paddle.int64:
+            indices = indices.astype("int64")
         return cpp_ops.ops().ketch_fused_moe(
-            x,
-            routing,
-            indices if indices.dtype == paddle.int64 else indices.astype("int64"),
-            [w.data for w in gate_up],
-            [w.data for w in down],
-            int(first),
-            int(inter),
-            self.isa,
-            int(self.num_threads),
-        )
+            x, routing, indices, experts.gate_up, experts.down, int(first), experts.inter,
+            self.isa, int(self.num_threads),
+        )  # fmt: skip
 
     @classmethod
     def for_linear(cls, linear: PackedLinear) -> FusedMoe:
-        """The experts op for weights ``linear`` packed, on as many threads."""
+        """The experts op for ``linear``'s instruction set, on as many threads."""
         return cls(linear.isa, linear.num_threads)
 
 

@@ -57,21 +57,18 @@ def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
     return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
 
 
-def _prepared_weights(
-    weights: ModelWeights, linear: Matmul, experts: PackedLinear | None
-) -> ModelWeights:
+def _prepared_weights(weights: ModelWeights, linear: Matmul, fused_experts: bool) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
-    has no ``prepare``), the routed experts' in ``experts``' (gate_up with glu) where given;
-    norms, biases and embeddings stay as they are."""
+    has no ``prepare``); with ``fused_experts``, no routed experts' lists (the fused op holds
+    its own copy); norms, biases and embeddings stay as they are."""
     fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
 
     def gate_up(w: paddle.Tensor):
         return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
 
     def moe(e: MoeWeights) -> MoeWeights:
-        if experts is not None:
-            up = [experts.prepare(w, glu=True) for w in e.gate_up]
-            return dataclasses.replace(e, gate_up=up, down=[experts.prepare(w) for w in e.down])
+        if fused_experts:
+            return dataclasses.replace(e, gate_up=[], down=[])
         down = [prepared(linear, w) for w in e.down]
         return dataclasses.replace(e, gate_up=[gate_up(w) for w in e.gate_up], down=down)
 
@@ -84,7 +81,7 @@ def _prepared_weights(
             forms["down"] = prepared(linear, lw.down)
         return dataclasses.replace(lw, **forms)
 
-    if getattr(linear, "prepare", None) is None and experts is None:
+    if getattr(linear, "prepare", None) is None and not fused_experts:
         return weights
     lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
     layers = [layer(lw) for lw in weights.layers]
@@ -165,11 +162,16 @@ class NativeLlamaModel:
         # The routed experts run in one fused op on the packed GEMM whenever it is there (the
         # dense matmuls' measured winner or not): per-expert calls cost more than any GEMM saves.
         experts = packed_gemm_of(linear) if config.is_moe else None
-        self.weights = _prepared_weights(weights, linear, experts)
+        self._fused_experts = None if experts is None else FusedMoe.for_linear(experts)
+        self._packed_experts = {
+            i: self._fused_experts.prepare(lw.moe.gate_up, lw.moe.down)
+            for i, lw in enumerate(weights.layers)
+            if lw.moe is not None and self._fused_experts is not None
+        }
+        self.weights = _prepared_weights(weights, linear, self._fused_experts is not None)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
-        self._fused_experts = None if experts is None else FusedMoe.for_linear(experts)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -203,23 +205,24 @@ class NativeLlamaModel:
             y = self.group.all_reduce(y)
         return y if b is None else y + b
 
-    def _experts(self, x: paddle.Tensor, moe: MoeWeights) -> paddle.Tensor:
-        """Qwen3-MoE's sparse block (``ketch.engine.models.moe``): the router in paddle ops, as
-        the eager model routes, then this rank's experts (``routed_experts``); the ranks' parts
-        summed like the dense down's."""
-        c = self.config
+    def _experts(self, i: int, x: paddle.Tensor) -> paddle.Tensor:
+        """Layer i's Qwen3-MoE sparse block (``ketch.engine.models.moe``): the router in paddle
+        ops, as the eager model routes, then this rank's experts (``routed_experts``); the
+        ranks' parts summed like the dense down's."""
+        c, moe = self.config, self.weights.layers[i].moe
         routing, indices = route(x, moe.router, c.num_experts_per_tok, c.norm_topk_prob)
-        y = self.routed_experts(x, moe, routing, indices)
+        y = self.routed_experts(i, x, routing, indices)
         return y if self.group is None else self.group.all_reduce(y)
 
     def routed_experts(
-        self, x: paddle.Tensor, moe: MoeWeights, routing: paddle.Tensor, indices: paddle.Tensor
+        self, i: int, x: paddle.Tensor, routing: paddle.Tensor, indices: paddle.Tensor
     ) -> paddle.Tensor:
-        """The held experts' sum for a router's choice (routing [T, top_k], indices [T, top_k]),
-        whatever router chose: the fused op on the packed GEMM, else one matmul pair per expert
-        that has tokens. Both sum each token's experts in ascending order."""
+        """Layer i's held experts' sum for a router's choice (routing [T, top_k], indices
+        [T, top_k]), whatever router chose: the fused op on the packed GEMM, else one matmul
+        pair per expert that has tokens. Both sum each token's experts in ascending order."""
+        moe = self.weights.layers[i].moe
         if self._fused_experts is not None:
-            return self._fused_experts(x, routing, indices, moe.gate_up, moe.down, moe.first)
+            return self._fused_experts(x, routing, indices, self._packed_experts[i], moe.first)
 
         def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
             up = self.linear(rows, moe.gate_up[j])
@@ -295,7 +298,7 @@ class NativeLlamaModel:
                 h, self._row_parallel(attn, layer.o, layer.o_bias), layer.post_norm, self.eps
             )
             if layer.moe is not None:
-                mlp = self._experts(x, layer.moe)
+                mlp = self._experts(i, x)
             else:
                 if self._fused_swiglu:
                     up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM

@@ -11,8 +11,10 @@ ascending order (so each token's sum has transformers' order).
 Tensor parallelism splits the experts: a rank holds ``num_experts / world`` of them whole
 (``Shard.experts``) and the router entire, computes the contributions of its own experts only,
 and the ranks' partial results are summed by the caller (like the dense MLP's row-parallel
-output). A fused expert kernel (``kernels/``) is later work; this is one matmul pair per expert
-that has tokens.
+output). ``combine`` is one matmul pair per expert that has tokens (the eager reference, and the
+native backend without the packed GEMM); the native backend otherwise runs the same sum in one
+fused op (``ketch.kernels.fused_moe``). Routing and the experts stay two steps, so a model with
+another router (a score-correction bias, say) reuses the experts as they are.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ def route(
     """(routing weights [T, top_k] in x's dtype, expert indices [T, top_k] int64), as
     ``Qwen3MoeTopKRouter.forward`` computes them."""
     logits = paddle.matmul(x, router)
-    probs = F.softmax(logits.astype("float32"), axis=-1)
+    wide = logits.dtype == paddle.float32  # no casts to make (each is an op call at decode)
+    probs = F.softmax(logits if wide else logits.astype("float32"), axis=-1)
     top, indices = paddle.topk(probs, top_k, axis=-1)
     if norm_topk_prob:
         top = top / top.sum(axis=-1, keepdim=True)
-    return top.astype(logits.dtype), indices
+    return (top if wide else top.astype(logits.dtype)), indices
 
 
 ExpertMlp = Callable[[paddle.Tensor, int], paddle.Tensor]  # (rows, held expert j) -> rows out

@@ -1,11 +1,12 @@
 // Routed experts (a MoE block's sparse MLP) in one op, float32, CPU:
 //
-//   ketch_fused_moe(x [T, H], routing [T, K], indices [T, K] int64, gate_up[E], down[E],
-//                   first, isa, num_threads) -> y [T, H]
+//   ketch_fused_moe(x [T, H], routing [T, K], indices [T, K] int64, gate_up [E, P, H, NR],
+//                   down [E, P', I, NR], first, inter, isa, num_threads) -> y [T, H]
 //
 // gate_up[j] is held expert first + j's [gate | up] weight packed with glu (packed_gemm.cc's
 // ketch_pack_weight: [P, H, NR], SwiGLU in the epilogue), down[j] its down weight packed plain
-// ([P', I, NR]). y[t] = sum over t's picks of a held expert e, in ascending e, of
+// ([P', I, NR]); the held experts come stacked, two tensors, because a list of tensors costs the
+// op's dispatch a few microseconds per tensor, and a decode step calls it once per layer. y[t] = sum over t's picks of a held expert e, in ascending e, of
 // routing[t, slot] * down_e(swiglu(x[t] . gate_up_e)); picks of experts outside
 // [first, first + E) (another rank's) add nothing, a token with none gets zeros.
 //
@@ -119,30 +120,31 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 paddle::Tensor Dense(const paddle::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
-// Checks one held expert's packed weights against the layer's shapes.
-void CheckExpert(const paddle::Tensor& gate_up, const paddle::Tensor& down, int64_t hidden,
-                 int64_t inter, int64_t nr) {
+// Checks the stacked experts against the layer's shapes.
+void CheckExperts(const paddle::Tensor& gate_up, const paddle::Tensor& down, int64_t hidden,
+                  int64_t inter, int64_t nr) {
   CheckFloatCpu(gate_up, "gate_up");
   CheckFloatCpu(down, "down");
   const auto gs = gate_up.shape(), ds = down.shape();
-  PD_CHECK(gs.size() == 3 && gs[0] == (inter + nr / 2 - 1) / (nr / 2) && gs[1] == hidden &&
-               gs[2] == nr && gate_up.is_contiguous(),
-           "ketch_fused_moe: every gate_up must be [ceil(I / ", nr / 2, "), hidden, ", nr,
-           "], packed with glu, I = inter = ", inter);
-  PD_CHECK(ds.size() == 3 && ds[1] == inter && ds[2] == nr && down.is_contiguous() &&
-               ds[0] == (hidden + nr - 1) / nr,
-           "ketch_fused_moe: every down must be [ceil(hidden / ", nr, "), I, ", nr, "]");
+  PD_CHECK(gs.size() == 4 && gs[1] == (inter + nr / 2 - 1) / (nr / 2) && gs[2] == hidden &&
+               gs[3] == nr && gate_up.is_contiguous(),
+           "ketch_fused_moe: gate_up must be [E, ceil(I / ", nr / 2, "), hidden, ", nr,
+           "], each packed with glu, I = inter = ", inter);
+  PD_CHECK(ds.size() == 4 && ds[0] == gs[0] && ds[1] == (hidden + nr - 1) / nr &&
+               ds[2] == inter && ds[3] == nr && down.is_contiguous(),
+           "ketch_fused_moe: down must be [E, ceil(hidden / ", nr, "), I, ", nr,
+           "] with gate_up's E");
 }
 
 }  // namespace
 
 std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::Tensor& routing_in,
                                      const paddle::Tensor& indices_in,
-                                     const std::vector<paddle::Tensor>& gate_up,
-                                     const std::vector<paddle::Tensor>& down, int first, int inter,
-                                     const std::string& isa, int num_threads) {
+                                     const paddle::Tensor& gate_up, const paddle::Tensor& down,
+                                     int first, int inter, const std::string& isa,
+                                     int num_threads) {
   const Isa kind = ParseIsa(isa);
-  const int64_t nr = PanelWidth(kind), held = static_cast<int64_t>(gate_up.size());
+  const int64_t nr = PanelWidth(kind);
   CheckFloatCpu(x_in, "x");
   CheckFloatCpu(routing_in, "routing");
   PD_CHECK(indices_in.place() == paddle::CPUPlace() &&
@@ -153,10 +155,10 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   PD_CHECK(routing_in.shape().size() == 2 && routing_in.shape()[0] == tokens &&
                indices_in.shape() == routing_in.shape(),
            "ketch_fused_moe: routing and indices must both be [T, top_k] with x's T");
-  PD_CHECK(down.size() == gate_up.size(), "ketch_fused_moe: ", gate_up.size(),
-           " gate_up weights but ", down.size(), " down weights");
   PD_CHECK(first >= 0 && inter > 0, "ketch_fused_moe: needs first >= 0 and inter > 0");
-  for (int64_t j = 0; j < held; ++j) CheckExpert(gate_up[j], down[j], hidden, inter, nr);
+  CheckExperts(gate_up, down, hidden, inter, nr);
+  const int64_t held = gate_up.shape()[0];
+  const int64_t up_size = gate_up.shape()[1] * hidden * nr, down_size = down.shape()[1] * inter * nr;
   const int64_t top_k = routing_in.shape()[1];
   auto y = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   if (tokens * hidden == 0) return {y};
@@ -173,10 +175,10 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   for (int64_t j = 0; j < held; ++j) {
     const int64_t m = groups.start[j + 1] - groups.start[j], r0 = groups.start[j];
     if (m == 0) continue;
-    up.Add({&gathered[r0 * hidden], gate_up[j].data<float>(), nullptr, &act[r0 * inter], m,
+    up.Add({&gathered[r0 * hidden], gate_up.data<float>() + j * up_size, nullptr, &act[r0 * inter], m,
             hidden, inter, nr, true},
            kind);
-    dn.Add({&act[r0 * inter], down[j].data<float>(), nullptr, &out[r0 * hidden], m, inter,
+    dn.Add({&act[r0 * inter], down.data<float>() + j * down_size, nullptr, &out[r0 * hidden], m, inter,
             hidden, nr, false},
            kind);
   }
@@ -190,23 +192,22 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
 std::vector<std::vector<int64_t>> FusedMoeShape(const std::vector<int64_t>& x,
                                                 const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
-                                                const std::vector<std::vector<int64_t>>&,
-                                                const std::vector<std::vector<int64_t>>&, int,
+                                                const std::vector<int64_t>&,
+                                                const std::vector<int64_t>&, int,
                                                 int, const std::string&, int) {
   return {x};
 }
 
 std::vector<paddle::DataType> FusedMoeDtype(const paddle::DataType& x, const paddle::DataType&,
                                             const paddle::DataType&,
-                                            const std::vector<paddle::DataType>&,
-                                            const std::vector<paddle::DataType>&) {
+                                            const paddle::DataType&, const paddle::DataType&) {
   return {x};
 }
 
 }  // namespace ketch
 
 PD_BUILD_OP(ketch_fused_moe)
-    .Inputs({"x", "routing", "indices", paddle::Vec("gate_up"), paddle::Vec("down")})
+    .Inputs({"x", "routing", "indices", "gate_up", "down"})
     .Outputs({"y"})
     .Attrs({"first: int", "inter: int", "isa: std::string", "num_threads: int"})
     .SetKernelFn(PD_KERNEL(ketch::FusedMoe))
