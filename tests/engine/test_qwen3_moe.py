@@ -231,6 +231,22 @@ def test_native_logits_with_each_matmul(
     assert_close(qwen3_moe("mixed"), 320, CpuKernels.select(log=False), backend="native")
 
 
+@pytest.mark.parametrize("matmul,fused", [("auto", True), ("packed", True), ("openblas", False)])
+def test_native_experts_run_fused_unless_another_matmul_is_forced(
+    qwen3_moe, matmul: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused experts op (``ketch.kernels.fused_moe``) on the packed GEMM whatever the dense
+    layers measured fastest; a forced other matmul runs them one matmul pair per expert."""
+    from ketch.kernels.linear import ENV
+
+    monkeypatch.setenv(ENV, matmul)
+    path = qwen3_moe("mixed")
+    config = ModelConfig.from_dir(path)
+    weights = load_weights(path, config, "float32")
+    model = build_model("native", config, weights, 64, 1, CpuKernels.select(log=False))
+    assert (model.fused_experts is not None) is fused
+
+
 def test_stacked_expert_tensors_load_the_same(qwen3_moe, tmp_path: Path) -> None:
     path = qwen3_moe("mixed")
     _stack_experts(path, tmp_path / "stacked")

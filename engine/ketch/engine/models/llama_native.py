@@ -21,6 +21,7 @@ layer in plain paddle ops).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,15 +41,17 @@ from ketch.kernels.linear import choose_matmul, packed_gemm_of, prepared
 from ketch.kernels.packed_linear import PackedLinear
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 
+logger = logging.getLogger(__name__)
+
 
 def measured_matmul(weights: ModelWeights, threads: int) -> tuple[Matmul, str]:
     """The matmul ``choose_matmul`` measures fastest on this model's weight shapes (layer 0's
-    projections and the lm_head, where this rank holds one), and its line."""
+    projections and the lm_head, where this rank holds one), and its line. A MoE model's
+    experts are not measured: unless ``KETCH_MATMUL`` forces a matmul (then nothing is), they
+    run in the fused op on the packed GEMM (``packed_gemm_of``), which the op library that the
+    native backend needs anyway always provides."""
     first = weights.layers[0]
     shapes = [first.qkv, first.o, first.gate_up, first.down, weights.lm_head]
-    experts = next((lw.moe for lw in weights.layers if lw.moe is not None), None)
-    if experts is not None and experts.gate_up:  # one expert's, for a MoE model
-        shapes += [experts.gate_up[0], experts.down[0]]
     return choose_matmul([w for w in shapes if w is not None], threads)
 
 
@@ -162,13 +165,16 @@ class NativeLlamaModel:
         # The routed experts run in one fused op on the packed GEMM whenever it is there (the
         # dense matmuls' measured winner or not): per-expert calls cost more than any GEMM saves.
         experts = packed_gemm_of(linear) if config.is_moe else None
-        self._fused_experts = None if experts is None else FusedMoe.for_linear(experts)
+        # The fused experts op, or None: one matmul pair per expert through ``linear``.
+        self.fused_experts = None if experts is None else FusedMoe.for_linear(experts)
+        if config.is_moe:
+            logger.info("routed experts: %s", self.fused_experts or "one matmul pair per expert")
         self._packed_experts = {
-            i: self._fused_experts.prepare(lw.moe.gate_up, lw.moe.down)
+            i: self.fused_experts.prepare(lw.moe.gate_up, lw.moe.down)
             for i, lw in enumerate(weights.layers)
-            if lw.moe is not None and self._fused_experts is not None
+            if lw.moe is not None and self.fused_experts is not None
         }
-        self.weights = _prepared_weights(weights, linear, self._fused_experts is not None)
+        self.weights = _prepared_weights(weights, linear, self.fused_experts is not None)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
@@ -221,8 +227,8 @@ class NativeLlamaModel:
         [T, top_k]), whatever router chose: the fused op on the packed GEMM, else one matmul
         pair per expert that has tokens. Both sum each token's experts in ascending order."""
         moe = self.weights.layers[i].moe
-        if self._fused_experts is not None:
-            return self._fused_experts(x, routing, indices, self._packed_experts[i], moe.first)
+        if self.fused_experts is not None:
+            return self.fused_experts(x, routing, indices, self._packed_experts[i], moe.first)
 
         def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
             up = self.linear(rows, moe.gate_up[j])

@@ -5,10 +5,11 @@
 //
 // gate_up[j] is held expert first + j's [gate | up] weight packed with glu (packed_gemm.cc's
 // ketch_pack_weight: [P, H, NR], SwiGLU in the epilogue), down[j] its down weight packed plain
-// ([P', I, NR]); the held experts come stacked, two tensors, because a list of tensors costs the
-// op's dispatch a few microseconds per tensor, and a decode step calls it once per layer. y[t] = sum over t's picks of a held expert e, in ascending e, of
-// routing[t, slot] * down_e(swiglu(x[t] . gate_up_e)); picks of experts outside
-// [first, first + E) (another rank's) add nothing, a token with none gets zeros.
+// ([P', I, NR]), the held experts stacked (two tensors: each tensor handed to an op costs its
+// dispatch microseconds, and a decode step calls this once per layer). y[t] = the sum over t's
+// picks of a held expert e, in ascending e, of routing[t, slot] * down_e(swiglu(x[t] . gate_up_e));
+// picks of experts outside [first, first + E) (another rank's) add nothing, a token with none
+// gets zeros.
 //
 // Steps: a counting sort of the T * K picks by expert (stable: token order within an expert);
 // each picked row of x gathered into its expert's contiguous run; the gate_up GEMM of every
@@ -158,7 +159,8 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   PD_CHECK(first >= 0 && inter > 0, "ketch_fused_moe: needs first >= 0 and inter > 0");
   CheckExperts(gate_up, down, hidden, inter, nr);
   const int64_t held = gate_up.shape()[0];
-  const int64_t up_size = gate_up.shape()[1] * hidden * nr, down_size = down.shape()[1] * inter * nr;
+  const int64_t up_size = gate_up.shape()[1] * hidden * nr;  // floats per expert
+  const int64_t down_size = down.shape()[1] * inter * nr;
   const int64_t top_k = routing_in.shape()[1];
   auto y = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   if (tokens * hidden == 0) return {y};
@@ -175,11 +177,11 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   for (int64_t j = 0; j < held; ++j) {
     const int64_t m = groups.start[j + 1] - groups.start[j], r0 = groups.start[j];
     if (m == 0) continue;
-    up.Add({&gathered[r0 * hidden], gate_up.data<float>() + j * up_size, nullptr, &act[r0 * inter], m,
-            hidden, inter, nr, true},
+    const float* up_w = gate_up.data<float>() + j * up_size;
+    const float* down_w = down.data<float>() + j * down_size;
+    up.Add({&gathered[r0 * hidden], up_w, nullptr, &act[r0 * inter], m, hidden, inter, nr, true},
            kind);
-    dn.Add({&act[r0 * inter], down.data<float>() + j * down_size, nullptr, &out[r0 * hidden], m, inter,
-            hidden, nr, false},
+    dn.Add({&act[r0 * inter], down_w, nullptr, &out[r0 * hidden], m, inter, hidden, nr, false},
            kind);
   }
   RunBatch(up, kind, num_threads);
@@ -193,8 +195,8 @@ std::vector<std::vector<int64_t>> FusedMoeShape(const std::vector<int64_t>& x,
                                                 const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
                                                 const std::vector<int64_t>&,
-                                                const std::vector<int64_t>&, int,
-                                                int, const std::string&, int) {
+                                                const std::vector<int64_t>&, int, int,
+                                                const std::string&, int) {
   return {x};
 }
 
