@@ -244,7 +244,7 @@ def test_native_experts_run_fused_unless_another_matmul_is_forced(
     config = ModelConfig.from_dir(path)
     weights = load_weights(path, config, "float32")
     model = build_model("native", config, weights, 64, 1, CpuKernels.select(log=False))
-    assert (model.fused_experts is not None) is fused
+    assert (model.experts_op is not None) is fused
 
 
 def test_stacked_expert_tensors_load_the_same(qwen3_moe, tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import paddle
-import paddle.nn.functional as F
 
 from ketch.kernels import cpp_ops
 from ketch.kernels.cpu_features import CpuFeatures
@@ -120,7 +119,9 @@ def fused_moe_reference(
         if not len(picks):
             continue
         tokens = paddle.to_tensor(picks // top_k)
-        y = paddle.matmul(F.swiglu(paddle.matmul(paddle.gather(x, tokens), wg)), wd)
+        y = paddle.matmul(
+            paddle.nn.functional.swiglu(paddle.matmul(paddle.gather(x, tokens), wg)), wd
+        )
         out = paddle.index_add(
             out, tokens, 0, y * paddle.gather(flat_routing, paddle.to_tensor(picks))
         )

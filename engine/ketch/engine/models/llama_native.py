@@ -166,15 +166,15 @@ class NativeLlamaModel:
         # dense matmuls' measured winner or not): per-expert calls cost more than any GEMM saves.
         experts = packed_gemm_of(linear) if config.is_moe else None
         # The fused experts op, or None: one matmul pair per expert through ``linear``.
-        self.fused_experts = None if experts is None else FusedMoe.for_linear(experts)
+        self.experts_op = None if experts is None else FusedMoe.for_linear(experts)
         if config.is_moe:
-            logger.info("routed experts: %s", self.fused_experts or "one matmul pair per expert")
+            logger.info("routed experts: %s", self.experts_op or "one matmul pair per expert")
         self._packed_experts = {
-            i: self.fused_experts.prepare(lw.moe.gate_up, lw.moe.down)
+            i: self.experts_op.prepare(lw.moe.gate_up, lw.moe.down)
             for i, lw in enumerate(weights.layers)
-            if lw.moe is not None and self.fused_experts is not None
+            if lw.moe is not None and self.experts_op is not None
         }
-        self.weights = _prepared_weights(weights, linear, self.fused_experts is not None)
+        self.weights = _prepared_weights(weights, linear, self.experts_op is not None)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
@@ -227,8 +227,8 @@ class NativeLlamaModel:
         [T, top_k]), whatever router chose: the fused op on the packed GEMM, else one matmul
         pair per expert that has tokens. Both sum each token's experts in ascending order."""
         moe = self.weights.layers[i].moe
-        if self.fused_experts is not None:
-            return self.fused_experts(x, routing, indices, self._packed_experts[i], moe.first)
+        if self.experts_op is not None:
+            return self.experts_op(x, routing, indices, self._packed_experts[i], moe.first)
 
         def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
             up = self.linear(rows, moe.gate_up[j])
