@@ -52,9 +52,16 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
-    """Writes a randomly initialised Llama or Qwen2 checkpoint with GQA to ``out``."""
+    """Writes a randomly initialised Llama, Qwen2 or Qwen3 checkpoint with GQA to ``out``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     settings: dict[str, Any] = dict(
@@ -73,6 +80,7 @@ def make_checkpoint(
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings)).eval()
