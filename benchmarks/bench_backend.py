@@ -326,7 +326,7 @@ class Bench:
             meta.write_index,
             g.query_index,
             g.block_index,
-            g.mask,
+            g.masks[0],
             # the single group's rows are the flat order, so output_index is the identity
             case["rows"],
             caches,
