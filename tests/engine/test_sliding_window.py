@@ -213,3 +213,11 @@ def test_greedy_matches_with_chunks_shorter_than_the_window(windowed, name: str)
 
 def test_greedy_matches_transformers_on_two_ranks(windowed) -> None:
     assert_two_ranks_greedy_match(windowed("qwen2"), windowed_prompts(seed=2))
+
+
+def test_the_gpu_model_refuses_a_window_naming_the_field_and_backend(windowed) -> None:
+    config = ModelConfig.from_dir(windowed("qwen2"))
+    problem = config.backend_problem("auto", gpu=True)
+    assert "sliding_window=20" in problem and "--device gpu" in problem
+    for backend in ("auto", "native", "predictor", "eager"):
+        assert config.backend_problem(backend) is None
