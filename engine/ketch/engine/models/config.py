@@ -61,16 +61,33 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Each layer's sliding window (a query at position p sees keys p - w < j <= p), 0 for full
+    # attention; () when every layer is full. The architecture computes it (``Architecture``).
+    sliding_windows: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window; 0: full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, ascending (0: full attention), e.g. (0, 4096)."""
+        return tuple(sorted(set(self.sliding_windows or (0,))))
 
     def backend_problem(self, backend: str, gpu: bool = False) -> str | None:
         """Why this model cannot run on ``backend`` (or on a GPU); None when it can. For start-up
         checks (``capabilities.refusals``); ``build_model`` raises the same at load."""
         if self.is_moe and (gpu or backend not in MOE_BACKENDS):
             return moe_refusal(self.architecture, "--device gpu" if gpu else f"--backend {backend}")
+        if self.sliding_windows and gpu:
+            return (
+                f"{self.architecture} with sliding_window={max(self.sliding_windows)} runs on the "
+                "CPU backends only; --device gpu has no sliding-window attention yet"
+            )
         return None
 
     @property
@@ -80,7 +97,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: Path, context_len: int | None = None) -> ModelConfig:
         """The checkpoint's config; ``context_len``: the longest sequence it will be served at
-        (default ``max_position_embeddings``), against which a sliding window is checked."""
+        (default ``max_position_embeddings``), against which a window Llama declares (and
+        transformers ignores) is checked."""
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelLoadError(
@@ -135,6 +153,7 @@ class ModelConfig:
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            sliding_windows=_windows(arch, s),
             **(_moe(s) if arch.moe else {}),
         )
         config._validate(source)
@@ -183,6 +202,11 @@ def _moe(s: Settings) -> dict[str, Any]:
         "norm_topk_prob": bool(s.get("norm_topk_prob")),
         "moe_layers": layers,
     }
+
+
+def _windows(arch: Architecture, s: Settings) -> tuple[int, ...]:
+    windows = tuple(int(w) for w in arch.windows(s))
+    return windows if any(windows) else ()
 
 
 def _int(s: Settings, key: str, source: str) -> int:

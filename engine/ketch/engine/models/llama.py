@@ -86,7 +86,8 @@ class LlamaModel:
         """The attention inputs ``forward`` needs for a step of ``spans``."""
         kv = self.config.num_key_value_heads
         group = self.config.num_attention_heads // kv
-        return build_metadata(spans, block_size, num_blocks, kv, group)
+        windows = self.config.attention_windows
+        return build_metadata(spans, block_size, num_blocks, kv, group, windows)
 
     def forward(
         self,
@@ -106,7 +107,7 @@ class LlamaModel:
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
         h = F.embedding(input_ids, self.weights.embed)
-        for layer, cache in zip(self.weights.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
             qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
@@ -117,7 +118,7 @@ class LlamaModel:
             qk = rotate(qk, cos, sin)
             q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
             v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-            attn = paged_attention(q, k, v, cache, meta)
+            attn = paged_attention(q, k, v, cache, meta, c.window(i))
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             if layer.moe is not None:
