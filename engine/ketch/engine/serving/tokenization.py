@@ -22,7 +22,7 @@ event loop keeps answering; a short one inline, where a thread would cost more t
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -65,12 +65,14 @@ async def render_chat(
     add_generation_prompt: bool,
     size: int,
     add_special_tokens: bool = False,
-    **extra: Any,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """A chat rendered with the model's template and tokenised; on a thread when its request
-    body was over ``INLINE_BYTES``. A 400 naming ``messages`` when the template cannot render
-    it (whatever the template raised)."""
+    body was over ``INLINE_BYTES``. ``variables`` are the template's others (``tools``, a
+    request's ``chat_template_kwargs``). A 400 naming ``messages`` when the template cannot
+    render it (whatever the template raised)."""
     tokenizer = state.tokenizer
+    extra = dict(variables or {})
 
     def work() -> list[int]:
         conversation = [m.model_dump(exclude_none=True) for m in messages]
