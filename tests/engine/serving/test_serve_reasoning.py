@@ -211,3 +211,21 @@ def test_hostile_chat_template_kwargs_are_refused_for_that_request_only(
     assert words in error["message"]
     assert error["param"] in ("chat_template_kwargs", None), error
     assert _chat(client, THINKING_OFF).choices[0].message.content == "AB"
+
+
+def test_tokenize_renders_with_chat_template_kwargs_too(server):
+    def tokenize(**fields) -> httpx.Response:
+        body = {"model": "thinker", "messages": MESSAGES, **fields}
+        return httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+
+    def text(reply: httpx.Response) -> str:
+        tokens = reply.json()["tokens"]
+        return httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=60).json()[
+            "prompt"
+        ]
+
+    assert text(tokenize()).endswith("<|im_start|>assistant\n")
+    off = tokenize(**THINKING_OFF)
+    assert text(off).endswith(f"<|im_start|>assistant\n{OPEN}\n\n{CLOSE}\n\n")
+    refused = tokenize(chat_template_kwargs={"eos_token": "x"})
+    assert refused.status_code == 400 and "'eos_token'" in refused.json()["error"]["message"]

@@ -2,7 +2,8 @@
 
 ``/tokenize`` takes either a completions-style ``prompt`` (``add_special_tokens`` defaults to
 true) or chat ``messages`` rendered with the model's chat template (``add_generation_prompt``,
-default true; ``add_special_tokens`` defaults to false, as the template adds them) and answers
+default true, and ``chat_template_kwargs`` as in chat completions; ``add_special_tokens``
+defaults to false, as the template adds them) and answers
 ``{"count", "max_model_len", "tokens"}`` (and ``"token_strs"`` with ``return_token_strs``).
 ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": <text>}`` (special tokens
 included, so a rendered chat round-trips).
@@ -31,7 +32,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ketch.engine.serving.admission import read_body
-from ketch.engine.serving.protocol import ChatMessage, ProtocolError, check_model, parse_request
+from ketch.engine.serving.protocol import (
+    ChatMessage,
+    ProtocolError,
+    TemplateKwargs,
+    check_model,
+    parse_request,
+)
 from ketch.engine.tokenizer import RELEASE_GIL_CHARS, RELEASE_GIL_TOKENS
 
 if TYPE_CHECKING:
@@ -94,6 +101,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
     add_special_tokens: bool | None = None  # default: true for prompt, false for messages
     return_token_strs: bool | None = False
 
@@ -133,8 +141,9 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.messages is not None:
         special = bool(body.add_special_tokens)
         tokens = await render_chat(
-            state, body.messages, body.add_generation_prompt, len(raw), special
-        )
+            state, body.messages, body.add_generation_prompt, len(raw), special,
+            body.chat_template_kwargs,
+        )  # fmt: skip
     else:
         text = body.prompt or ""
         special = body.add_special_tokens is not False
