@@ -29,6 +29,7 @@ from ketch.engine.serving.protocol import (
 from ketch.engine.serving.reasoning import (
     BEFORE,
     CONTENT,
+    LAYOUT,
     REASONING,
     ThinkSplitter,
     choose,
@@ -64,6 +65,12 @@ CASES = [
     (("<think>a<think>b</think>c</think>d", BEFORE), ("a<think>b", "c</think>d")),
     (("<think>\n\n</think>\n\n  ", BEFORE), (None, None)),
     (("é</think>ü", REASONING), ("é", "ü")),
+    # Whitespace past LAYOUT is the model's text, kept (and never held back longer)
+    ((f"a{' ' * LAYOUT}</think>b", REASONING), ("a", "b")),
+    ((f"a{' ' * (LAYOUT + 1)}</think>b", REASONING), (f"a{' ' * (LAYOUT + 1)}", "b")),
+    ((f"a{' ' * (LAYOUT + 1)}", REASONING), (f"a{' ' * (LAYOUT + 1)}", None)),
+    ((f"{' ' * LAYOUT}<think>a", BEFORE), ("a", None)),
+    ((f"{' ' * (LAYOUT + 1)}<think>a", BEFORE), (None, f"{' ' * (LAYOUT + 1)}<think>a")),
 ]
 
 
@@ -96,6 +103,18 @@ def test_a_stream_cut_anywhere_adds_up_to_the_whole(given: tuple[str, str], want
             assert (None, content) == (want[0], text), pieces
         else:
             assert (reasoning or None, content or None) == want, pieces
+
+
+def test_what_a_stream_holds_back_is_bounded():
+    splitter = ThinkSplitter(REASONING)
+    splitter.delta("a", False)
+    for _ in range(1000):
+        splitter.delta("\n", False)
+        assert len(splitter.held) <= LAYOUT
+    before = ThinkSplitter(BEFORE)
+    for _ in range(1000):
+        before.delta(" ", False)
+        assert len(before.held) <= LAYOUT
 
 
 def test_nothing_is_held_longer_than_a_tag_could_need():

@@ -12,7 +12,8 @@ reasoning until ``</think>``; one that closes it (Qwen3 with ``enable_thinking: 
 it all content; otherwise a ``<think>`` at the very start of the output (whitespace aside)
 opens the reasoning, and output that does not begin with one is all content. As in vLLM's
 qwen3 parser, reasoning that never closes (cut by ``max_tokens``) is all reasoning, content
-null. Whitespace around the tags is the template's layout, not text: it is dropped.
+null. Whitespace around the tags (up to ``LAYOUT``) is the template's layout, not text: it is
+dropped.
 
 The split works on text, so the tags must reach it: they do when they are ordinary text or
 added tokens not marked special (Qwen3's); ``serve`` warns when they are special tokens, which
@@ -35,6 +36,10 @@ CHOICES = ("auto", "none", *PARSER_NAMES)
 BEFORE, REASONING, CONTENT = "before", "reasoning", "content"
 """Where a splitter is: not yet known (a ``<think>`` may open the output), in the reasoning,
 or in the content."""
+LAYOUT = 256
+"""The most whitespace around a tag that is taken for the template's layout and dropped (or,
+before a ``<think>`` that may follow, waited on): a longer run is the model's own text. It
+bounds what a stream holds back."""
 _PROMPT_TAIL_TOKENS = 16
 """How many of the prompt's last tokens ``output_start`` reads: a generation prompt's
 ``<think>\\n`` or ``</think>\\n\\n`` is a few tokens even where the tags are not one token."""
@@ -84,6 +89,7 @@ class ThinkSplitter:
     held: str = field(init=False, default="")
     reasoned: bool = field(init=False)  # whether the output had a reasoning part, even empty
     _trim: bool = field(init=False)  # drop the whitespace before the next text
+    _sent_run: int = field(init=False, default=0)  # a long run of whitespace, sent, going on
 
     def __post_init__(self) -> None:
         self.state = self.start
@@ -123,28 +129,33 @@ class ThinkSplitter:
         """Before anything: a leading ``<think>`` opens the reasoning; text that cannot begin
         one makes the whole output content."""
         start = text.lstrip()
-        if start.startswith(OPEN):
+        layout = len(text) - len(start) <= LAYOUT  # more whitespace is the model's own text
+        if layout and start.startswith(OPEN):
             self.state, self._trim, self.reasoned = REASONING, True, True
             return start[len(OPEN) :]
-        if OPEN.startswith(start):  # whitespace, or a tag begun: wait for more
+        if layout and OPEN.startswith(start):  # whitespace, or a tag begun: wait for more
             self.held = text
             return ""
         self.state = CONTENT
         return text
 
     def _reason(self, text: str) -> tuple[str, str]:
-        """(reasoning, the text after ``</think>``); what may still precede a tag is held."""
+        """(reasoning, the text after ``</think>``). Trailing whitespace waits (dropped if a
+        tag or the end follows) unless the run passes ``LAYOUT``: then it is text, sent on."""
         if self._trim:
             text = text.lstrip()
             self._trim = not text
         end = text.find(CLOSE)
+        stop = end if end >= 0 else len(text) - _partial_tag(text)
+        body = text[:stop].rstrip()
+        run = stop - len(body) + (0 if body else self._sent_run)
+        keep = stop if run > LAYOUT else len(body)
+        self._sent_run = run if run > LAYOUT else 0
         if end >= 0:
             self.state, self._trim = CONTENT, True
-            return text[:end].rstrip(), text[end + len(CLOSE) :]
-        cut = len(text) - _partial_tag(text)
-        cut = len(text[:cut].rstrip())
-        self.held = text[cut:]
-        return text[:cut], ""
+            return text[:keep], text[end + len(CLOSE) :]
+        self.held = text[keep:]
+        return text[:keep], ""
 
 
 def _partial_tag(text: str) -> int:
