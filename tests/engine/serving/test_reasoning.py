@@ -234,3 +234,31 @@ def test_reasoning_parser_setting(capsys):
     assert ServerConfig(**values).reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match=r"reasoning_parser must be one of \['auto'"):
         ServerConfig(reasoning_parser="r1")
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_the_startup_log_names_the_parser_and_warns_of_special_tags(tmp_path, caplog, special):
+    """Tags the tokenizer marks special vanish from text under skip_special_tokens."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from hf_models import make_tokenizer
+    from ketch.engine.serving.serve import _reasoning_parser
+    from ketch.engine.tokenizer import Tokenizer
+
+    make_tokenizer(tmp_path)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, special=special) for t in ("<think>", "</think>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{% if add_generation_prompt %}<think>\n{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.is_special("<think>") == special
+    caplog.set_level("INFO", logger="ketch.serve")
+    assert _reasoning_parser(ServerConfig(), tokenizer) == "think"
+    assert _reasoning_parser(ServerConfig(reasoning_parser="none"), tokenizer) is None
+    logged = caplog.text
+    assert "reasoning parser: think (auto: the chat template writes <think>)" in logged
+    assert "reasoning parser: none (--reasoning-parser none)" in logged
+    assert ("marks <think> and </think> as special tokens" in logged) == special
