@@ -10,7 +10,9 @@ Where the output begins is read from the end of the rendered prompt (``output_st
 generation prompt that opens ``<think>`` (Qwen3-Thinking, DeepSeek-R1) makes the output
 reasoning until ``</think>``; one that closes it (Qwen3 with ``enable_thinking: false``) makes
 it all content; otherwise a ``<think>`` at the very start of the output (whitespace aside)
-opens the reasoning, and output that does not begin with one is all content. As in vLLM's
+opens the reasoning, and output that does not begin with one is all content (vLLM's qwen3
+parser takes such output for reasoning unless ``enable_thinking`` is false; a model that wrote
+no ``<think>`` has answered, and its answer belongs in ``content``). As in vLLM's
 qwen3 parser, reasoning that never closes (cut by ``max_tokens``) is all reasoning, content
 null. Whitespace around the tags (up to ``LAYOUT``) is the template's layout, not text: it is
 dropped.
