@@ -21,6 +21,12 @@ RELEASE_GIL_CHARS = 2048
 """Texts longer than this are encoded with ``encode_batch``, which releases the GIL."""
 RELEASE_GIL_TOKENS = 2048
 """Token lists longer than this are decoded with ``decode_batch``, which releases the GIL."""
+TEMPLATE_VARIABLES = (
+    "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+    "raise_exception", "strftime_now",
+)  # fmt: skip
+"""The names a chat template sees from the renderer itself (``apply_chat_template``'s and the
+API server's ``tools``): a request's ``chat_template_kwargs`` may not set them."""
 # What rendering a template can raise when messages (whose extra fields reach the template)
 # have a shape it does not expect: a 400 for the request, never a 500 with a traceback.
 _RENDER_ERRORS = (
@@ -67,6 +73,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def is_special(self, token: str) -> bool:
+        """Whether ``token`` is an added token marked special (``skip_special_tokens`` drops
+        those from decoded text)."""
+        added = self._tok.get_added_tokens_decoder().values()
+        return any(t.content == token and t.special for t in added)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. A long text goes through ``encode_batch``, which releases
