@@ -184,6 +184,17 @@ def test_logits_match_transformers(ernie, shape: str, backend: str) -> None:
     assert_close(ernie(shape), 320, CpuKernels.select(log=False), backend=backend)
 
 
+@pytest.mark.parametrize("matmul", ["packed", "openblas", "paddle"])
+def test_native_logits_with_each_matmul(
+    ernie, matmul: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every matmul through each GEMM the native backend may measure fastest, forced here."""
+    from ketch.kernels.linear import ENV
+
+    monkeypatch.setenv(ENV, matmul)
+    assert_close(ernie("mqa-bias"), 320, CpuKernels.select(log=False), backend="native")
+
+
 def test_eager_logits_with_the_portable_kernels(ernie) -> None:
     assert_close(ernie("mqa-bias"), 320, CpuKernels.portable())
 

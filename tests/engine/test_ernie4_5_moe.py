@@ -261,15 +261,17 @@ def test_logits_match_transformers(ernie_moe, shape: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("matmul", ["packed", "openblas", "paddle"])
+@pytest.mark.parametrize("shape", ["early", "alternate-bias"])
 def test_native_logits_with_each_matmul(
-    ernie_moe, matmul: str, monkeypatch: pytest.MonkeyPatch
+    ernie_moe, shape: str, matmul: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The routed and shared experts through each GEMM the native backend may measure fastest
-    (with no bias the packed one computes SwiGLU in its epilogue), forced here."""
+    """The routed and shared experts and the lm_head through each GEMM the native backend may
+    measure fastest (with no bias the packed one computes SwiGLU in its epilogue; with biases it
+    adds them, the lm_head's too), forced here."""
     from ketch.kernels.linear import ENV
 
     monkeypatch.setenv(ENV, matmul)
-    assert_close(ernie_moe("early"), 320, CpuKernels.select(log=False), backend="native")
+    assert_close(ernie_moe(shape), 320, CpuKernels.select(log=False), backend="native")
 
 
 def _other_layout(src: Path, out: Path) -> None:

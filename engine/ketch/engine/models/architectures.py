@@ -74,10 +74,6 @@ class Architecture:
     rope_interleaved: bool = False
     lm_head_bias: bool | str = False  # ERNIE 4.5 MoE: the lm_head is biased with ``use_bias``
 
-    @property
-    def moe(self) -> bool:
-        return self.experts is not None
-
     def settings(self, raw: Mapping[str, Any]) -> Settings:
         """config.json with the config class's defaults under it (an explicit null stays)."""
         return {**self.defaults, **raw}
