@@ -4,8 +4,9 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
 fused op for the split and the rotary embedding, the KV write and paged attention in
 the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
-(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router and a matmul pair per
-routed expert, ``_experts``), and the next fused add + RMSNorm. Every matmul goes through the
+(SwiGLU between two matmuls; for an expert layer the router and a matmul pair per routed
+expert, ``_experts``, plus ERNIE's shared experts as a dense MLP), and the next fused add +
+RMSNorm. Every matmul goes through the
 ``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
 ``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
 (the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
