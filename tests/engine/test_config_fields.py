@@ -227,6 +227,10 @@ def test_every_problem_is_named_at_once() -> None:
         ("Qwen2ForCausalLM", {"attention_bias": False, "mlp_bias": True}, (True, False, False)),
         ("Qwen3ForCausalLM", {"attention_bias": True, "mlp_bias": True}, (True, True, False)),
         ("Qwen3ForCausalLM", {}, (False, False, False)),
+        # ERNIE 4.5: use_bias on every projection (and the MoE's lm_head)
+        ("Ernie4_5ForCausalLM", {"use_bias": True}, (True, True, True)),
+        ("Ernie4_5_MoeForCausalLM", {"use_bias": True}, (True, True, True)),
+        ("Ernie4_5ForCausalLM", {"attention_bias": True, "mlp_bias": True}, (False, False, False)),
     ],
 )
 def test_biases_follow_each_architectures_modeling_code(arch, overrides, biases) -> None:
@@ -234,6 +238,7 @@ def test_biases_follow_each_architectures_modeling_code(arch, overrides, biases)
     config = load(raw)
     assert (config.qkv_bias, config.o_bias, config.mlp_bias) == biases
     assert config.qk_norm == (arch == "Qwen3ForCausalLM")
+    assert config.lm_head_bias == (arch == "Ernie4_5_MoeForCausalLM" and biases[0])
 
 
 def test_fields_left_out_take_the_config_classes_defaults() -> None:
@@ -272,6 +277,8 @@ def test_the_supported_list_is_the_table() -> None:
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Ernie4_5ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
     }
 
 

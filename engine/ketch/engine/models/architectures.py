@@ -40,6 +40,24 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A model's routed-expert settings, as its config class reads them from config.json."""
+
+    count: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]  # the layers whose MLP is the routed experts
+    norm_topk_prob: bool = False  # Qwen3-MoE: renormalise the top-k weights
+    # ERNIE 4.5: the top-k is chosen on the probabilities plus the router's per-expert
+    # ``e_score_correction_bias``, the weights are the un-biased probabilities renormalised over
+    # the top-k (their sum clamped to at least ``norm_min``), and a dense MLP of
+    # ``shared_intermediate_size`` (the shared experts) is added to every token's routed output.
+    score_bias: bool = False
+    norm_min: float = 0.0
+    shared_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
 class Architecture:
     """What sets one architecture's decoder apart. A bias is ``True``/``False``, or the name of
     the config field that says (read after ``defaults``)."""
@@ -53,7 +71,13 @@ class Architecture:
     defaults: Mapping[str, Any]
     rules: tuple[Rule, ...]
     windows: Windows = lambda _s: []  # each layer's window; by default none slides
-    moe: bool = False  # routed experts in the layers ``moe_layers`` names (Qwen3-MoE)
+    # Routed experts: how config.json's fields (the rules have checked them) say which layers
+    # have them and how they route; None for a dense architecture.
+    experts: Callable[[Settings], Experts | None] | None = None
+    # RoPE rotates the pairs (2i, 2i + 1) of each head (ERNIE 4.5, GLM) where Llama rotates
+    # (i, i + D/2): the loader reorders the q/k projections' rows (``loader.deinterleave``).
+    rope_interleaved: bool = False
+    lm_head_bias: bool | str = False  # ERNIE 4.5 MoE: the lm_head is biased with ``use_bias``
 
     def settings(self, raw: Mapping[str, Any]) -> Settings:
         """config.json with the config class's defaults under it (an explicit null stays)."""
@@ -260,6 +284,14 @@ _QWEN_WINDOWS = (
         _qwen_window,
     ),
 )
+_DECLARED_FULL_ATTENTION = (
+    Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
+    Rule(
+        "sliding_window",
+        "absent or null (or use_sliding_window false), or at least the served context",
+        _declared_window,
+    ),
+)
 _QWEN_DEFAULTS = {
     "num_key_value_heads": 32,
     "max_position_embeddings": 32768,
@@ -278,12 +310,7 @@ LLAMA = Architecture(
     defaults={"max_position_embeddings": 2048},
     rules=(
         *_COMMON,
-        Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
-        Rule(
-            "sliding_window",
-            "absent or null (or use_sliding_window false), or at least the served context",
-            _declared_window,
-        ),
+        *_DECLARED_FULL_ATTENTION,
     ),
 )
 MISTRAL = Architecture(
@@ -340,6 +367,19 @@ def moe_layers(s: Settings) -> list[int]:
     step = s.get("decoder_sparse_step", 1)
     layers = int(s.get("num_hidden_layers") or 0)
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _qwen3_moe_experts(s: Settings) -> Experts | None:
+    layers = tuple(moe_layers(s))
+    if not layers:
+        return None
+    return Experts(
+        count=int(num_experts(s)),
+        top_k=int(s["num_experts_per_tok"]),
+        intermediate_size=int(s["moe_intermediate_size"]),
+        layers=layers,
+        norm_topk_prob=bool(s.get("norm_topk_prob")),
+    )
 
 
 def _count(value: Any) -> bool:
@@ -421,10 +461,150 @@ QWEN3_MOE = Architecture(
         ),
     ),
     windows=_moe_windows,
-    moe=True,
+    experts=_qwen3_moe_experts,
+)
+
+_ERNIE_DEFAULTS = {
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,  # the config classes' default_theta
+    "tie_word_embeddings": True,
+    "use_bias": False,
+}
+
+ERNIE4_5 = Architecture(
+    name="Ernie4_5ForCausalLM",
+    family="ernie4_5",
+    qkv_bias="use_bias",
+    o_bias="use_bias",
+    mlp_bias="use_bias",
+    qk_norm=False,
+    # Ernie4_5Config's defaults (ERNIE-4.5-0.3B's sizes)
+    defaults={
+        **_ERNIE_DEFAULTS,
+        "vocab_size": 103424,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
+    rules=(*_COMMON, *_DECLARED_FULL_ATTENTION),
+    rope_interleaved=True,
+)
+
+
+def _alias(s: Settings, field: str, alias: str) -> Any:
+    """Ernie4_5_MoeConfig's ``attribute_map``: ``num_experts`` sets ``moe_num_experts``, etc."""
+    return s[alias] if alias in s else s.get(field)
+
+
+def ernie_moe_layers(s: Settings) -> list[int]:
+    """The layers with routed experts, as Ernie4_5_MoeDecoderLayer decides: ``(i + 1) %
+    moe_layer_interval == 0`` and ``moe_layer_start_index <= i <= moe_layer_end_index``, an end
+    of -1 meaning the last layer (Ernie4_5_MoeConfig resolves it so; other values are taken as
+    written)."""
+    layers = int(s.get("num_hidden_layers") or 0)
+    start, end = s.get("moe_layer_start_index"), s.get("moe_layer_end_index")
+    end = layers - 1 if end == -1 else end
+    step = s.get("moe_layer_interval")
+    return [i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end]
+
+
+def _ernie_moe_sizes(s: Settings, _context: int) -> str | None:
+    experts = _alias(s, "moe_num_experts", "num_experts")
+    top_k = _alias(s, "moe_k", "num_experts_per_tok")
+    if not _count(experts) or not experts:
+        return f"{_show('moe_num_experts', experts)}: expected a positive integer"
+    if not _count(top_k) or not 1 <= top_k <= experts:
+        return f"{_show('moe_k', top_k)}: expected 1 to moe_num_experts ({experts})"
+    size, shared = s.get("moe_intermediate_size"), s.get("moe_num_shared_experts")
+    if not _count(size) or not size:
+        return f"{_show('moe_intermediate_size', size)}: expected a positive integer"
+    if not _count(shared):
+        return f"{_show('moe_num_shared_experts', shared)}: expected a non-negative integer"
+    norm_min = s.get("moe_norm_min")
+    if not isinstance(norm_min, int | float) or isinstance(norm_min, bool) or norm_min < 0:
+        return f"{_show('moe_norm_min', norm_min)}: expected a non-negative number"
+    return None
+
+
+def _ernie_moe_layer_choice(s: Settings, _context: int) -> str | None:
+    step = s.get("moe_layer_interval")
+    if not _count(step) or not step:
+        return f"{_show('moe_layer_interval', step)}: expected a positive integer"
+    for field in ("moe_layer_start_index", "moe_layer_end_index"):
+        value = s.get(field)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{_show(field, value)}: expected an integer"
+    return None
+
+
+def _ernie_moe_experts(s: Settings) -> Experts | None:
+    layers = tuple(ernie_moe_layers(s))
+    if not layers:
+        return None
+    inter = int(s["moe_intermediate_size"])
+    return Experts(
+        count=int(_alias(s, "moe_num_experts", "num_experts")),
+        top_k=int(_alias(s, "moe_k", "num_experts_per_tok")),
+        intermediate_size=inter,
+        layers=layers,
+        score_bias=True,
+        norm_min=float(s["moe_norm_min"]),
+        shared_intermediate_size=inter * int(s["moe_num_shared_experts"]),
+    )
+
+
+ERNIE4_5_MOE = Architecture(
+    name="Ernie4_5_MoeForCausalLM",
+    family="ernie4_5_moe",
+    qkv_bias="use_bias",
+    o_bias="use_bias",
+    mlp_bias="use_bias",  # the dense layers' MLP and the shared experts; routed experts: none
+    qk_norm=False,
+    # Ernie4_5_MoeConfig's defaults (ERNIE-4.5-21B-A3B's sizes); it has no head_dim default
+    # (hidden / heads).
+    defaults={
+        **_ERNIE_DEFAULTS,
+        "vocab_size": 103424,
+        "hidden_size": 2560,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 20,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 1536,
+        "moe_k": 6,
+        "moe_num_experts": 64,
+        "moe_num_shared_experts": 2,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": -1,
+        "moe_layer_interval": 1,
+        "moe_norm_min": 1e-12,
+    },
+    rules=(
+        *_COMMON,
+        Rule(
+            "moe_num_experts / moe_k / moe_intermediate_size / moe_num_shared_experts / "
+            "moe_norm_min",
+            "any sizes (at least one expert; 0 shared experts: none); moe_k at most "
+            "moe_num_experts",
+            _ernie_moe_sizes,
+        ),
+        Rule(
+            "moe_layer_start_index / moe_layer_end_index / moe_layer_interval",
+            "any (they choose the expert layers as transformers does)",
+            _ernie_moe_layer_choice,
+        ),
+        *_DECLARED_FULL_ATTENTION,
+    ),
+    experts=_ernie_moe_experts,
+    rope_interleaved=True,
+    lm_head_bias="use_bias",
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+    a.name: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, ERNIE4_5, ERNIE4_5_MOE)
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

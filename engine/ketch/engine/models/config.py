@@ -13,8 +13,6 @@ from ketch.engine.models.architectures import (
     SUPPORTED_ARCHITECTURES,
     Architecture,
     Settings,
-    moe_layers,
-    num_experts,
     rope_field,
 )
 
@@ -54,16 +52,26 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    # Qwen3-MoE: routed experts (``ketch.engine.models.moe``) in the layers ``moe_layers``; the
-    # other layers have the dense MLP of ``intermediate_size``. 0 / () for a dense model.
+    # ERNIE 4.5: RoPE rotates the pairs (2i, 2i + 1); loaded with the q/k rows reordered so
+    # the rotate-half rotation computes it (``loader.deinterleave``)
+    rope_interleaved: bool = False
+    lm_head_bias: bool = False  # ERNIE 4.5 MoE with use_bias
+    # Routed experts (``ketch.engine.models.moe``) in the layers ``moe_layers``; the other
+    # layers have the dense MLP of ``intermediate_size``. 0 / () for a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
+    norm_topk_prob: bool = False  # Qwen3-MoE
     moe_layers: tuple[int, ...] = ()
     # Each layer's sliding window (a query at position p sees keys p - w < j <= p), 0 for full
     # attention; () when every layer is full. The architecture computes it (``Architecture``).
     sliding_windows: tuple[int, ...] = ()
+    # ERNIE 4.5 MoE (``architectures.Experts``): top-k on probabilities + the router's
+    # e_score_correction_bias, weights renormalised with the sum clamped to ``moe_norm_min``;
+    # shared experts: a dense MLP of ``shared_intermediate_size`` in each expert layer.
+    moe_score_bias: bool = False
+    moe_norm_min: float = 0.0
+    shared_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -150,11 +158,13 @@ class ModelConfig:
             o_bias=arch.flag(arch.o_bias, s),
             mlp_bias=arch.flag(arch.mlp_bias, s),
             qk_norm=arch.qk_norm,
+            rope_interleaved=arch.rope_interleaved,
+            lm_head_bias=arch.flag(arch.lm_head_bias, s),
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             sliding_windows=_windows(arch, s),
-            **(_moe(s) if arch.moe else {}),
+            **_moe(arch, s),
         )
         config._validate(source)
         return config
@@ -190,17 +200,20 @@ def moe_refusal(architecture: str, where: str) -> str:
     )
 
 
-def _moe(s: Settings) -> dict[str, Any]:
-    """The expert fields (the architecture's rules have checked them)."""
-    layers = tuple(moe_layers(s))
-    if not layers:
+def _moe(arch: Architecture, s: Settings) -> dict[str, Any]:
+    """The expert fields (the architecture's rules have checked them); {} for a dense model."""
+    experts = arch.experts(s) if arch.experts is not None else None
+    if experts is None:
         return {}
     return {
-        "num_experts": int(num_experts(s)),
-        "num_experts_per_tok": int(s["num_experts_per_tok"]),
-        "moe_intermediate_size": int(s["moe_intermediate_size"]),
-        "norm_topk_prob": bool(s.get("norm_topk_prob")),
-        "moe_layers": layers,
+        "num_experts": experts.count,
+        "num_experts_per_tok": experts.top_k,
+        "moe_intermediate_size": experts.intermediate_size,
+        "norm_topk_prob": experts.norm_topk_prob,
+        "moe_layers": experts.layers,
+        "moe_score_bias": experts.score_bias,
+        "moe_norm_min": experts.norm_min,
+        "shared_intermediate_size": experts.shared_intermediate_size,
     }
 
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, Qwen3-MoE) for inference on paddle.
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, Qwen3-MoE, ERNIE 4.5) for inference
+on paddle.
 
 Weights are plain tensors, fused where that saves kernel launches: q/k/v in one matmul, gate/up
 in one matmul followed by ``swiglu``. Matrices are stored transposed ([in, out]) once at load so
@@ -34,14 +35,15 @@ class LayerWeights:
     o: paddle.Tensor  # [H * D, hidden]
     o_bias: paddle.Tensor | None
     post_norm: paddle.Tensor
-    gate_up: paddle.Tensor | None  # [hidden, 2 * intermediate]; None in an expert layer
+    # [hidden, 2 * intermediate]; in an expert layer None, or ERNIE's shared experts
+    gate_up: paddle.Tensor | None
     gate_up_bias: paddle.Tensor | None
-    down: paddle.Tensor | None  # [intermediate, hidden]; None in an expert layer
+    down: paddle.Tensor | None  # [intermediate, hidden]; as gate_up
     down_bias: paddle.Tensor | None
     # Qwen3: RMSNorm weights [head_dim] of every query head and every key head (``qk_norm``)
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
-    moe: MoeWeights | None = None  # Qwen3-MoE: routed experts in place of the dense MLP
+    moe: MoeWeights | None = None  # routed experts (beside ERNIE's shared ones, if any)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: paddle.Tensor
     lm_head: paddle.Tensor | None  # [hidden, vocab]; None on tensor-parallel ranks but 0
+    lm_head_bias: paddle.Tensor | None = None  # [vocab] (ERNIE 4.5 MoE with use_bias)
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
@@ -121,14 +124,18 @@ class LlamaModel:
             attn = paged_attention(q, k, v, cache, meta, c.window(i))
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            mlp = None
+            if layer.gate_up is not None:  # the dense MLP, or ERNIE's shared experts
+                gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
+                mlp = _linear(swiglu(gate_up), layer.down, layer.down_bias)
             if layer.moe is not None:
-                h = h + eager_moe(x, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
-                continue
-            gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
-            h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
+                routed = eager_moe(x, layer.moe, c)
+                mlp = routed if mlp is None else routed + mlp
+            h = h + mlp
         last = paddle.gather(h, logit_rows)
         last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
-        logits = paddle.matmul(last, self.weights.lm_head).astype("float32")
+        w = self.weights
+        logits = _linear(last, w.lm_head, w.lm_head_bias).astype("float32")
         if hidden_rows is None:
             return logits
         hidden = rms_norm(paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps)

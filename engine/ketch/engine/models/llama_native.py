@@ -4,12 +4,12 @@ Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per lay
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
 fused op for the split and the rotary embedding, the KV write and paged attention in the C++
 kernel (within the layer's sliding window, ``ModelConfig.window``), the output projection, one
-fused op for the residual add and RMSNorm, the MLP (SwiGLU between two matmuls; for a Qwen3-MoE
-expert layer the router and a matmul pair per routed expert, ``_experts``), and the next fused
-add + RMSNorm. Every matmul goes through the ``linear`` it is given: Ketch's packed-weight GEMM,
-OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured faster for that row
-count on this machine. A matmul with ``prepare`` (the packed GEMM) gets the weights in its
-layout once, here, and the model keeps only those.
+fused op for the residual add and RMSNorm, the MLP (SwiGLU between two matmuls; for an expert
+layer the router and a matmul pair per routed expert, ``_experts``, plus ERNIE's shared experts
+as a dense MLP), and the next fused add + RMSNorm. Every matmul goes through the ``linear`` it is
+given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
+``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
+(the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
 microseconds where the predictor takes 40-80 (on the AMD EPYC of docs/backend.md its oneDNN
@@ -30,7 +30,7 @@ from paddle.nn.functional import embedding, swiglu
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
-from ketch.engine.models.moe import MoeWeights, combine, route
+from ketch.engine.models.moe import MoeWeights, combine, select_experts
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
 from ketch.kernels.collective import Group
@@ -76,7 +76,7 @@ def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
                 gate_up=[gate_up(w) for w in e.gate_up],
                 down=[prepared(linear, w) for w in e.down],
             )
-        else:
+        if lw.gate_up is not None:  # the dense MLP, or ERNIE's shared experts
             forms["gate_up"] = gate_up(lw.gate_up)
             forms["down"] = prepared(linear, lw.down)
         return dataclasses.replace(lw, **forms)
@@ -196,11 +196,10 @@ class NativeLlamaModel:
         return y if b is None else y + b
 
     def _experts(self, x: paddle.Tensor, moe: MoeWeights) -> paddle.Tensor:
-        """Qwen3-MoE's sparse block (``ketch.engine.models.moe``): the router in paddle ops, as
-        the eager model routes, then each of this rank's experts that has tokens through the
-        GEMM, one matmul pair per expert; the ranks' parts summed like the dense down's."""
-        c = self.config
-        routing, indices = route(x, moe.router, c.num_experts_per_tok, c.norm_topk_prob)
+        """The routed experts (``ketch.engine.models.moe``): the router in paddle ops, as the
+        eager model routes, then each of this rank's experts that has tokens through the GEMM,
+        one matmul pair per expert; the ranks' parts summed like the dense down's."""
+        routing, indices = select_experts(x, moe, self.config)
 
         def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
             up = self.linear(rows, moe.gate_up[j])
@@ -210,6 +209,14 @@ class NativeLlamaModel:
 
         y = combine(x, moe, routing, indices, mlp)
         return y if self.group is None else self.group.all_reduce(y)
+
+    def _mlp(self, x: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
+        """The dense SwiGLU MLP (column- then row-parallel), summed over the ranks."""
+        if self._fused_swiglu:
+            up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
+        else:
+            up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
+        return self._row_parallel(up, layer.down, layer.down_bias)
 
     kept_rows = staticmethod(KeptRows.build)  # what forward's ``kept`` takes
 
@@ -281,12 +288,10 @@ class NativeLlamaModel:
             )
             if layer.moe is not None:
                 mlp = self._experts(x, layer.moe)
+                if layer.gate_up is not None:  # ERNIE's shared experts, beside the routed
+                    mlp = mlp + self._mlp(x, layer)
             else:
-                if self._fused_swiglu:
-                    up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
-                else:
-                    up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
-                mlp = self._row_parallel(up, layer.down, layer.down_bias)
+                mlp = self._mlp(x, layer)
             if i < last:
                 h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)
             elif w.lm_head is None:
@@ -294,7 +299,7 @@ class NativeLlamaModel:
             else:
                 h = h + mlp
         x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
-        logits = self.linear(x, w.lm_head)
+        logits = self._dense(x, w.lm_head, w.lm_head_bias)
         if hidden_rows is None:
             return logits
         return logits, fused.rms_norm(paddle.gather(h, hidden_rows), w.norm, self.eps)
