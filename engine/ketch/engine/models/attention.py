@@ -147,15 +147,24 @@ def _build_group(
 
 
 def paged_attention(
-    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, cache: LayerCache, meta: AttentionMetadata
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    cache: LayerCache,
+    meta: AttentionMetadata,
+    window: int = 0,
+    scale: float | None = None,
 ) -> paddle.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]. Scores are scaled by 1/sqrt(D)."""
+    """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]. Scores are scaled by ``scale``
+    (default 1/sqrt(D))."""
+    if window:  # placeholder until the sliding-window branch (wip-sw) lands
+        raise NotImplementedError("sliding-window attention")
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     cache.k_slots[meta.write_index] = k.transpose([1, 0, 2]).reshape([-1, head_dim])
     cache.v_slots[meta.write_index] = v.transpose([1, 0, 2]).reshape([-1, head_dim])
     group = num_heads // kv_heads
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     outputs = []
     for g in meta.groups:
         b, sq, sk = g.batch, g.max_query_len, g.context_len

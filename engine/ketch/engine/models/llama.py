@@ -42,6 +42,11 @@ class LayerWeights:
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
     moe: MoeWeights | None = None  # Qwen3-MoE: routed experts in place of the dense MLP
+    # Gemma 3: the norms of the attention's and the MLP's outputs, before each joins the residual
+    # (its post_attention_layernorm and post_feedforward_layernorm; ``post_norm`` then holds its
+    # pre_feedforward_layernorm, the MLP's input norm as Llama's post_attention_layernorm is)
+    attn_out_norm: paddle.Tensor | None = None
+    mlp_out_norm: paddle.Tensor | None = None
 
 
 @dataclass
@@ -108,16 +113,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.weights.embed)
         for layer, cache in zip(self.weights.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
-            qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
-            if layer.q_norm is not None:
-                qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, rms_norm)
-            # Queries and keys rotate together: one set of rotary ops per layer.
-            qk = rotate(qk, cos, sin)
-            q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
-            v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-            attn = paged_attention(q, k, v, cache, meta)
+            attn = self.attend(layer, x, cos, sin, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             if layer.moe is not None:
@@ -125,13 +121,53 @@ class LlamaModel:
                 continue
             gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
             h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
-        last = paddle.gather(h, logit_rows)
-        last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
-        logits = paddle.matmul(last, self.weights.lm_head).astype("float32")
+        return self.head(h, logit_rows, hidden_rows)
+
+    def attend(
+        self,
+        layer: LayerWeights,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+        window: int = 0,
+    ) -> paddle.Tensor:
+        """The layer's attention [T, H * D] before the output projection: q/k/v, the per-head
+        q/k norms where it has them, the rotation (cos, sin: [T, 1, D]), the KV write and paged
+        attention over the last ``window`` positions (0: all)."""
+        c = self.config
+        qkv = _linear(x, layer.qkv, layer.qkv_bias)
+        qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
+        qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
+        if layer.q_norm is not None:
+            qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, self.kernels.rms_norm)
+        # Queries and keys rotate together: one set of rotary ops per layer.
+        qk = rotate(qk, cos, sin)
+        q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
+        v = v.reshape([0, c.num_key_value_heads, c.head_dim])
+        return paged_attention(q, k, v, cache, meta, window=window, scale=c.attention_scale)
+
+    def head(
+        self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """The final norm and the logits of ``logit_rows`` of h (and ``hidden_rows``' normed
+        states), as ``forward`` returns them."""
+        c = self.config
+        last = self.kernels.rms_norm(
+            paddle.gather(h, logit_rows), self.weights.norm, c.rms_norm_eps
+        )
+        logits = self.logits(last)
         if hidden_rows is None:
             return logits
-        hidden = rms_norm(paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps)
+        hidden = self.kernels.rms_norm(
+            paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps
+        )
         return logits, hidden.astype("float32")
+
+    def logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Final-normed states [R, hidden] -> logits [R, vocab] in float32."""
+        return paddle.matmul(x, self.weights.lm_head).astype("float32")
 
 
 def qk_norm(

@@ -82,8 +82,9 @@ class GpuLlamaModel:
         group: Group | None = None,
     ) -> None:
         """``weights`` already on the device this model computes on (``to_device``)."""
-        if config.is_moe:
-            refuse_moe(config.architecture, "--device gpu")
+        problem = config.backend_problem("auto", gpu=True)
+        if problem is not None:  # routed experts, Gemma 3's layers: not on the GPU yet
+            raise ValueError(problem)
         self.config = config
         self.weights = weights
         self.attention = attention
