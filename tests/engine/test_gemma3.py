@@ -15,6 +15,7 @@ preemption forced, on one rank and on two. The predictor backend and the GPU mod
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,9 @@ from ketch.engine.models.loader import load_weights
 from ketch.kernels import CpuKernels
 from ketch.kernels.paged_attention import PagedAttention
 
-WINDOW = 512  # no shorter than any sequence here (sliding-window attention: wip-sw)
+# Sliding windows much shorter than the sequences (up to 250 tokens) and prompts (up to 160):
+# one block, not block-aligned, and a block and a half.
+WINDOWS = {"gqa": 16, "mqa": 37, "mha-bias": 24}
 
 SHAPES: dict[str, dict[str, Any]] = {
     # 4 query heads of 32 on a hidden size of 64; layers sliding, full, sliding; the full layer's
@@ -89,7 +92,6 @@ def make_gemma3_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=512,
-        sliding_window=WINDOW,
         eos_token_id=0,
         bos_token_id=0,
         pad_token_id=0,
@@ -108,7 +110,9 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     def get(shape: str) -> Path:
         if shape not in made:
             out = tmp_path_factory.mktemp(f"gemma3_{shape.replace('-', '_')}")
-            made[shape] = make_gemma3_checkpoint(out, **SHAPES[shape])
+            made[shape] = make_gemma3_checkpoint(
+                out, sliding_window=WINDOWS[shape], **SHAPES[shape]
+            )
         return made[shape]
 
     return get
@@ -125,7 +129,8 @@ def test_the_checkpoints_have_the_shapes_they_claim(gemma3) -> None:
         assert config.qkv_bias == config.o_bias == (shape == "mha-bias")
         assert config.attention_scale != config.head_dim**-0.5 or shape == "mqa"
     gqa = ModelConfig.from_dir(gemma3("gqa"))
-    assert gqa.gemma.local_layers == (0, 2)
+    assert gqa.gemma.local_layers == (0, 2) and gqa.sliding_windows == (16, 0, 16)
+    assert ModelConfig.from_dir(gemma3("mqa")).sliding_windows == (0, 37)
     assert (gqa.rope.rope_type, gqa.rope.factor, gqa.rope.theta) == ("linear", 4.0, 20000.0)
     assert gqa.gemma.local_rope.theta == 500.0 and gqa.gemma.final_logit_softcapping == 5.0
 
@@ -155,6 +160,28 @@ def test_the_norms_are_folded_and_the_embeddings_scaled(gemma3) -> None:
     embed = raw["model.embed_tokens.weight"]
     np.testing.assert_array_equal(weights.embed.numpy(), embed * np.float32(8.0))
     np.testing.assert_array_equal(weights.lm_head.numpy(), embed.T)
+
+
+def test_transformers_applies_the_windows_these_tests_check(gemma3, tmp_path: Path) -> None:
+    """The reference slides: the same weights with windows longer than the sequence give other
+    logits past the window (so a Ketch that ignored the window would fail the tests here)."""
+    import shutil
+
+    import torch
+
+    from hf_models import hf_model
+
+    path = gemma3("gqa")
+    unslid = tmp_path / "unslid"
+    shutil.copytree(path, unslid)
+    config = json.loads((path / "config.json").read_text())
+    (unslid / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
+    tokens = torch.tensor([np.random.default_rng(0).integers(1, 320, 100).tolist()])
+    with torch.no_grad():
+        slid, full = (hf_model(p)(tokens).logits[0].numpy() for p in (path, unslid))
+    window = WINDOWS["gqa"]
+    np.testing.assert_array_equal(slid[:window], full[:window])
+    assert np.abs(slid[window:] - full[window:]).max() > 0.1 * np.abs(full).max()
 
 
 @pytest.mark.parametrize("kernels", ["portable", "selected"])
@@ -281,7 +308,8 @@ def test_transformers_4_and_5_configs_read_alike() -> None:
         ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "type='linear' beside rope_type"),
         ({"layer_types": ["chunked_attention"] * 6}, "'chunked_attention' layers"),
         ({"layer_types": ["full_attention"] * 5}, "5 types for 6 layers"),
-        ({"sliding_window": 64}, "sliding_window=64"),
+        ({"sliding_window": 0}, "sliding_window=0"),
+        ({"sliding_window": None}, "sliding_window=None"),
     ],
 )
 def test_what_it_does_not_implement_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
@@ -291,4 +319,4 @@ def test_what_it_does_not_implement_is_refused_by_name(fields: dict[str, Any], n
 
 def test_a_window_only_in_full_layers_is_not_a_window() -> None:
     config = ModelConfig.from_dict(_config(layer_types=["full_attention"] * 6, sliding_window=8))
-    assert config.gemma.local_layers == ()
+    assert config.gemma.local_layers == () and config.sliding_windows == ()

@@ -2,12 +2,14 @@
 
 One table. An architecture's entry says which weights its decoder layers have (biases, per-head
 q/k norms), the defaults its Hugging Face config class gives fields that ``config.json`` may
-leave out, and the rules for the fields whose values Ketch implements only in part. A value that
-would make the model compute something other than transformers does is refused at load, in an
-error naming the field: never served silently different. Fields transformers' modeling code
-ignores for an architecture (e.g. ``attention_bias`` for Mistral) are ignored here too, except
-attention that is not full (a sliding window, other ``layer_types``): a config that declares it
-was likely trained with it, so it is refused even where transformers would ignore it (Llama).
+leave out, each layer's sliding window as its modeling code applies it (``windows``), and the
+rules for the fields whose values Ketch implements only in part. A value that would make the
+model compute something other than transformers does is refused at load, in an error naming the
+field: never served silently different. Fields transformers' modeling code ignores for an
+architecture (e.g. ``attention_bias`` for Mistral) are ignored here too, except attention that
+is not full (a sliding window, other ``layer_types``): a config that declares it was likely
+trained with it, so it is refused where transformers would ignore it (a window on Llama,
+``layer_types`` on Llama, Mistral and Qwen3-MoE).
 
 ``SUPPORTED_ARCHITECTURES`` is the one list of what Ketch serves (the CLI's errors, the operator
 and docs/models.md follow it). This module imports nothing heavy: no paddle.
@@ -22,6 +24,8 @@ from typing import Any
 Settings = Mapping[str, Any]  # config.json over the architecture's defaults
 # (settings, the longest sequence the model will be served at) -> why not, or None
 Problem = Callable[[Settings, int], "str | None"]
+# settings (its rules passed) -> each layer's sliding window, 0 for full attention
+Windows = Callable[[Settings], list[int]]
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -48,6 +52,7 @@ class Architecture:
     qk_norm: bool  # RMSNorm of each query and key head (own weights) before the rotation
     defaults: Mapping[str, Any]
     rules: tuple[Rule, ...]
+    windows: Windows = lambda _s: []  # each layer's window; by default none slides
     moe: bool = False  # routed experts in the layers ``moe_layers`` names (Qwen3-MoE)
 
     def settings(self, raw: Mapping[str, Any]) -> Settings:
@@ -123,31 +128,31 @@ def _quantization(s: Settings, _context: int) -> str | None:
     )
 
 
-def _window_problem(field: str, window: Any, context_len: int, where: str = "") -> str | None:
-    """A window at least as long as the context never slides: full attention is exact."""
-    if window is None:
+def _window_value(field: str, window: Any, where: str = "") -> str | None:
+    """A window must be a positive number of tokens (null: none)."""
+    if window is None or (_count(window) and window > 0):
         return None
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        return f"{_show(field, window)}: expected a positive integer or null"
-    if window >= context_len:
-        return None
-    return (
-        f"{_show(field, window)}{where}: sliding-window attention is not implemented yet, and "
-        f"this window is shorter than the context the model would be served at ({context_len} "
-        "tokens); Ketch serves a window only when it is at least that long (a no-op)"
-    )
+    return f"{_show(field, window)}{where}: expected a positive integer or null"
 
 
 def _declared_window(s: Settings, context_len: int) -> str | None:
     # transformers' Llama ignores a window, but a config that declares one was likely trained
-    # with it: refused rather than guessed at.
-    if s.get("use_sliding_window") is False:
+    # with it: refused rather than guessed at, unless it never slides (full attention is exact).
+    window = s.get("sliding_window")
+    if s.get("use_sliding_window") is False or window is None:
         return None
-    return _window_problem("sliding_window", s.get("sliding_window"), context_len)
+    if _window_value("sliding_window", window) or window < context_len:
+        return (
+            f"{_show('sliding_window', window)}: transformers' LlamaForCausalLM ignores a "
+            "sliding window, and a config that declares one shorter than the context the model "
+            f"would be served at ({context_len} tokens) was likely trained with it; Ketch "
+            "refuses it rather than guess (MistralForCausalLM and Qwen2ForCausalLM apply one)"
+        )
+    return None
 
 
 def _declared_layer_types(s: Settings, _context: int) -> str | None:
-    # Ignored by transformers' Llama and Mistral; refused for the same reason as a window.
+    # Ignored by transformers' Llama, Mistral and Qwen3-MoE; refused for the reason above.
     given = s.get("layer_types")
     if given is None:
         return None
@@ -159,18 +164,22 @@ def _declared_layer_types(s: Settings, _context: int) -> str | None:
     return f"layer_types: {', '.join(map(repr, other))} layers are not implemented"
 
 
-def _mistral_window(s: Settings, context_len: int) -> str | None:
+def _mistral_window(s: Settings, _context: int) -> str | None:
+    return _window_value("sliding_window", s.get("sliding_window"))
+
+
+def _mistral_windows(s: Settings) -> list[int]:
     # MistralAttention applies config.sliding_window to every layer; layer_types is ignored.
-    return _window_problem("sliding_window", s.get("sliding_window"), context_len)
+    return [s.get("sliding_window") or 0] * int(s["num_hidden_layers"])
 
 
 def qwen_layer_types(s: Settings) -> list[str]:
     """Each layer's attention as Qwen2/Qwen3's config computes it: ``layer_types`` when given,
-    else sliding from layer ``max_window_layers`` on when ``use_sliding_window``."""
+    else sliding from layer ``max_window_layers`` on when there is a window (``qwen_window``)."""
     given = s.get("layer_types")
     if given is not None:
         return list(given)
-    windowed = bool(s.get("use_sliding_window")) and s.get("sliding_window") is not None
+    windowed = qwen_window(s) is not None
     first = s.get("max_window_layers", 28)
     return [
         "sliding_attention" if windowed and i >= first else "full_attention"
@@ -178,26 +187,46 @@ def qwen_layer_types(s: Settings) -> list[str]:
     ]
 
 
+def qwen_window(s: Settings) -> Any:
+    """Qwen2Config/Qwen3Config (and Qwen3MoeConfig) drop the window unless use_sliding_window."""
+    return s.get("sliding_window") if s.get("use_sliding_window") else None
+
+
 def _qwen_layer_types(s: Settings, _context: int) -> str | None:
     given = s.get("layer_types")
     if given is not None and not isinstance(given, list):
         return f"{_show('layer_types', given)}: expected a list"
+    layers = s.get("num_hidden_layers")
+    if given is not None and len(given) != layers:
+        return f"layer_types: {len(given)} entries for {layers} layers (num_hidden_layers)"
+    first = s.get("max_window_layers", 28)
+    if given is None and not _count(first):
+        return f"{_show('max_window_layers', first)}: expected a non-negative integer"
     other = sorted(set(qwen_layer_types(s)) - {"full_attention", "sliding_attention"})
     if not other:
         return None
     return f"layer_types: {', '.join(map(repr, other))} layers are not implemented"
 
 
-def _qwen_window(s: Settings, context_len: int) -> str | None:
-    # Qwen2Config/Qwen3Config drop the window unless use_sliding_window; the attention then
-    # slides only in the layers whose type is sliding_attention.
-    if not s.get("use_sliding_window"):
-        return None
+def _qwen_window(s: Settings, _context: int) -> str | None:
+    # The attention slides only in the layers whose type is sliding_attention; with no window
+    # there, transformers cannot build their mask (it raises), so neither is it served.
+    problem = _window_value("sliding_window", qwen_window(s), " (use_sliding_window=true)")
+    if problem is not None or _qwen_layer_types(s, _context) is not None:
+        return problem  # a malformed layer_types or max_window_layers: named by its own rule
     sliding = [i for i, t in enumerate(qwen_layer_types(s)) if t == "sliding_attention"]
-    if not sliding:
+    if not sliding or qwen_window(s) is not None:
         return None
-    where = f" (use_sliding_window=true, sliding layers {_ranges(sliding)})"
-    return _window_problem("sliding_window", s.get("sliding_window"), context_len, where)
+    why = "use_sliding_window is false" if s.get("sliding_window") else "sliding_window is null"
+    return (
+        f"layer_types: sliding_attention layers {_ranges(sliding)} without a window ({why}); "
+        "transformers cannot build their mask"
+    )
+
+
+def _qwen_windows(s: Settings) -> list[int]:
+    window = qwen_window(s) or 0
+    return [window if t == "sliding_attention" else 0 for t in qwen_layer_types(s)]
 
 
 def _ranges(indices: list[int]) -> str:
@@ -227,7 +256,7 @@ _QWEN_WINDOWS = (
     ),
     Rule(
         "sliding_window",
-        "inactive (use_sliding_window false, or no sliding layer), or at least the served context",
+        "a positive window in the sliding_attention layers (use_sliding_window true), or inactive",
         _qwen_window,
     ),
 )
@@ -250,7 +279,11 @@ LLAMA = Architecture(
     rules=(
         *_COMMON,
         Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
-        Rule("sliding_window", "absent or null, or at least the served context", _declared_window),
+        Rule(
+            "sliding_window",
+            "absent or null (or use_sliding_window false), or at least the served context",
+            _declared_window,
+        ),
     ),
 )
 MISTRAL = Architecture(
@@ -264,8 +297,9 @@ MISTRAL = Architecture(
     rules=(
         *_COMMON,
         Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
-        Rule("sliding_window", "null, or at least the served context", _mistral_window),
+        Rule("sliding_window", "a positive window in every layer, or null", _mistral_window),
     ),
+    windows=_mistral_windows,
 )
 QWEN2 = Architecture(
     name="Qwen2ForCausalLM",
@@ -276,6 +310,7 @@ QWEN2 = Architecture(
     qk_norm=False,
     defaults=_QWEN_DEFAULTS,
     rules=(*_COMMON, *_QWEN_WINDOWS),
+    windows=_qwen_windows,
 )
 QWEN3 = Architecture(
     name="Qwen3ForCausalLM",
@@ -286,6 +321,7 @@ QWEN3 = Architecture(
     qk_norm=True,
     defaults={**_QWEN_DEFAULTS, "head_dim": 128},
     rules=(*_COMMON, *_QWEN_WINDOWS),
+    windows=_qwen_windows,
 )
 
 
@@ -334,13 +370,14 @@ def _moe_layer_choice(s: Settings, _context: int) -> str | None:
     return None
 
 
-def _moe_window(s: Settings, context_len: int) -> str | None:
-    # Qwen3MoeConfig keeps the window only with use_sliding_window; the attention then slides
-    # in every layer (there is no max_window_layers or layer_types for it).
-    if not s.get("use_sliding_window"):
-        return None
+def _moe_window(s: Settings, _context: int) -> str | None:
     where = " (use_sliding_window=true: every layer)"
-    return _window_problem("sliding_window", s.get("sliding_window"), context_len, where)
+    return _window_value("sliding_window", qwen_window(s), where)
+
+
+def _moe_windows(s: Settings) -> list[int]:
+    # Qwen3MoeAttention slides in every layer (no max_window_layers or layer_types for it).
+    return [qwen_window(s) or 0] * int(s["num_hidden_layers"])
 
 
 QWEN3_MOE = Architecture(
@@ -379,10 +416,11 @@ QWEN3_MOE = Architecture(
         Rule("layer_types", "absent, or full_attention only", _declared_layer_types),
         Rule(
             "sliding_window",
-            "inactive (use_sliding_window false), or at least the served context",
+            "a positive window in every layer (use_sliding_window true), or inactive",
             _moe_window,
         ),
     ),
+    windows=_moe_windows,
     moe=True,
 )
 
@@ -481,16 +519,19 @@ def _gemma3_layer_types(s: Settings, _context: int) -> str | None:
     return None
 
 
-def _gemma3_window(s: Settings, context_len: int) -> str | None:
+def _gemma3_window(s: Settings, _context: int) -> str | None:
     sliding = [i for i, t in enumerate(gemma3_layer_types(s)) if t == "sliding_attention"]
     if not sliding:
         return None
-    window = s.get("sliding_window")
-    if window is None:
-        return f"sliding_window=None: the sliding layers ({_ranges(sliding)}) need a window"
-    return _window_problem(
-        "sliding_window", window, context_len, f" (sliding layers {_ranges(sliding)})"
-    )
+    where = f" (sliding_attention layers {_ranges(sliding)})"
+    if s.get("sliding_window") is None:  # transformers cannot build their mask
+        return f"sliding_window=None{where}: expected a positive integer"
+    return _window_value("sliding_window", s.get("sliding_window"), where)
+
+
+def _gemma3_windows(s: Settings) -> list[int]:
+    window = s.get("sliding_window") or 0
+    return [window if t == "sliding_attention" else 0 for t in gemma3_layer_types(s)]
 
 
 def _gemma3_scalars(s: Settings, _context: int) -> str | None:
@@ -564,7 +605,7 @@ GEMMA3 = Architecture(
         ),
         Rule(
             "sliding_window",
-            "no sliding layer, or at least the served context",
+            "a positive window in the sliding_attention layers (or no such layer)",
             _gemma3_window,
         ),
         Rule(
@@ -575,6 +616,7 @@ GEMMA3 = Architecture(
         Rule("attn_logit_softcapping", "null", _gemma3_attention_softcap),
         Rule("use_bidirectional_attention", "false", _gemma3_bidirectional),
     ),
+    windows=_gemma3_windows,
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -84,6 +84,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 3; ``rope`` is then its full_attention layers'
+    # Each layer's sliding window (a query at position p sees keys p - w < j <= p), 0 for full
+    # attention; () when every layer is full. The architecture computes it (``Architecture``).
+    sliding_windows: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -96,6 +99,15 @@ class ModelConfig:
         scalar = self.head_dim if self.gemma is None else self.gemma.query_pre_attn_scalar
         return scalar**-0.5
 
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window; 0: full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, ascending (0: full attention), e.g. (0, 4096)."""
+        return tuple(sorted(set(self.sliding_windows or (0,))))
+
     def backend_problem(self, backend: str, gpu: bool = False) -> str | None:
         """Why this model cannot run on ``backend`` (or on a GPU); None when it can. For start-up
         checks (``capabilities.refusals``); ``build_model`` raises the same at load."""
@@ -107,6 +119,11 @@ class ModelConfig:
                 f"{self.architecture} runs on the eager/native backend only; {where} has no "
                 "Gemma 3 decoder layer yet: use --backend native, eager or auto on the CPU"
             )
+        if self.sliding_windows and gpu:
+            return (
+                f"{self.architecture} with sliding_window={max(self.sliding_windows)} runs on the "
+                "CPU backends only; --device gpu has no sliding-window attention yet"
+            )
         return None
 
     @property
@@ -116,7 +133,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: Path, context_len: int | None = None) -> ModelConfig:
         """The checkpoint's config; ``context_len``: the longest sequence it will be served at
-        (default ``max_position_embeddings``), against which a sliding window is checked."""
+        (default ``max_position_embeddings``), against which a window Llama declares (and
+        transformers ignores) is checked."""
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelLoadError(
@@ -171,6 +189,7 @@ class ModelConfig:
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            sliding_windows=_windows(arch, s),
             **(_moe(s) if arch.moe else {}),
             **(_gemma(s) if arch.family == "gemma3" else {}),
         )
@@ -221,6 +240,11 @@ def _moe(s: Settings) -> dict[str, Any]:
         "norm_topk_prob": bool(s.get("norm_topk_prob")),
         "moe_layers": layers,
     }
+
+
+def _windows(arch: Architecture, s: Settings) -> tuple[int, ...]:
+    windows = tuple(int(w) for w in arch.windows(s))
+    return windows if any(windows) else ()
 
 
 def _int(s: Settings, key: str, source: str) -> int:

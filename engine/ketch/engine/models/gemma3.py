@@ -82,7 +82,7 @@ class Gemma3Model(LlamaModel):
         for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             cos, sin = rotations[i]
             x = norm(h, layer.input_norm, eps)
-            attn = self.attend(layer, x, cos.unsqueeze(1), sin.unsqueeze(1), cache, meta)
+            attn = self.attend(i, x, cos.unsqueeze(1), sin.unsqueeze(1), cache, meta)
             h = h + norm(_linear(attn, layer.o, layer.o_bias), layer.attn_out_norm, eps)
             x = norm(h, layer.post_norm, eps)
             up = gelu_glu(_linear(x, layer.gate_up, layer.gate_up_bias))
@@ -121,7 +121,7 @@ class NativeGemma3Model(NativeLlamaModel):
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
             pruned = kept if i == last else None
-            attn = self._attend(layer, x, *rotations[i], cache, meta, pruned)
+            attn = self._attend(i, x, *rotations[i], cache, meta, pruned)
             if pruned is not None:
                 h = paddle.gather(h, pruned.rows)
                 logit_rows, hidden_rows = pruned.logit_rows, pruned.hidden_rows

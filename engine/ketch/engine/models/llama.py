@@ -91,7 +91,8 @@ class LlamaModel:
         """The attention inputs ``forward`` needs for a step of ``spans``."""
         kv = self.config.num_key_value_heads
         group = self.config.num_attention_heads // kv
-        return build_metadata(spans, block_size, num_blocks, kv, group)
+        windows = self.config.attention_windows
+        return build_metadata(spans, block_size, num_blocks, kv, group, windows)
 
     def forward(
         self,
@@ -111,9 +112,9 @@ class LlamaModel:
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
         h = F.embedding(input_ids, self.weights.embed)
-        for layer, cache in zip(self.weights.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            attn = self.attend(layer, x, cos, sin, cache, meta)
+            attn = self.attend(i, x, cos, sin, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             if layer.moe is not None:
@@ -125,18 +126,17 @@ class LlamaModel:
 
     def attend(
         self,
-        layer: LayerWeights,
+        i: int,
         x: paddle.Tensor,
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         cache: LayerCache,
         meta: AttentionMetadata,
-        window: int = 0,
     ) -> paddle.Tensor:
-        """The layer's attention [T, H * D] before the output projection: q/k/v, the per-head
+        """Layer ``i``'s attention [T, H * D] before the output projection: q/k/v, the per-head
         q/k norms where it has them, the rotation (cos, sin: [T, 1, D]), the KV write and paged
-        attention over the last ``window`` positions (0: all)."""
-        c = self.config
+        attention within the layer's sliding window."""
+        c, layer = self.config, self.weights.layers[i]
         qkv = _linear(x, layer.qkv, layer.qkv_bias)
         qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
         qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
@@ -146,7 +146,7 @@ class LlamaModel:
         qk = rotate(qk, cos, sin)
         q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
         v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-        return paged_attention(q, k, v, cache, meta, window=window, scale=c.attention_scale)
+        return paged_attention(q, k, v, cache, meta, c.window(i), c.attention_scale)
 
     def head(
         self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None

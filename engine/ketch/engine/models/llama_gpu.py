@@ -82,8 +82,8 @@ class GpuLlamaModel:
         group: Group | None = None,
     ) -> None:
         """``weights`` already on the device this model computes on (``to_device``)."""
-        problem = config.backend_problem("auto", gpu=True)
-        if problem is not None:  # routed experts, Gemma 3's layers: not on the GPU yet
+        problem = config.backend_problem("gpu", gpu=True)  # routed experts, sliding windows
+        if problem is not None:
             raise ValueError(problem)
         self.config = config
         self.weights = weights

@@ -2,13 +2,14 @@
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per layer: the q/k/v
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
-fused op for the split and the rotary embedding, the KV write and paged attention in
-the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
-(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router and a matmul pair per
-routed expert, ``_experts``), and the next fused add + RMSNorm. Every matmul goes through the
-``linear`` it is given: Ketch's packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever
-``choose_matmul`` measured faster for that row count on this machine. A matmul with ``prepare``
-(the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
+fused op for the split and the rotary embedding, the KV write and paged attention in the C++
+kernel (within the layer's sliding window, ``ModelConfig.window``), the output projection, one
+fused op for the residual add and RMSNorm, the MLP (SwiGLU between two matmuls; for a Qwen3-MoE
+expert layer the router and a matmul pair per routed expert, ``_experts``), and the next fused
+add + RMSNorm. Every matmul goes through the ``linear`` it is given: Ketch's packed-weight GEMM,
+OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured faster for that row
+count on this machine. A matmul with ``prepare`` (the packed GEMM) gets the weights in its
+layout once, here, and the model keeps only those.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
 microseconds where the predictor takes 40-80 (on the AMD EPYC of docs/backend.md its oneDNN
@@ -113,8 +114,9 @@ class KeptRows:
         starts = np.asarray([s.start for s in spans], dtype=np.int64)
         rows = np.asarray(keep, dtype=np.int64)
         seq = np.searchsorted(starts, rows, side="right") - 1
-        # A kept row at position p (computed + its offset in the chunk) sees tokens 0..p; its
-        # own K/V and those of the chunk's earlier rows are written before it attends.
+        # A kept row at position p (computed + its offset in the chunk) sees tokens 0..p (those
+        # of its layer's window); its own K/V and those of the chunk's earlier rows are written
+        # before it attends.
         lens = [spans[b].context_len - spans[b].query_len + int(r) - spans[b].start + 1
                 for b, r in zip(seq, rows, strict=True)]  # fmt: skip
         meta = PagedAttentionMetadata.build(
@@ -215,7 +217,7 @@ class NativeLlamaModel:
 
     def _attend(
         self,
-        layer: LayerWeights,
+        i: int,
         x: paddle.Tensor,
         cos,
         sin,
@@ -223,7 +225,9 @@ class NativeLlamaModel:
         meta,
         kept: KeptRows | None = None,
     ) -> paddle.Tensor:
-        """Writes every row's K/V; attends for every row, or only the ``kept`` ones."""
+        """Layer ``i``: writes every row's K/V; attends for every row, or only the ``kept`` ones,
+        within the layer's sliding window."""
+        layer = self.weights.layers[i]
         heads, kv_heads, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
         qkv = self._dense(x, layer.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
@@ -232,7 +236,8 @@ class NativeLlamaModel:
         self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
         if kept is not None:
             q, meta = paddle.gather(q, kept.rows), kept.meta
-        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, self.config.attention_scale)
+        scale, window = self.config.attention_scale, self.config.window(i)
+        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, scale, window)
         return out.reshape([0, heads * d])
 
     def _norm_heads(self, qkv: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
@@ -269,7 +274,7 @@ class NativeLlamaModel:
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
             pruned = kept if i == last else None
-            attn = self._attend(layer, x, cos, sin, cache, meta, pruned)
+            attn = self._attend(i, x, cos, sin, cache, meta, pruned)
             if pruned is not None:
                 h = paddle.gather(h, pruned.rows)
                 logit_rows, hidden_rows = pruned.logit_rows, pruned.hidden_rows
