@@ -54,6 +54,7 @@ class Architecture:
     rules: tuple[Rule, ...]
     windows: Windows = lambda _s: []  # each layer's window; by default none slides
     moe: bool = False  # routed experts in the layers ``moe_layers`` names (Qwen3-MoE)
+    gemma: bool = False  # Gemma 3's decoder layer and RoPE per layer kind (``GemmaConfig``)
 
     def settings(self, raw: Mapping[str, Any]) -> Settings:
         """config.json with the config class's defaults under it (an explicit null stays)."""
@@ -617,6 +618,7 @@ GEMMA3 = Architecture(
         Rule("use_bidirectional_attention", "false", _gemma3_bidirectional),
     ),
     windows=_gemma3_windows,
+    gemma=True,
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

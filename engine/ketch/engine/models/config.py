@@ -180,7 +180,7 @@ class ModelConfig:
             head_dim=int(s.get("head_dim") or hidden // heads),
             max_position_embeddings=max_positions,
             rms_norm_eps=float(s.get("rms_norm_eps", 1e-6)),
-            rope=_gemma_ropes(s)[0] if arch.family == "gemma3" else _rope(s),
+            rope=_gemma_ropes(s)[0] if arch.gemma else _rope(s),
             tie_word_embeddings=bool(s.get("tie_word_embeddings", False)),
             qkv_bias=arch.flag(arch.qkv_bias, s),
             o_bias=arch.flag(arch.o_bias, s),
@@ -191,7 +191,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             sliding_windows=_windows(arch, s),
             **(_moe(s) if arch.moe else {}),
-            **(_gemma(s) if arch.family == "gemma3" else {}),
+            **(_gemma(s) if arch.gemma else {}),
         )
         config._validate(source)
         return config

@@ -23,11 +23,15 @@ import paddle.nn.functional as F
 from paddle.nn.functional import embedding
 
 from ketch.engine.models.attention import AttentionMetadata, LayerCache
+from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LlamaModel, ModelWeights, _linear
 from ketch.engine.models.llama_native import KeptRows, NativeLlamaModel
 from ketch.engine.models.rope import cos_sin_tables
+from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels, fused
-from ketch.kernels.paged_attention import PagedAttentionMetadata
+from ketch.kernels.collective import Group
+from ketch.kernels.dense_graph import Matmul
+from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
 
 Rotation = tuple[paddle.Tensor, paddle.Tensor]  # cos, sin [T, D] of the step's positions
 
@@ -47,7 +51,7 @@ class Gemma3Model(LlamaModel):
 
     def __init__(
         self,
-        config,
+        config: ModelConfig,
         weights: ModelWeights,
         max_len: int,
         kernels: CpuKernels | None = None,
@@ -100,9 +104,18 @@ class NativeGemma3Model(NativeLlamaModel):
 
     swiglu_mlp = False
 
-    def __init__(self, config, weights: ModelWeights, eager: Gemma3Model, *args, **kwargs) -> None:
-        super().__init__(config, weights, eager, *args, **kwargs)
-        self._rotations = eager.rotations
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        eager: Gemma3Model,
+        linear: Matmul,
+        attention: PagedAttention | None,
+        shard: Shard | None = None,
+        group: Group | None = None,
+    ) -> None:
+        super().__init__(config, weights, eager, linear, attention, shard, group)
+        self._rotations = eager.rotations  # the eager model's tables, per layer kind
 
     def forward(
         self,
