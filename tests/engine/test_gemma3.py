@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_embeddings import assert_close as assert_embedding_close
+from test_embeddings import constrained, prompts_for, reference
 from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_model_exactness import assert_close
 from test_qwen3 import make_random_checkpoint
@@ -236,6 +238,20 @@ def test_greedy_matches_transformers_on_two_ranks(gemma3) -> None:
     assert_two_ranks_greedy_match(
         path, make_prompts(ModelConfig.from_dir(path).vocab_size, count=24, seed=1)
     )
+
+
+def test_embeddings_equal_transformers(gemma3) -> None:
+    """``LLM.embed``: the final-normed hidden states (Gemma's folded final norm) mean-pooled over
+    prompts up to several windows long, chunked, equal transformers' ``last_hidden_state``."""
+    path = gemma3("mqa")
+    prompts = prompts_for(ModelConfig.from_dir(path).vocab_size)
+    llm = constrained(path, num_kv_blocks=None, kv_cache_memory="16MiB")
+    try:
+        outputs = llm.embed(prompts, pooling="mean", normalize=False)
+    finally:
+        llm.engine.close()
+    for i, (output, want) in enumerate(zip(outputs, reference(path, prompts, "mean"), strict=True)):
+        assert_embedding_close(output.embedding, want, (i, len(prompts[i])))
 
 
 def test_the_predictor_and_the_gpu_refuse_it_at_start_up(gemma3) -> None:
