@@ -13,10 +13,19 @@ from ketch.engine.models.architectures import (
     SUPPORTED_ARCHITECTURES,
     Architecture,
     Settings,
+    gemma3_layer_types,
+    gemma3_rope_parameters,
     rope_field,
 )
 
-__all__ = ["MOE_BACKENDS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "moe_refusal"]
+__all__ = [
+    "MOE_BACKENDS",
+    "SUPPORTED_ARCHITECTURES",
+    "GemmaConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "moe_refusal",
+]
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,19 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """Where Gemma 3's decoder differs from Llama's beyond its weights
+    (``ketch.engine.models.gemma3``). Implied by it: RMSNorm ``x * (1 + w)`` (folded into the
+    weights at load), embeddings scaled by sqrt(hidden_size), a GELU-tanh gated MLP, and norms
+    of the attention's and the MLP's outputs before each joins the residual."""
+
+    query_pre_attn_scalar: float  # attention scores are scaled by its -1/2 power
+    final_logit_softcapping: float | None  # logits -> cap * tanh(logits / cap)
+    local_rope: RopeConfig  # the sliding_attention layers' rotation (ModelConfig.rope: the rest)
+    local_layers: tuple[int, ...]  # the sliding_attention layers
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # Qwen3-MoE
     moe_layers: tuple[int, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 3; ``rope`` is then its full_attention layers'
     # Each layer's sliding window (a query at position p sees keys p - w < j <= p), 0 for full
     # attention; () when every layer is full. The architecture computes it (``Architecture``).
     sliding_windows: tuple[int, ...] = ()
@@ -76,6 +99,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are scaled by: 1/sqrt(head_dim), or Gemma 3's
+        1/sqrt(query_pre_attn_scalar)."""
+        scalar = self.head_dim if self.gemma is None else self.gemma.query_pre_attn_scalar
+        return scalar**-0.5
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window; 0: full attention."""
@@ -91,6 +121,12 @@ class ModelConfig:
         checks (``capabilities.refusals``); ``build_model`` raises the same at load."""
         if self.is_moe and (gpu or backend not in MOE_BACKENDS):
             return moe_refusal(self.architecture, "--device gpu" if gpu else f"--backend {backend}")
+        if self.gemma is not None and (gpu or backend not in GEMMA_BACKENDS):
+            where = "--device gpu" if gpu else f"--backend {backend}"
+            return (
+                f"{self.architecture} runs on the eager/native backend only; {where} has no "
+                "Gemma 3 decoder layer yet: use --backend native, eager or auto on the CPU"
+            )
         if self.sliding_windows and gpu:
             return (
                 f"{self.architecture} with sliding_window={max(self.sliding_windows)} runs on the "
@@ -152,7 +188,7 @@ class ModelConfig:
             head_dim=int(s.get("head_dim") or hidden // heads),
             max_position_embeddings=max_positions,
             rms_norm_eps=float(s.get("rms_norm_eps", 1e-6)),
-            rope=_rope(s),
+            rope=_gemma_ropes(s)[0] if arch.gemma else _rope(s),
             tie_word_embeddings=bool(s.get("tie_word_embeddings", False)),
             qkv_bias=arch.flag(arch.qkv_bias, s),
             o_bias=arch.flag(arch.o_bias, s),
@@ -165,6 +201,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             sliding_windows=_windows(arch, s),
             **_moe(arch, s),
+            **(_gemma(s) if arch.gemma else {}),
         )
         config._validate(source)
         return config
@@ -190,6 +227,7 @@ def _architecture(raw: dict[str, Any], source: str) -> Architecture:
 
 
 MOE_BACKENDS = ("auto", "native", "eager")  # where routed experts run (auto: native, else eager)
+GEMMA_BACKENDS = MOE_BACKENDS  # where Gemma 3's decoder layer runs
 
 
 def moe_refusal(architecture: str, where: str) -> str:
@@ -229,11 +267,34 @@ def _int(s: Settings, key: str, source: str) -> int:
     return value
 
 
+def _gemma(s: Settings) -> dict[str, Any]:
+    """Gemma 3's own fields (the architecture's rules have checked them)."""
+    types = gemma3_layer_types(s)
+    cap = s.get("final_logit_softcapping")
+    gemma = GemmaConfig(
+        query_pre_attn_scalar=float(s["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if cap is None else float(cap),
+        local_rope=_gemma_ropes(s)[1],
+        local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+    )
+    return {"gemma": gemma}
+
+
+def _gemma_ropes(s: Settings) -> tuple[RopeConfig, RopeConfig]:
+    """(the full_attention layers' rotation, the sliding_attention layers')."""
+    sets = gemma3_rope_parameters(s)
+    return _rope_of(sets["full_attention"], s), _rope_of(sets["sliding_attention"], s)
+
+
 def _rope(s: Settings) -> RopeConfig:
     """The rotary embedding (the architecture's rules have checked it). transformers 5 writes
     ``rope_parameters`` (with ``rope_theta`` inside); 4.x wrote ``rope_theta`` and an optional
     ``rope_scaling`` with ``type`` or ``rope_type``."""
     _key, params = rope_field(s)
+    return _rope_of(params, s)
+
+
+def _rope_of(params: Settings, s: Settings) -> RopeConfig:
     theta = params.get("rope_theta", s.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":

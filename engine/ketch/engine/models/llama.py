@@ -44,6 +44,11 @@ class LayerWeights:
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
     moe: MoeWeights | None = None  # routed experts (beside ERNIE's shared ones, if any)
+    # Gemma 3: the norms of the attention's and the MLP's outputs, before each joins the residual
+    # (its post_attention_layernorm and post_feedforward_layernorm; ``post_norm`` then holds its
+    # pre_feedforward_layernorm, the MLP's input norm as Llama's post_attention_layernorm is)
+    attn_out_norm: paddle.Tensor | None = None
+    mlp_out_norm: paddle.Tensor | None = None
 
 
 @dataclass
@@ -112,16 +117,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.weights.embed)
         for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
-            qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
-            if layer.q_norm is not None:
-                qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, rms_norm)
-            # Queries and keys rotate together: one set of rotary ops per layer.
-            qk = rotate(qk, cos, sin)
-            q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
-            v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-            attn = paged_attention(q, k, v, cache, meta, c.window(i))
+            attn = self.attend(i, x, cos, sin, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             mlp = None
@@ -132,14 +128,53 @@ class LlamaModel:
                 routed = eager_moe(x, layer.moe, c)
                 mlp = routed if mlp is None else routed + mlp
             h = h + mlp
-        last = paddle.gather(h, logit_rows)
-        last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
-        w = self.weights
-        logits = _linear(last, w.lm_head, w.lm_head_bias).astype("float32")
+        return self.head(h, logit_rows, hidden_rows)
+
+    def attend(
+        self,
+        i: int,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:
+        """Layer ``i``'s attention [T, H * D] before the output projection: q/k/v, the per-head
+        q/k norms where it has them, the rotation (cos, sin: [T, 1, D]), the KV write and paged
+        attention within the layer's sliding window."""
+        c, layer = self.config, self.weights.layers[i]
+        qkv = _linear(x, layer.qkv, layer.qkv_bias)
+        qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
+        qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
+        if layer.q_norm is not None:
+            qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, self.kernels.rms_norm)
+        # Queries and keys rotate together: one set of rotary ops per layer.
+        qk = rotate(qk, cos, sin)
+        q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
+        v = v.reshape([0, c.num_key_value_heads, c.head_dim])
+        return paged_attention(q, k, v, cache, meta, c.window(i), c.attention_scale)
+
+    def head(
+        self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """The final norm and the logits of ``logit_rows`` of h (and ``hidden_rows``' normed
+        states), as ``forward`` returns them."""
+        c = self.config
+        last = self.kernels.rms_norm(
+            paddle.gather(h, logit_rows), self.weights.norm, c.rms_norm_eps
+        )
+        logits = self.logits(last)
         if hidden_rows is None:
             return logits
-        hidden = rms_norm(paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps)
+        hidden = self.kernels.rms_norm(
+            paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps
+        )
         return logits, hidden.astype("float32")
+
+    def logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Final-normed states [R, hidden] -> logits [R, vocab] in float32."""
+        w = self.weights
+        return _linear(x, w.lm_head, w.lm_head_bias).astype("float32")
 
 
 def qk_norm(

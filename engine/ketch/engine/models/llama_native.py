@@ -56,13 +56,12 @@ def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
     return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
 
 
-def _prepared_weights(weights: ModelWeights, linear: Matmul) -> ModelWeights:
+def _prepared_weights(weights: ModelWeights, linear: Matmul, fuse: bool) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
-    has no ``prepare``); norms, biases and embeddings stay as they are."""
+    has no ``prepare``; ``fuse``: gate/up with the SwiGLU epilogue); norms, biases and
+    embeddings stay as they are."""
     if getattr(linear, "prepare", None) is None:
         return weights
-
-    fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
 
     def gate_up(w: paddle.Tensor):
         return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
@@ -140,6 +139,7 @@ class NativeLlamaModel:
     other than 0 computes no logits (``forward`` returns None)."""
 
     backend_name = "native"
+    swiglu_mlp = True  # the MLP is SwiGLU (the packed GEMM may compute it in its epilogue)
 
     def __init__(
         self,
@@ -158,10 +158,12 @@ class NativeLlamaModel:
             )
         self.config = config
         self.kernels = eager.kernels
-        self.weights = _prepared_weights(weights, linear)
+        self._fused_swiglu = self.swiglu_mlp and all(
+            _fuses_swiglu(linear, lw) for lw in weights.layers
+        )
+        self.weights = _prepared_weights(weights, linear, self._fused_swiglu)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
-        self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -241,8 +243,8 @@ class NativeLlamaModel:
         self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
         if kept is not None:
             q, meta = paddle.gather(q, kept.rows), kept.meta
-        window = self.config.window(i)
-        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, d**-0.5, window)
+        scale, window = self.config.attention_scale, self.config.window(i)
+        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, scale, window)
         return out.reshape([0, heads * d])
 
     def _norm_heads(self, qkv: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
@@ -298,8 +300,17 @@ class NativeLlamaModel:
                 return None  # a rank other than 0: no logits
             else:
                 h = h + mlp
-        x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
-        logits = self._dense(x, w.lm_head, w.lm_head_bias)
+        return self._head(h, logit_rows, hidden_rows)
+
+    def _head(
+        self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """The final norm and the logits of ``logit_rows`` of h, as ``forward`` returns them."""
+        w = self.weights
+        logits = self._logits(fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps))
         if hidden_rows is None:
             return logits
         return logits, fused.rms_norm(paddle.gather(h, hidden_rows), w.norm, self.eps)
+
+    def _logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self._dense(x, self.weights.lm_head, self.weights.lm_head_bias)

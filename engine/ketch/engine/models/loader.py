@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import paddle
 from safetensors import safe_open
 
@@ -56,23 +57,14 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
                 qkv_bias[:2] = [deinterleave(b, d) for b in qkv_bias[:2]]
         moe = _experts(loader, c, p, shard) if i in c.moe_layers else None
         o_shape = (hidden, c.num_attention_heads * d)
-        # Per-head-dim weights, the same for every head: replicated on every rank.
-        q_norm, k_norm = (
-            (loader.get(p + f"self_attn.{n}_norm.weight", (d,)) for n in ("q", "k"))
-            if c.qk_norm
-            else (None, None)
-        )
         layers.append(
             LayerWeights(
-                input_norm=loader.get(p + "input_layernorm.weight", (hidden,)),
+                **_norms(loader, c, p),
                 qkv=paddle.concat(qkv, axis=0).T.contiguous(),
                 qkv_bias=None if qkv_bias is None else paddle.concat(qkv_bias),
                 o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
                 o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
-                post_norm=loader.get(p + "post_attention_layernorm.weight", (hidden,)),
                 **_mlp(loader, c, p, shard, moe is not None),
-                q_norm=q_norm,
-                k_norm=k_norm,
                 moe=moe,
             )
         )
@@ -90,12 +82,11 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
         lm_head = lm_head.T.contiguous()
         if c.lm_head_bias:
             lm_head_bias = loader.get("lm_head.bias", (c.vocab_size,))
+    norm = loader.get("model.norm.weight", (hidden,))
+    if c.gemma is not None:
+        embed, norm = _gemma_scaled(embed, hidden), _gemma_norm(norm)
     weights = ModelWeights(
-        embed=embed,
-        layers=layers,
-        norm=loader.get("model.norm.weight", (hidden,)),
-        lm_head=lm_head,
-        lm_head_bias=lm_head_bias,
+        embed=embed, layers=layers, norm=norm, lm_head=lm_head, lm_head_bias=lm_head_bias
     )
     # ERNIE 4.5 MoE's multi-token-prediction layers (``mtp_*``): transformers reads them only
     # for speculative decoding (generate(use_mtp=True)); plain decoding never does.
@@ -149,6 +140,38 @@ def _mlp(
         "down": down.T.contiguous(),
         **biases,
     }
+
+
+def _norms(loader: _Checked, c: ModelConfig, p: str) -> dict[str, paddle.Tensor]:
+    """Layer ``p``'s RMSNorm weights, by ``LayerWeights``' names."""
+    names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+    if c.gemma is not None:
+        names = {
+            "input_norm": "input_layernorm",
+            "attn_out_norm": "post_attention_layernorm",
+            "post_norm": "pre_feedforward_layernorm",
+            "mlp_out_norm": "post_feedforward_layernorm",
+        }
+    out = {
+        field: loader.get(p + f"{name}.weight", (c.hidden_size,)) for field, name in names.items()
+    }
+    if c.qk_norm:  # per-head-dim weights, the same for every head: replicated on every rank
+        for n in ("q", "k"):
+            out[f"{n}_norm"] = loader.get(p + f"self_attn.{n}_norm.weight", (c.head_dim,))
+    return {k: _gemma_norm(w) for k, w in out.items()} if c.gemma is not None else out
+
+
+def _gemma_norm(w: paddle.Tensor) -> paddle.Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + w`` (in float32): folded here, so every backend's
+    RMSNorm computes it as Llama's."""
+    return (w.astype("float32") + 1.0).astype(w.dtype)
+
+
+def _gemma_scaled(embed: paddle.Tensor, hidden: int) -> paddle.Tensor:
+    """Gemma scales each embedding by sqrt(hidden_size), rounded to the weights' dtype; folded
+    into the table (a tied lm_head keeps the unscaled one)."""
+    normalizer = paddle.to_tensor(np.float32(hidden**0.5)).astype(embed.dtype)
+    return embed * normalizer
 
 
 def _experts(loader: _Checked, c: ModelConfig, p: str, shard: Shard) -> MoeWeights:
