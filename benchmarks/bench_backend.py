@@ -136,7 +136,7 @@ def kernel_program(shape, layers: int, isa: str):
             q, k, v = g._project_qkv(s, h, cos, sin, w)
             kc, vc = ops.ketch_reshape_and_cache(k, v, caches[2 * i], caches[2 * i + 1], slots)
             out = ops.ketch_paged_attention(
-                q, kc, vc, tables, starts, lens, s.head_dim**-0.5, 1, isa
+                q, kc, vc, tables, starts, lens, s.head_dim**-0.5, 1, isa, 0
             )
             attn = out.reshape([0, s.heads * s.head_dim])
             new_caches += [kc, vc]
@@ -326,7 +326,7 @@ class Bench:
             meta.write_index,
             g.query_index,
             g.block_index,
-            g.mask,
+            g.masks[0],
             # the single group's rows are the flat order, so output_index is the identity
             case["rows"],
             caches,

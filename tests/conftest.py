@@ -67,6 +67,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "qwen2-untied": ("qwen2", {"num_hidden_layers": 3}),
     "qwen2-mqa": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # per-head q/k norms, q wider than the hidden state (4 heads of 32 on 64)
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
 

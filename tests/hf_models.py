@@ -52,13 +52,16 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
-    """Writes a randomly initialised Llama, Qwen2 or Qwen3-MoE checkpoint with GQA to ``out``."""
+    """Writes a randomly initialised Llama, Qwen2, Qwen3 or Qwen3-MoE checkpoint with GQA to
+    ``out``."""
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -80,6 +83,7 @@ def make_checkpoint(
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)

@@ -1,6 +1,8 @@
 """``config.json`` fields Ketch does not implement are refused at load, naming the field
 (``ketch.engine.models.architectures``); fields transformers ignores for an architecture are
-ignored; a sliding window that never slides is accepted, and the model it loads is exact.
+ignored; sliding windows give each layer the window transformers' modeling code applies to it
+(``ModelConfig.sliding_windows``; their exactness: test_sliding_window.py), malformed ones are
+refused naming the field.
 
 Configs are written by transformers' own config classes, so what is checked is what real
 checkpoints hold (defaults, ``layer_types`` as Qwen2/Qwen3 compute them).
@@ -9,7 +11,6 @@ checkpoints hold (defaults, ``layer_types`` as Qwen2/Qwen3 compute them).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ def hf_config(arch: str, **overrides: Any):
     """A transformers config object of architecture ``arch`` ("MistralForCausalLM", ...)."""
     import transformers
 
-    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    name = arch.replace("ForCausalLM", "Config")
+    cls = getattr(transformers, "Gemma3TextConfig" if name == "Gemma3Config" else name)
     return cls(architectures=[arch], **{**SMALL, **overrides})
 
 
@@ -54,33 +56,36 @@ def refusal(raw: dict[str, Any], context_len: int | None = None) -> str:
     return str(caught.value)
 
 
-def test_a_mistral_window_shorter_than_the_context_is_refused_naming_sliding_window() -> None:
-    message = refusal(config_dict("MistralForCausalLM", sliding_window=64))
-    assert "sliding_window=64" in message
-    assert "sliding-window attention is not implemented yet" in message
-    assert "512 tokens" in message
-
-
-def test_mistral_windows_that_never_slide_are_accepted() -> None:
-    assert load(config_dict("MistralForCausalLM", sliding_window=None))
-    assert load(config_dict("MistralForCausalLM", sliding_window=512))
-    # transformers' default window (4096) is longer than this model's context
-    raw = config_dict("MistralForCausalLM")
-    assert raw["sliding_window"] == 4096 and load(raw)
-    del raw["sliding_window"]  # left out: MistralConfig's default, 4096, again
-    assert load(raw)
-
-
-def test_the_context_served_decides_whether_a_window_slides() -> None:
-    raw = config_dict("MistralForCausalLM", sliding_window=64)
-    assert load(raw, context_len=64)
-    assert "65 tokens" in refusal(raw, context_len=65)
-
-
-def test_mistral_v0_1_proportions_are_refused() -> None:
-    """Mistral-7B-v0.1: a 4096-token window on a 32768-token context."""
+def test_a_mistral_window_slides_in_every_layer() -> None:
+    assert load(config_dict("MistralForCausalLM", sliding_window=64)).sliding_windows == (64,) * 3
+    config = load(config_dict("MistralForCausalLM", sliding_window=64), context_len=32)
+    assert config.window(2) == 64 and config.attention_windows == (64,)
+    # Mistral-7B-v0.1: a 4096-token window on a 32768-token context
     raw = config_dict("MistralForCausalLM", sliding_window=4096, max_position_embeddings=32768)
-    assert "sliding_window=4096" in refusal(raw)
+    assert load(raw).sliding_windows == (4096,) * 3
+
+
+def test_a_mistral_window_left_out_is_the_config_classes_default() -> None:
+    assert load(config_dict("MistralForCausalLM", sliding_window=None)).sliding_windows == ()
+    raw = config_dict("MistralForCausalLM")
+    assert raw["sliding_window"] == 4096 and load(raw).sliding_windows == (4096,) * 3
+    del raw["sliding_window"]  # left out: MistralConfig's default, 4096, again
+    assert load(raw).sliding_windows == (4096,) * 3
+    raw["use_sliding_window"] = False  # not a MistralConfig field: ignored, as transformers does
+    assert load(raw).sliding_windows == (4096,) * 3
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, "64", True])
+def test_a_malformed_window_is_refused_naming_the_field(window: Any) -> None:
+    for arch, extra in (
+        ("MistralForCausalLM", {}),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True}),
+        ("Qwen3ForCausalLM", {"use_sliding_window": True}),
+        ("Qwen3MoeForCausalLM", {"use_sliding_window": True}),
+    ):
+        raw = {**config_dict(arch), **extra, "sliding_window": window}
+        assert f"sliding_window={window!r}" in refusal(raw), arch
+        assert "expected a positive integer or null" in refusal(raw), arch
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
@@ -91,37 +96,46 @@ def test_mistral_v0_1_proportions_are_refused() -> None:
         (True, 64, 2),  # the last layer slides
         (True, 64, 3),  # no layer slides
         (False, 64, 0),  # the window is off
-        (True, 512, 0),  # every layer slides, over the whole context: a no-op
+        (True, 512, 0),  # every layer slides, over the whole context
         (True, None, 0),
     ],
 )
-def test_qwen_windows_are_refused_exactly_when_a_layer_slides(
+def test_qwen_windows_are_the_layer_types_of_transformers(
     arch: str, use: bool, window: int | None, max_window_layers: int
 ) -> None:
-    """Refused iff transformers' config has a sliding layer whose window is shorter than the
-    context (its own computation of layer_types is the oracle)."""
+    """Each layer's window is transformers' config's: its own computation of ``layer_types``
+    and ``sliding_window`` is the oracle."""
     settings = dict(
         use_sliding_window=use, sliding_window=window, max_window_layers=max_window_layers
     )
     hf = hf_config(arch, **settings)
-    slides = (
-        "sliding_attention" in hf.layer_types
-        and hf.sliding_window is not None
-        and hf.sliding_window < hf.max_position_embeddings
-    )
+    want = [hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types]
+    want = tuple(want) if any(want) else ()
     raw = config_dict(arch, **settings)
-    if slides:
-        assert re.search(
-            r"sliding_window=64 \(use_sliding_window=true, sliding layers", refusal(raw)
-        )
-    else:
-        assert load(raw)
-    for key in ("layer_types",):  # a hand-written config.json without it: computed the same
-        raw.pop(key, None)
-    if slides:
-        assert "sliding_window=64" in refusal(raw)
-    else:
-        assert load(raw)
+    assert load(raw).sliding_windows == want
+    raw.pop("layer_types", None)  # a hand-written config.json without it: computed the same
+    assert load(raw).sliding_windows == want
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_layer_types_are_checked(arch: str) -> None:
+    raw = config_dict(arch, use_sliding_window=True, sliding_window=64)
+    raw["layer_types"] = ["full_attention", "sliding_attention", "sliding_attention"]
+    assert load(raw).sliding_windows == (0, 64, 64)
+    raw["layer_types"] = ["sliding_attention"] * 2
+    assert "layer_types: 2 entries for 3 layers" in refusal(raw)
+    # sliding layers with no window: transformers raises when it builds their mask
+    raw = config_dict(arch, use_sliding_window=False)
+    raw["layer_types"] = ["full_attention", "sliding_attention", "sliding_attention"]
+    raw["sliding_window"] = 64
+    message = refusal(raw)
+    assert "sliding_attention layers 1-2 without a window (use_sliding_window is false)" in message
+    raw.update(use_sliding_window=True, sliding_window=None)
+    assert "layers 1-2 without a window (sliding_window is null)" in refusal(raw)
+    raw = config_dict(arch, use_sliding_window=True, sliding_window=64)
+    del raw["layer_types"]
+    raw["max_window_layers"] = "2"
+    assert "max_window_layers='2': expected a non-negative integer" in refusal(raw)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
@@ -136,11 +150,13 @@ def test_other_attention_layer_types_are_refused(arch: str) -> None:
 def test_a_window_declared_to_llama_is_refused_though_transformers_ignores_it() -> None:
     raw = config_dict("LlamaForCausalLM")
     raw.update(sliding_window=64)
-    assert "sliding_window=64" in refusal(raw)
+    assert "sliding_window=64: transformers' LlamaForCausalLM ignores" in refusal(raw)
+    assert "65 tokens" in refusal(raw, context_len=65)
+    assert load(raw, context_len=64).sliding_windows == ()  # it never slides: full attention
     raw.update(use_sliding_window=False)
     assert load(raw)
     raw.update(use_sliding_window=True, sliding_window=512)
-    assert load(raw)
+    assert load(raw).sliding_windows == ()
     raw = config_dict("MistralForCausalLM")
     raw["layer_types"] = ["sliding_attention"] * 3
     assert "layer_types: 'sliding_attention'" in refusal(raw)
@@ -190,14 +206,18 @@ def test_a_transformers_4_rope_scaling_is_named_as_written() -> None:
 def test_other_unimplemented_fields_are_named(field: str, value: Any, named: str) -> None:
     for arch in SUPPORTED_ARCHITECTURES:
         raw = config_dict(arch)
-        raw[field] = value
-        assert named in refusal(raw), arch
+        key, name = field, named
+        if arch == "Gemma3ForCausalLM" and field == "hidden_act":  # Gemma's name for it
+            key, name = "hidden_activation", named.replace("hidden_act", "hidden_activation")
+        raw[key] = value
+        assert name in refusal(raw), arch
 
 
 def test_every_problem_is_named_at_once() -> None:
     raw = config_dict("MistralForCausalLM", sliding_window=64, hidden_act="gelu")
+    raw["sliding_window"] = 0
     message = refusal(raw)
-    assert "hidden_act='gelu'" in message and "sliding_window=64" in message
+    assert "hidden_act='gelu'" in message and "sliding_window=0" in message
     assert message.startswith("config.json: MistralForCausalLM: ")
 
 
@@ -211,6 +231,10 @@ def test_every_problem_is_named_at_once() -> None:
         ("Qwen2ForCausalLM", {"attention_bias": False, "mlp_bias": True}, (True, False, False)),
         ("Qwen3ForCausalLM", {"attention_bias": True, "mlp_bias": True}, (True, True, False)),
         ("Qwen3ForCausalLM", {}, (False, False, False)),
+        # ERNIE 4.5: use_bias on every projection (and the MoE's lm_head)
+        ("Ernie4_5ForCausalLM", {"use_bias": True}, (True, True, True)),
+        ("Ernie4_5_MoeForCausalLM", {"use_bias": True}, (True, True, True)),
+        ("Ernie4_5ForCausalLM", {"attention_bias": True, "mlp_bias": True}, (False, False, False)),
     ],
 )
 def test_biases_follow_each_architectures_modeling_code(arch, overrides, biases) -> None:
@@ -218,6 +242,7 @@ def test_biases_follow_each_architectures_modeling_code(arch, overrides, biases)
     config = load(raw)
     assert (config.qkv_bias, config.o_bias, config.mlp_bias) == biases
     assert config.qk_norm == (arch == "Qwen3ForCausalLM")
+    assert config.lm_head_bias == (arch == "Ernie4_5_MoeForCausalLM" and biases[0])
 
 
 def test_fields_left_out_take_the_config_classes_defaults() -> None:
@@ -241,9 +266,9 @@ def test_llama3_original_context_defaults_as_transformers_5() -> None:
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
     raw = config_dict("LlamaForCausalLM")
-    raw["architectures"] = ["Gemma3ForCausalLM"]
+    raw["architectures"] = ["Phi3ForCausalLM"]
     message = refusal(raw)
-    assert "unsupported architecture Gemma3ForCausalLM" in message
+    assert "unsupported architecture Phi3ForCausalLM" in message
     for name in SUPPORTED_ARCHITECTURES:
         assert name in message
 
@@ -256,6 +281,9 @@ def test_the_supported_list_is_the_table() -> None:
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Ernie4_5ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+        "Gemma3ForCausalLM",
     }
 
 
@@ -271,13 +299,13 @@ def test_a_refused_checkpoint_stops_the_engine_before_loading(tmp_path: Path) ->
     """What ``ketch serve`` start-up runs (``LLMEngine``): the error names the field."""
     from ketch.engine import LLM
 
-    hf_config("MistralForCausalLM", sliding_window=64).save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match=r"sliding_window=64: sliding-window attention"):
+    hf_config("MistralForCausalLM", hidden_act="gelu").save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"hidden_act='gelu': only silu"):
         LLM(str(tmp_path))
 
 
 def test_an_accepted_window_serves_transformers_logits(tmp_path: Path) -> None:
-    """A Mistral window as long as the context, accepted as full attention, is exact."""
+    """A Mistral window as long as the context (it never slides) is exact."""
     from test_model_exactness import assert_close
     from test_qwen3 import make_random_checkpoint
 

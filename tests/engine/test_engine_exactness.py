@@ -80,7 +80,7 @@ def assert_constrained_greedy_matches(
 
 
 @pytest.mark.parametrize("backend", ["eager", "predictor", "native"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "tiny"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "tiny"])
 def test_greedy_matches_transformers_with_every_mechanism(
     checkpoint, name: str, backend: str
 ) -> None:

@@ -75,7 +75,7 @@ def last_layer_kv(cache) -> tuple[np.ndarray, np.ndarray]:
     return layer.k_blocks.numpy().copy(), layer.v_blocks.numpy().copy()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama-linear-bias", "tiny"])
+@pytest.mark.parametrize("name", ["qwen2", "llama-linear-bias", "qwen3", "tiny"])
 def test_last_layer_on_kept_rows_equals_every_row(checkpoint, name: str) -> None:
     path = TINY_MODEL_DIR if name == "tiny" else checkpoint(name)
     config = ModelConfig.from_dir(path)

@@ -193,7 +193,7 @@ def test_bad_expert_fields_are_refused_naming_the_field(field: str, value: Any, 
         ModelConfig.from_dict(raw)
 
 
-def test_a_window_slides_in_every_layer_and_is_refused() -> None:
+def test_a_window_slides_in_every_layer() -> None:
     raw = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "vocab_size": 320,
@@ -204,10 +204,11 @@ def test_a_window_slides_in_every_layer_and_is_refused() -> None:
         "use_sliding_window": True,
         "sliding_window": 64,
     }
-    every_layer = r"sliding_window=64 \(use_sliding_window=true: every layer\)"
+    assert ModelConfig.from_dict(raw).sliding_windows == (64, 64)
+    assert ModelConfig.from_dict({**raw, "use_sliding_window": False}).sliding_windows == ()
+    every_layer = r"sliding_window=0 \(use_sliding_window=true: every layer\): expected"
     with pytest.raises(ModelLoadError, match=every_layer):
-        ModelConfig.from_dict(raw)
-    assert ModelConfig.from_dict({**raw, "use_sliding_window": False})
+        ModelConfig.from_dict({**raw, "sliding_window": 0})
 
 
 @pytest.mark.parametrize("backend", ["eager", "native"])

@@ -3,6 +3,8 @@
 Batches mix decodes and prefill chunks over shuffled block tables, with contexts on every block
 boundary (1, block_size - 1, block_size, block_size + 1, several blocks), GQA groups 1/2/4/8
 and head dims 32/64/128, in float32; the error allowed is 1e-5 of the output's largest value.
+Sliding windows (shorter than a block, one block, across blocks, longer than the context) on the
+same batches.
 """
 
 from __future__ import annotations
@@ -70,13 +72,13 @@ class Batch:
         )
         self.scale = head_dim**-0.5
 
-    def reference(self) -> np.ndarray:
+    def reference(self, window: int = 0) -> np.ndarray:
         return paged_attention_reference(
-            self.q, self.k_cache, self.v_cache, self.meta, self.scale
+            self.q, self.k_cache, self.v_cache, self.meta, self.scale, window
         ).numpy()
 
-    def run(self, kernel: PagedAttention) -> np.ndarray:
-        return kernel(self.q, self.k_cache, self.v_cache, self.meta, self.scale).numpy()
+    def run(self, kernel: PagedAttention, window: int = 0) -> np.ndarray:
+        return kernel(self.q, self.k_cache, self.v_cache, self.meta, self.scale, window).numpy()
 
 
 def _rel_err(out: np.ndarray, ref: np.ndarray) -> float:
@@ -177,3 +179,55 @@ def test_the_cpu_picks_the_kernel() -> None:
     assert select_paged_attention(CpuFeatures(frozenset(), "none")).isa == "generic"
     assert CpuKernels.select(zen3, log=False).paged_attention == PagedAttention("avx2")
     assert CpuKernels.portable().paged_attention is None  # the eager path
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 1000])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sliding_windows_on_block_boundaries(isa: str, group: int, window: int) -> None:
+    batch = Batch(_boundary_batch(16), kv_heads=2, group=group, head_dim=32, block_size=16)
+    want = batch.reference(window)
+    assert _rel_err(batch.run(PagedAttention(isa), window), want) <= TOLERANCE
+    if window < 70:  # the window changes what the longest contexts see
+        assert _rel_err(batch.reference(), want) > 1e-2
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("seed", range(4))
+def test_sliding_windows_on_random_shapes(isa: str, seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    block_size = int(rng.choice([1, 5, 16]))
+    seqs = []
+    for _ in range(int(rng.integers(1, 7))):
+        ctx = int(rng.integers(1, 200))
+        seqs.append((1 if rng.random() < 0.5 else int(rng.integers(1, ctx + 1)), ctx))
+    batch = Batch(
+        seqs, kv_heads=int(rng.integers(1, 3)), group=int(rng.choice([1, 2, 8])),
+        head_dim=int(rng.choice([32, 64])), block_size=block_size, seed=seed,
+    )  # fmt: skip
+    window = int(rng.integers(1, 60))
+    out = batch.run(PagedAttention(isa, 2), window)
+    assert _rel_err(out, batch.reference(window)) <= TOLERANCE
+
+
+def test_a_window_does_not_read_blocks_before_it() -> None:
+    """Blocks wholly before every query's window are skipped, not masked: NaN there is unseen."""
+    batch = Batch([(1, 64), (20, 64)], kv_heads=1, group=2, head_dim=32, block_size=8)
+    want = batch.reference(16)
+    tables = batch.meta.block_tables.numpy()
+    k, v = batch.k_cache.numpy().copy(), batch.v_cache.numpy().copy()
+    # sequence 0 (position 63) sees keys 48..63; sequence 1 (44..63) sees 29..63
+    for b, stale in ((0, range(6)), (1, range(3))):
+        for block in stale:
+            k[:, tables[b, block]] = np.nan
+            v[:, tables[b, block]] = np.nan
+    batch.k_cache, batch.v_cache = paddle.to_tensor(k), paddle.to_tensor(v)
+    runnable = [i for i, op in (("avx2", AVX2_OP), ("avx512", AVX512_OP)) if _HERE.can_run(op)]
+    for isa in ["generic", *runnable]:
+        assert _rel_err(batch.run(PagedAttention(isa), 16), want) <= TOLERANCE
+
+
+def test_a_negative_window_is_refused() -> None:
+    batch = Batch([(1, 20)], kv_heads=1, group=2, head_dim=32, block_size=16)
+    with pytest.raises(Exception, match="window must be 0"):
+        PagedAttention("generic")(batch.q, batch.k_cache, batch.v_cache, batch.meta, 1.0, -1)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from ketch.engine.cli import build_parser, listening_ports
+from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
 from ketch.operator.cli import render_object
 from ketch.operator.wiring import check_wiring
 
@@ -211,6 +212,18 @@ def test_cli_exits_0_when_wired_and_1_with_problems():
     bad = _cli("check-wiring", "-n", "prod", "-", stdin=yaml.safe_dump(body))
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "--no-such-flag" in bad.stdout and "1 wiring problem" in bad.stderr
+
+
+def test_cli_checks_a_checkpoint_config_and_names_the_architectures(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    bad = _cli("check-wiring", "--model-config", str(tmp_path / "config.json"),
+               str(EXAMPLES / "mixed.yaml"))  # fmt: skip
+    assert bad.returncode == 1 and "unsupported architecture BertModel" in bad.stdout, bad.stdout
+    missing = _cli("check-wiring", "--model-config", str(tmp_path / "nowhere"),
+                   str(EXAMPLES / "mixed.yaml"))  # fmt: skip
+    assert missing.returncode == 2 and "has no config.json" in missing.stderr
+    helped = _cli("check-wiring", "--help")
+    assert all(name in " ".join(helped.stdout.split()) for name in SUPPORTED_ARCHITECTURES)
 
 
 def test_check_does_not_import_paddle():

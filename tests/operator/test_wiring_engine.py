@@ -8,12 +8,14 @@ rendered stands on its own.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
 
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
+from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
 from ketch.operator.cli import render_object
 from ketch.operator.runnable import known_model
 from ketch.operator.wiring import check_wiring
@@ -115,3 +117,52 @@ def test_no_shm_volume_means_the_runtimes_64mi():
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "dshm"]
     [problem] = check_wiring(children)
     assert "the runtime's default /dev/shm (no volume mounted there) 64Mi" in problem
+
+
+def _checkpoint_config(tmp_path: Path, **fields) -> Path:
+    """A checkpoint directory holding only config.json (all ``--model-config`` reads)."""
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 32768,
+        **fields,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_checkpoint_config_is_checked_as_the_engine_loads_it(tmp_path):
+    """``--model-config``: the architecture and every field the engine would refuse at load,
+    named, for each engine of the InferenceService; a config the engine serves passes."""
+    children = render("disaggregated")
+    assert check_wiring(children, _checkpoint_config(tmp_path)) == []
+    unknown = _checkpoint_config(tmp_path, architectures=["GPT2LMHeadModel"])
+    problems = check_wiring(children, unknown)
+    assert len(problems) == 2 and all("unsupported architecture GPT2LMHeadModel" in p
+                                      for p in problems)  # fmt: skip
+    assert all(", ".join(SUPPORTED_ARCHITECTURES) in p for p in problems)
+    gelu = _checkpoint_config(tmp_path, hidden_act="gelu")
+    assert all("hidden_act='gelu'" in p for p in check_wiring(children, gelu))
+    short = _checkpoint_config(tmp_path, max_position_embeddings=4096)  # the example: 8192
+    assert all("spec.engine.maxModelLen: 8192" in p for p in check_wiring(children, short))
+
+
+def test_a_moe_checkpoint_on_a_backend_without_experts_is_refused(tmp_path):
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(children, "qwen-pd-config", f"{role}.yaml", backend="predictor")
+    moe = _checkpoint_config(
+        tmp_path,
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    problems = check_wiring(children, moe)
+    assert len(problems) == 2 and all("--backend predictor" in p for p in problems), problems

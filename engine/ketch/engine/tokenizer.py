@@ -1,4 +1,5 @@
-"""Tokenizer (Hugging Face ``tokenizer.json``) and chat template (jinja2, sandboxed)."""
+"""Tokenizer (Hugging Face ``tokenizer.json``, or a SentencePiece ``tokenizer.model`` converted
+at load by ``ketch.engine.sentencepiece``) and chat template (jinja2, sandboxed)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from ketch.engine.errors import ModelLoadError
+from ketch.engine.sentencepiece import tokenizer_from_model_file
 
 Message = dict[str, Any]
 RELEASE_GIL_CHARS = 2048
 """Texts longer than this are encoded with ``encode_batch``, which releases the GIL."""
 RELEASE_GIL_TOKENS = 2048
 """Token lists longer than this are decoded with ``decode_batch``, which releases the GIL."""
+TEMPLATE_VARIABLES = (
+    "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+    "raise_exception", "strftime_now",
+)  # fmt: skip
+"""The names a chat template sees from the renderer itself (``apply_chat_template``'s and the
+API server's ``tools``): a request's ``chat_template_kwargs`` may not set them."""
 # What rendering a template can raise when messages (whose extra fields reach the template)
 # have a shape it does not expect: a 400 for the request, never a 500 with a traceback.
 _RENDER_ERRORS = (
@@ -31,13 +39,7 @@ class Tokenizer:
     """Text <-> token ids for one model, plus its chat template."""
 
     def __init__(self, path: Path) -> None:
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise ModelLoadError(f"{path} has no tokenizer.json (a Hugging Face fast tokenizer)")
-        try:
-            self._tok = HFTokenizer.from_file(str(file))
-        except Exception as exc:  # tokenizers raises a bare Exception subclass
-            raise ModelLoadError(f"{file}: cannot load tokenizer: {exc}") from exc
+        self._tok = load_tokenizer(path)
         config_file = path / "tokenizer_config.json"
         self._config: dict[str, Any] = (
             json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -71,6 +73,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def is_special(self, token: str) -> bool:
+        """Whether ``token`` is an added token marked special (``skip_special_tokens`` drops
+        those from decoded text)."""
+        added = self._tok.get_added_tokens_decoder().values()
+        return any(t.content == token and t.special for t in added)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. A long text goes through ``encode_batch``, which releases
@@ -141,6 +149,33 @@ class Tokenizer:
                 f"the chat template cannot render these messages: {type(exc).__name__}: "
                 f"{_short(exc)}"
             ) from None
+
+
+def load_tokenizer(path: Path) -> HFTokenizer:
+    """The model directory's ``tokenizer.json``, else its SentencePiece ``tokenizer.model``
+    converted (``ketch.engine.sentencepiece``)."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        spm = path / "tokenizer.model"
+        if spm.is_file():
+            return tokenizer_from_model_file(spm)
+        raise ModelLoadError(
+            f"{path} has no tokenizer.json (a Hugging Face fast tokenizer) and no "
+            "tokenizer.model (SentencePiece)"
+        )
+    try:
+        return HFTokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception subclass
+        raise ModelLoadError(f"{file}: cannot load tokenizer: {exc}") from exc
+
+
+def tokenizer_json(tokenizer_file: Path) -> str:
+    """The text of ``tokenizer_file`` (a model's tokenizer.json), or, where the model ships only
+    a SentencePiece ``tokenizer.model`` beside it, the JSON of its conversion (what the grammar
+    engine reads)."""
+    if tokenizer_file.is_file():
+        return tokenizer_file.read_text()
+    return load_tokenizer(tokenizer_file.parent).to_str()
 
 
 def _check_list(messages: Any) -> list[Any]:

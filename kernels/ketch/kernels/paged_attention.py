@@ -6,8 +6,11 @@ flattened to ``[T, heads, head_dim]``; sequence ``b`` owns rows ``query_start[b]
 query_start[b + 1]`` and has ``context_lens[b]`` tokens in all, its cached prefix followed by
 these. New token ``i`` of a sequence with ``n`` new tokens sits at position
 ``context_lens[b] - n + i`` and attends to every key up to and including its own position: fully
-over the cached prefix, causally within the chunk. Decodes (``n = 1``) and prefill chunks mix
-freely in one call; grouped-query heads share KV head ``h // (heads // kv_heads)``.
+over the cached prefix, causally within the chunk. With a sliding window ``w > 0`` it sees only
+the keys ``j`` with ``position - j < w`` (its own and the ``w - 1`` before it: transformers'
+sliding-window mask); the kernel does not read the blocks wholly before a tile's first window.
+Decodes (``n = 1``) and prefill chunks mix freely in one call; grouped-query heads share KV head
+``h // (heads // kv_heads)``.
 
 ``paged_attention_reference`` is the specification, in plain paddle ops, one sequence at a time.
 ``PagedAttention`` runs the C++ op (``csrc/paged_attention.cc``) with the kernel for one
@@ -97,11 +100,13 @@ class PagedAttention:
         v_cache: paddle.Tensor,
         meta: PagedAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> paddle.Tensor:
-        """q: [T, heads, head_dim] -> [T, heads, head_dim]; scores are scaled by ``scale``."""
+        """q: [T, heads, head_dim] -> [T, heads, head_dim]; scores are scaled by ``scale``;
+        ``window``: the sliding window (keys a query sees, its own included), 0 for none."""
         return cpp_ops.ops().ketch_paged_attention(
             q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start,
-            meta.context_lens, float(scale), int(self.num_threads), self.isa,
+            meta.context_lens, float(scale), int(self.num_threads), self.isa, int(window),
         )  # fmt: skip
 
     @staticmethod
@@ -138,9 +143,11 @@ def paged_attention_reference(
     v_cache: paddle.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> paddle.Tensor:
     """The specification: per sequence, gather its context, mask the keys after each query's
-    position, softmax(q·kᵀ·scale)·v. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    position (and, with a ``window`` > 0, those ``window`` or more before it),
+    softmax(q·kᵀ·scale)·v. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
     kv_heads, _, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     group = heads // kv_heads
@@ -159,7 +166,10 @@ def paged_attention_reference(
         queries = queries.transpose([1, 2, 0, 3])  # [kv_heads, group, n, head_dim]
         scores = paddle.matmul(queries * scale, keys.unsqueeze(1), transpose_y=True)
         position = paddle.arange(context - n, context).unsqueeze(1)
-        visible = paddle.arange(context).unsqueeze(0) <= position  # [n, context]
+        key = paddle.arange(context).unsqueeze(0)
+        visible = key <= position  # [n, context]
+        if window > 0:
+            visible = visible & (position - key < window)
         scores = paddle.where(visible, scores, paddle.full_like(scores, -np.inf))
         out = paddle.matmul(F.softmax(scores, axis=-1), values.unsqueeze(1))
         outputs.append(out.transpose([2, 0, 1, 3]).reshape([n, heads, head_dim]))

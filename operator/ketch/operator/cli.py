@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
 from ketch.operator import builders, crd, objects
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.spec import InvalidSpec, parse
@@ -117,14 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--config file from the rendered ConfigMap) and checks that declared ports, probes, "
         "Services and the router's settings match what the processes listen on, and that each "
         "engine's configuration, GPUs and /dev/shm are what this engine build runs (what it "
-        "would refuse at start-up, named by the spec field). Prints each problem and exits 1, "
-        "or prints one OK line and exits 0.",
+        "would refuse at start-up, named by the spec field). With --model-config, the "
+        "checkpoint's config.json too: its architecture (this build serves "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}) and every field the engine would refuse at "
+        "load, at each role's context length and backend. Prints each problem and exits 1, or "
+        "prints one OK line and exits 0.",
     )
     check.add_argument(
         "files", nargs="+", metavar="FILE", help="InferenceService YAML ('-' = stdin)"
     )
     check.add_argument(
         "-n", "--namespace", help="namespace of objects that name none (default: 'default')"
+    )
+    check.add_argument(
+        "--model-config",
+        metavar="PATH",
+        type=Path,
+        help="a local copy of the served checkpoint (its directory, or its config.json): "
+        "checked as the engine checks it at load",
     )
 
     commands.add_parser(
@@ -237,10 +248,19 @@ def _check_wiring(args: argparse.Namespace) -> int:
     rendered = _render_files(args)
     if isinstance(rendered, int):
         return rendered
+    model_dir = args.model_config
+    if model_dir is not None:
+        model_dir = model_dir.parent if model_dir.name == "config.json" else model_dir
+        if not (model_dir / "config.json").is_file():
+            print(
+                f"ketch-operator: --model-config: {model_dir} has no config.json", file=sys.stderr
+            )
+            return 2
     problems = []
     for path, doc, children in rendered:
         name = (doc.get("metadata") or {}).get("name")
-        problems += [f"{path}: {name}: {problem}" for problem in check_wiring(children)]
+        found = check_wiring(children, model_dir)
+        problems += [f"{path}: {name}: {problem}" for problem in found]
     for problem in problems:
         print(problem)
     if problems:

@@ -77,14 +77,16 @@ def problems(
     shm_size: str | None,
     cpu: str | None = None,
     named: Callable[[str], str] | None = None,
+    model: ModelConfig | None = None,
 ) -> list[str]:
     """``"<field>: <value>: <why>"`` for each reason ``role``'s pods could not run ``config``.
 
     ``gpus``: the GPUs each pod gets; ``shm_size``: the sizeLimit of its ``/dev/shm`` (None:
     unlimited); ``cpu``: the engine container's CPU limit (None: none). ``named(setting)`` names
-    where a setting came from (default: the spec field)."""
+    where a setting came from (default: the spec field). ``model``: the checkpoint's facts when
+    the caller has read them (default: the built-in tiny model's, else none)."""
     name = named or (lambda setting: spec_field(setting, role))
-    model = known_model(config.model)
+    model = model or known_model(config.model)
     out = [
         f"{name(r.setting)}: {r.value}: {r.reason}"
         for r in refusals(config, model=model, gpus=gpus)

@@ -7,11 +7,14 @@ through block tables into padded tensors and runs one masked attention. The cach
 (``[kv_heads, blocks, block_size, head_dim]``), so a block gather yields ``[kv_heads, batch,
 context, head_dim]`` directly: no transpose of the (large) context, and grouped-query heads are
 folded into the query axis so keys and values are never repeated. The mask is explicit because
-the context is padded and a chunk after a cached prefix is not top-left causal.
+the context is padded and a chunk after a cached prefix is not top-left causal. A sliding window
+``w`` (Mistral, Qwen2's upper layers) is one more mask per distinct window, built once per step:
+a query at position ``p`` sees the keys ``j`` with ``p - w < j <= p`` (transformers' mask).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,9 +39,10 @@ class AttentionGroup:
     context_len: int  # padded to whole blocks
     query_index: paddle.Tensor  # [batch * max_query_len] rows of the flat token order
     block_index: paddle.Tensor  # [batch * blocks per sequence] (padding -> reserved block 0)
-    # [batch, query heads per KV head, max_query_len, context_len], additive (0 or -inf). Full
-    # size except the leading KV-head axis: paddle broadcasts over leading axes ~10x faster.
-    mask: paddle.Tensor
+    # window (0: full attention) -> [batch, query heads per KV head, max_query_len,
+    # context_len], additive (0 or -inf). Full size except the leading KV-head axis: paddle
+    # broadcasts over leading axes ~10x faster.
+    masks: dict[int, paddle.Tensor]
 
 
 @dataclass
@@ -61,9 +65,15 @@ class SequenceSpan:
 
 
 def build_metadata(
-    spans: list[SequenceSpan], block_size: int, num_blocks: int, kv_heads: int, group: int
+    spans: list[SequenceSpan],
+    block_size: int,
+    num_blocks: int,
+    kv_heads: int,
+    group: int,
+    windows: Sequence[int] = (0,),
 ) -> AttentionMetadata:
-    """``group`` is the number of query heads per KV head."""
+    """``group`` is the number of query heads per KV head; ``windows``: the sliding windows the
+    layers attend with (0: full attention), a mask built for each."""
     num_tokens = sum(s.query_len for s in spans)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
     output_index = np.empty(num_tokens, dtype=np.int64)
@@ -71,6 +81,7 @@ def build_metadata(
     offset = 0
     for members in _partition(spans):
         built = _build_group(members, block_size, slot_mapping, output_index, offset, group)
+        built.masks = {w: _mask(members, built, group, w) for w in windows}
         groups.append(built)
         offset += built.batch * built.max_query_len
     # Head h of token t lives at row h * (num_blocks * block_size) + slot(t) of the slot view.
@@ -121,7 +132,6 @@ def _build_group(
     for b, span in enumerate(spans):
         tables[b, : len(span.block_ids)] = span.block_ids[:num_ctx_blocks]
     rows = np.arange(batch)[:, None]
-    key_pos = np.arange(max_ctx)
     j = np.arange(max_q)[None, :]
     valid = j < q_lens[:, None]  # [batch, max_q]
     query_pos = (ctx_lens - q_lens)[:, None] + j
@@ -131,31 +141,55 @@ def _build_group(
         + query_pos % block_size
     )[valid]
     output_index[token_rows[valid]] = offset + np.arange(batch * max_q).reshape(batch, max_q)[valid]
-    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
-    # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
-    mask[:, :, 0] |= ~valid
-    bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))[:, None]
-    bias = np.ascontiguousarray(np.broadcast_to(bias, (batch, group, max_q, max_ctx)))
     return AttentionGroup(
         batch=batch,
         max_query_len=max_q,
         context_len=max_ctx,
         query_index=paddle.to_tensor(token_rows.reshape(-1)),
         block_index=paddle.to_tensor(tables.reshape(-1)),
-        mask=paddle.to_tensor(bias),
+        masks={},
     )
 
 
-def paged_attention(
-    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, cache: LayerCache, meta: AttentionMetadata
+def _mask(
+    spans: list[SequenceSpan], built: AttentionGroup, group: int, window: int
 ) -> paddle.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]. Scores are scaled by 1/sqrt(D)."""
+    """The additive mask of one window: causal, and with ``window`` > 0 the keys ``window`` or
+    more positions back hidden too."""
+    q_lens = np.fromiter((s.query_len for s in spans), dtype=np.int64, count=len(spans))
+    ctx_lens = np.fromiter((s.context_len for s in spans), dtype=np.int64, count=len(spans))
+    j = np.arange(built.max_query_len)[None, :]
+    valid = j < q_lens[:, None]  # [batch, max_q]
+    query_pos = ((ctx_lens - q_lens)[:, None] + j)[:, :, None]
+    key_pos = np.arange(built.context_len)[None, None, :]
+    seen = (key_pos <= query_pos) & valid[:, :, None]
+    if window > 0:
+        seen &= query_pos - key_pos < window
+    # Padding query rows attend to key 0 so softmax stays finite; their output is dropped.
+    seen[:, :, 0] |= ~valid
+    bias = np.where(seen, np.float32(0.0), np.float32(-np.inf))[:, None]
+    shape = (built.batch, group, built.max_query_len, built.context_len)
+    return paddle.to_tensor(np.ascontiguousarray(np.broadcast_to(bias, shape)))
+
+
+def paged_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    v: paddle.Tensor,
+    cache: LayerCache,
+    meta: AttentionMetadata,
+    window: int = 0,
+    scale: float | None = None,
+) -> paddle.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]. Scores are scaled by ``scale``
+    (default 1/sqrt(D)); ``window``: the sliding window (0: full attention), one of those
+    ``meta`` was built for."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     cache.k_slots[meta.write_index] = k.transpose([1, 0, 2]).reshape([-1, head_dim])
     cache.v_slots[meta.write_index] = v.transpose([1, 0, 2]).reshape([-1, head_dim])
     group = num_heads // kv_heads
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     outputs = []
     for g in meta.groups:
         b, sq, sk = g.batch, g.max_query_len, g.context_len
@@ -168,7 +202,7 @@ def paged_attention(
             [kv_heads, b, sk, head_dim]
         )
         scores = paddle.matmul(qg, kg, transpose_y=True)  # [kv, b, group * sq, sk]
-        scores = scores.reshape([kv_heads, b, group, sq, sk]) + g.mask
+        scores = scores.reshape([kv_heads, b, group, sq, sk]) + g.masks[window]
         probs = F.softmax(scores, axis=-1).reshape([kv_heads, b, group * sq, sk])
         out = paddle.matmul(probs, vg).reshape([kv_heads, b, group, sq, head_dim])
         outputs.append(out.transpose([1, 3, 0, 2, 4]).reshape([b * sq, num_heads * head_dim]))

@@ -1,8 +1,8 @@
 """Chooses what executes the model: Ketch's native kernels, the paddle inference predictor, or
 eager dygraph.
 
-Routed-expert (MoE) models run on native and eager only: ``predictor`` is refused for them, and
-``auto`` falls back from native straight to eager.
+Routed-expert (MoE) models and Gemma 3 run on native and eager only: ``predictor`` is refused
+for them, and ``auto`` falls back from native straight to eager.
 
 ``native`` runs every step in dygraph on Ketch's C++ kernels: matmuls in the GEMM op (OpenBLAS)
 or paddle.matmul, whichever measures faster here (``ketch.kernels.linear.choose_matmul``),
@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.gemma3 import Gemma3Model
 from ketch.engine.models.llama import LlamaModel, ModelWeights
 from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels
@@ -55,19 +56,22 @@ def build_model(
         raise ValueError(
             f"tensor_parallel_size {shard.world} runs on the native backend only, not {backend!r}"
         )
-    eager = LlamaModel(config, weights, max_len, kernels)
+    gemma = config.gemma is not None
+    eager = (Gemma3Model if gemma else LlamaModel)(config, weights, max_len, kernels)
     if backend == "eager":
         return eager
     from ketch.engine.models.llama_predictor import PredictorLlamaModel, _attention_kernel
 
     def native():
+        from ketch.engine.models.gemma3 import NativeGemma3Model
         from ketch.engine.models.llama_native import NativeLlamaModel, measured_matmul
         from ketch.kernels import cpp_ops
 
         cpp_ops.ops()  # the fused ops and attention
         attention = _attention_kernel(eager.kernels, config.head_dim)
         matmul, _ = measured_matmul(weights, threads)  # logged by ketch.kernels.linear
-        return NativeLlamaModel(config, weights, eager, matmul, attention, shard, group)
+        native_model = NativeGemma3Model if gemma else NativeLlamaModel
+        return native_model(config, weights, eager, matmul, attention, shard, group)
 
     def predictor():
         return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
@@ -86,7 +90,7 @@ def build_model(
         return predictor()
     why = []
     candidates = (("native", native), ("predictor", predictor))
-    if config.is_moe:  # the predictor's programs have no routed experts
+    if config.backend_problem("predictor") is not None:  # e.g. no routed experts in its programs
         candidates = candidates[:1]
     for name, make in candidates:
         try:

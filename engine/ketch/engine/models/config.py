@@ -13,12 +13,19 @@ from ketch.engine.models.architectures import (
     SUPPORTED_ARCHITECTURES,
     Architecture,
     Settings,
-    moe_layers,
-    num_experts,
+    gemma3_layer_types,
+    gemma3_rope_parameters,
     rope_field,
 )
 
-__all__ = ["MOE_BACKENDS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "moe_refusal"]
+__all__ = [
+    "MOE_BACKENDS",
+    "SUPPORTED_ARCHITECTURES",
+    "GemmaConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "moe_refusal",
+]
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,19 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """Where Gemma 3's decoder differs from Llama's beyond its weights
+    (``ketch.engine.models.gemma3``). Implied by it: RMSNorm ``x * (1 + w)`` (folded into the
+    weights at load), embeddings scaled by sqrt(hidden_size), a GELU-tanh gated MLP, and norms
+    of the attention's and the MLP's outputs before each joins the residual."""
+
+    query_pre_attn_scalar: float  # attention scores are scaled by its -1/2 power
+    final_logit_softcapping: float | None  # logits -> cap * tanh(logits / cap)
+    local_rope: RopeConfig  # the sliding_attention layers' rotation (ModelConfig.rope: the rest)
+    local_layers: tuple[int, ...]  # the sliding_attention layers
 
 
 @dataclass(frozen=True)
@@ -54,23 +74,64 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    # Qwen3-MoE: routed experts (``ketch.engine.models.moe``) in the layers ``moe_layers``; the
-    # other layers have the dense MLP of ``intermediate_size``. 0 / () for a dense model.
+    # ERNIE 4.5: RoPE rotates the pairs (2i, 2i + 1); loaded with the q/k rows reordered so
+    # the rotate-half rotation computes it (``loader.deinterleave``)
+    rope_interleaved: bool = False
+    lm_head_bias: bool = False  # ERNIE 4.5 MoE with use_bias
+    # Routed experts (``ketch.engine.models.moe``) in the layers ``moe_layers``; the other
+    # layers have the dense MLP of ``intermediate_size``. 0 / () for a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
+    norm_topk_prob: bool = False  # Qwen3-MoE
     moe_layers: tuple[int, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 3; ``rope`` is then its full_attention layers'
+    # Each layer's sliding window (a query at position p sees keys p - w < j <= p), 0 for full
+    # attention; () when every layer is full. The architecture computes it (``Architecture``).
+    sliding_windows: tuple[int, ...] = ()
+    # ERNIE 4.5 MoE (``architectures.Experts``): top-k on probabilities + the router's
+    # e_score_correction_bias, weights renormalised with the sum clamped to ``moe_norm_min``;
+    # shared experts: a dense MLP of ``shared_intermediate_size`` in each expert layer.
+    moe_score_bias: bool = False
+    moe_norm_min: float = 0.0
+    shared_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are scaled by: 1/sqrt(head_dim), or Gemma 3's
+        1/sqrt(query_pre_attn_scalar)."""
+        scalar = self.head_dim if self.gemma is None else self.gemma.query_pre_attn_scalar
+        return scalar**-0.5
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window; 0: full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, ascending (0: full attention), e.g. (0, 4096)."""
+        return tuple(sorted(set(self.sliding_windows or (0,))))
 
     def backend_problem(self, backend: str, gpu: bool = False) -> str | None:
         """Why this model cannot run on ``backend`` (or on a GPU); None when it can. For start-up
         checks (``capabilities.refusals``); ``build_model`` raises the same at load."""
         if self.is_moe and (gpu or backend not in MOE_BACKENDS):
             return moe_refusal(self.architecture, "--device gpu" if gpu else f"--backend {backend}")
+        if self.gemma is not None and (gpu or backend not in GEMMA_BACKENDS):
+            where = "--device gpu" if gpu else f"--backend {backend}"
+            return (
+                f"{self.architecture} runs on the eager/native backend only; {where} has no "
+                "Gemma 3 decoder layer yet: use --backend native, eager or auto on the CPU"
+            )
+        if self.sliding_windows and gpu:
+            return (
+                f"{self.architecture} with sliding_window={max(self.sliding_windows)} runs on the "
+                "CPU backends only; --device gpu has no sliding-window attention yet"
+            )
         return None
 
     @property
@@ -80,7 +141,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: Path, context_len: int | None = None) -> ModelConfig:
         """The checkpoint's config; ``context_len``: the longest sequence it will be served at
-        (default ``max_position_embeddings``), against which a sliding window is checked."""
+        (default ``max_position_embeddings``), against which a window Llama declares (and
+        transformers ignores) is checked."""
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelLoadError(
@@ -126,16 +188,20 @@ class ModelConfig:
             head_dim=int(s.get("head_dim") or hidden // heads),
             max_position_embeddings=max_positions,
             rms_norm_eps=float(s.get("rms_norm_eps", 1e-6)),
-            rope=_rope(s),
+            rope=_gemma_ropes(s)[0] if arch.gemma else _rope(s),
             tie_word_embeddings=bool(s.get("tie_word_embeddings", False)),
             qkv_bias=arch.flag(arch.qkv_bias, s),
             o_bias=arch.flag(arch.o_bias, s),
             mlp_bias=arch.flag(arch.mlp_bias, s),
             qk_norm=arch.qk_norm,
+            rope_interleaved=arch.rope_interleaved,
+            lm_head_bias=arch.flag(arch.lm_head_bias, s),
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
-            **(_moe(s) if arch.moe else {}),
+            sliding_windows=_windows(arch, s),
+            **_moe(arch, s),
+            **(_gemma(s) if arch.gemma else {}),
         )
         config._validate(source)
         return config
@@ -161,6 +227,7 @@ def _architecture(raw: dict[str, Any], source: str) -> Architecture:
 
 
 MOE_BACKENDS = ("auto", "native", "eager")  # where routed experts run (auto: native, else eager)
+GEMMA_BACKENDS = MOE_BACKENDS  # where Gemma 3's decoder layer runs
 
 
 def moe_refusal(architecture: str, where: str) -> str:
@@ -171,18 +238,26 @@ def moe_refusal(architecture: str, where: str) -> str:
     )
 
 
-def _moe(s: Settings) -> dict[str, Any]:
-    """The expert fields (the architecture's rules have checked them)."""
-    layers = tuple(moe_layers(s))
-    if not layers:
+def _moe(arch: Architecture, s: Settings) -> dict[str, Any]:
+    """The expert fields (the architecture's rules have checked them); {} for a dense model."""
+    experts = arch.experts(s) if arch.experts is not None else None
+    if experts is None:
         return {}
     return {
-        "num_experts": int(num_experts(s)),
-        "num_experts_per_tok": int(s["num_experts_per_tok"]),
-        "moe_intermediate_size": int(s["moe_intermediate_size"]),
-        "norm_topk_prob": bool(s.get("norm_topk_prob")),
-        "moe_layers": layers,
+        "num_experts": experts.count,
+        "num_experts_per_tok": experts.top_k,
+        "moe_intermediate_size": experts.intermediate_size,
+        "norm_topk_prob": experts.norm_topk_prob,
+        "moe_layers": experts.layers,
+        "moe_score_bias": experts.score_bias,
+        "moe_norm_min": experts.norm_min,
+        "shared_intermediate_size": experts.shared_intermediate_size,
     }
+
+
+def _windows(arch: Architecture, s: Settings) -> tuple[int, ...]:
+    windows = tuple(int(w) for w in arch.windows(s))
+    return windows if any(windows) else ()
 
 
 def _int(s: Settings, key: str, source: str) -> int:
@@ -192,11 +267,34 @@ def _int(s: Settings, key: str, source: str) -> int:
     return value
 
 
+def _gemma(s: Settings) -> dict[str, Any]:
+    """Gemma 3's own fields (the architecture's rules have checked them)."""
+    types = gemma3_layer_types(s)
+    cap = s.get("final_logit_softcapping")
+    gemma = GemmaConfig(
+        query_pre_attn_scalar=float(s["query_pre_attn_scalar"]),
+        final_logit_softcapping=None if cap is None else float(cap),
+        local_rope=_gemma_ropes(s)[1],
+        local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+    )
+    return {"gemma": gemma}
+
+
+def _gemma_ropes(s: Settings) -> tuple[RopeConfig, RopeConfig]:
+    """(the full_attention layers' rotation, the sliding_attention layers')."""
+    sets = gemma3_rope_parameters(s)
+    return _rope_of(sets["full_attention"], s), _rope_of(sets["sliding_attention"], s)
+
+
 def _rope(s: Settings) -> RopeConfig:
     """The rotary embedding (the architecture's rules have checked it). transformers 5 writes
     ``rope_parameters`` (with ``rope_theta`` inside); 4.x wrote ``rope_theta`` and an optional
     ``rope_scaling`` with ``type`` or ``rope_type``."""
     _key, params = rope_field(s)
+    return _rope_of(params, s)
+
+
+def _rope_of(params: Settings, s: Settings) -> RopeConfig:
     theta = params.get("rope_theta", s.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, Qwen3-MoE) for inference on paddle.
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3, Qwen3-MoE, ERNIE 4.5) for inference
+on paddle.
 
 Weights are plain tensors, fused where that saves kernel launches: q/k/v in one matmul, gate/up
 in one matmul followed by ``swiglu``. Matrices are stored transposed ([in, out]) once at load so
@@ -34,14 +35,20 @@ class LayerWeights:
     o: paddle.Tensor  # [H * D, hidden]
     o_bias: paddle.Tensor | None
     post_norm: paddle.Tensor
-    gate_up: paddle.Tensor | None  # [hidden, 2 * intermediate]; None in an expert layer
+    # [hidden, 2 * intermediate]; in an expert layer None, or ERNIE's shared experts
+    gate_up: paddle.Tensor | None
     gate_up_bias: paddle.Tensor | None
-    down: paddle.Tensor | None  # [intermediate, hidden]; None in an expert layer
+    down: paddle.Tensor | None  # [intermediate, hidden]; as gate_up
     down_bias: paddle.Tensor | None
     # Qwen3: RMSNorm weights [head_dim] of every query head and every key head (``qk_norm``)
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
-    moe: MoeWeights | None = None  # Qwen3-MoE: routed experts in place of the dense MLP
+    moe: MoeWeights | None = None  # routed experts (beside ERNIE's shared ones, if any)
+    # Gemma 3: the norms of the attention's and the MLP's outputs, before each joins the residual
+    # (its post_attention_layernorm and post_feedforward_layernorm; ``post_norm`` then holds its
+    # pre_feedforward_layernorm, the MLP's input norm as Llama's post_attention_layernorm is)
+    attn_out_norm: paddle.Tensor | None = None
+    mlp_out_norm: paddle.Tensor | None = None
 
 
 @dataclass
@@ -50,6 +57,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: paddle.Tensor
     lm_head: paddle.Tensor | None  # [hidden, vocab]; None on tensor-parallel ranks but 0
+    lm_head_bias: paddle.Tensor | None = None  # [vocab] (ERNIE 4.5 MoE with use_bias)
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:
@@ -86,7 +94,8 @@ class LlamaModel:
         """The attention inputs ``forward`` needs for a step of ``spans``."""
         kv = self.config.num_key_value_heads
         group = self.config.num_attention_heads // kv
-        return build_metadata(spans, block_size, num_blocks, kv, group)
+        windows = self.config.attention_windows
+        return build_metadata(spans, block_size, num_blocks, kv, group, windows)
 
     def forward(
         self,
@@ -106,32 +115,66 @@ class LlamaModel:
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
         h = F.embedding(input_ids, self.weights.embed)
-        for layer, cache in zip(self.weights.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
-            qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
-            if layer.q_norm is not None:
-                qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, rms_norm)
-            # Queries and keys rotate together: one set of rotary ops per layer.
-            qk = rotate(qk, cos, sin)
-            q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
-            v = v.reshape([0, c.num_key_value_heads, c.head_dim])
-            attn = paged_attention(q, k, v, cache, meta)
+            attn = self.attend(i, x, cos, sin, cache, meta)
             h = h + _linear(attn, layer.o, layer.o_bias)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            mlp = None
+            if layer.gate_up is not None:  # the dense MLP, or ERNIE's shared experts
+                gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
+                mlp = _linear(swiglu(gate_up), layer.down, layer.down_bias)
             if layer.moe is not None:
-                h = h + eager_moe(x, layer.moe, c.num_experts_per_tok, c.norm_topk_prob)
-                continue
-            gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
-            h = h + _linear(swiglu(gate_up), layer.down, layer.down_bias)
-        last = paddle.gather(h, logit_rows)
-        last = rms_norm(last, self.weights.norm, c.rms_norm_eps)
-        logits = paddle.matmul(last, self.weights.lm_head).astype("float32")
+                routed = eager_moe(x, layer.moe, c)
+                mlp = routed if mlp is None else routed + mlp
+            h = h + mlp
+        return self.head(h, logit_rows, hidden_rows)
+
+    def attend(
+        self,
+        i: int,
+        x: paddle.Tensor,
+        cos: paddle.Tensor,
+        sin: paddle.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:
+        """Layer ``i``'s attention [T, H * D] before the output projection: q/k/v, the per-head
+        q/k norms where it has them, the rotation (cos, sin: [T, 1, D]), the KV write and paged
+        attention within the layer's sliding window."""
+        c, layer = self.config, self.weights.layers[i]
+        qkv = _linear(x, layer.qkv, layer.qkv_bias)
+        qk, v = paddle.split(qkv, [self._q_size + self._kv_size, self._kv_size], axis=-1)
+        qk = qk.reshape([0, c.num_attention_heads + c.num_key_value_heads, c.head_dim])
+        if layer.q_norm is not None:
+            qk = qk_norm(qk, c.num_attention_heads, layer, c.rms_norm_eps, self.kernels.rms_norm)
+        # Queries and keys rotate together: one set of rotary ops per layer.
+        qk = rotate(qk, cos, sin)
+        q, k = paddle.split(qk, [c.num_attention_heads, c.num_key_value_heads], axis=1)
+        v = v.reshape([0, c.num_key_value_heads, c.head_dim])
+        return paged_attention(q, k, v, cache, meta, c.window(i), c.attention_scale)
+
+    def head(
+        self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """The final norm and the logits of ``logit_rows`` of h (and ``hidden_rows``' normed
+        states), as ``forward`` returns them."""
+        c = self.config
+        last = self.kernels.rms_norm(
+            paddle.gather(h, logit_rows), self.weights.norm, c.rms_norm_eps
+        )
+        logits = self.logits(last)
         if hidden_rows is None:
             return logits
-        hidden = rms_norm(paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps)
+        hidden = self.kernels.rms_norm(
+            paddle.gather(h, hidden_rows), self.weights.norm, c.rms_norm_eps
+        )
         return logits, hidden.astype("float32")
+
+    def logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Final-normed states [R, hidden] -> logits [R, vocab] in float32."""
+        w = self.weights
+        return _linear(x, w.lm_head, w.lm_head_bias).astype("float32")
 
 
 def qk_norm(

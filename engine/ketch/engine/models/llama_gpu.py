@@ -82,8 +82,9 @@ class GpuLlamaModel:
         group: Group | None = None,
     ) -> None:
         """``weights`` already on the device this model computes on (``to_device``)."""
-        if config.is_moe:
-            refuse_moe(config.architecture, "--device gpu")
+        problem = config.backend_problem("gpu", gpu=True)  # routed experts, sliding windows
+        if problem is not None:
+            raise ValueError(problem)
         self.config = config
         self.weights = weights
         self.attention = attention

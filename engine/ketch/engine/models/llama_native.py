@@ -2,13 +2,14 @@
 
 Same inputs and outputs as ``LlamaModel.forward`` (the eager reference). Per layer: the q/k/v
 matmul (for Qwen3 then the per-head q/k RMSNorm: a split, two fused norms and a concat), one
-fused op for the split and the rotary embedding, the KV write and paged attention in
-the C++ kernel, the output projection, one fused op for the residual add and RMSNorm, the MLP
-(SwiGLU between two matmuls; for a Qwen3-MoE expert layer the router, then the routed experts
-in one fused op on the packed GEMM, or a matmul pair per expert with tokens, ``_experts``), and
-the next fused add + RMSNorm. Every matmul goes through the ``linear`` it is given: Ketch's
-packed-weight GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured
-faster for that row count on this machine. A matmul with ``prepare``
+fused op for the split and the rotary embedding, the KV write and paged attention in the C++
+kernel (within the layer's sliding window, ``ModelConfig.window``), the output projection, one
+fused op for the residual add and RMSNorm, the MLP (SwiGLU between two matmuls; for an expert
+layer the router, then the routed experts in one fused op on the packed GEMM or a matmul pair
+per expert with tokens, ``_experts``, plus ERNIE's shared experts as a dense MLP), and the next
+fused add + RMSNorm. Every matmul goes through the ``linear`` it is given: Ketch's packed-weight
+GEMM, OpenBLAS's GEMM op or paddle.matmul, whichever ``choose_matmul`` measured faster for that
+row count on this machine. A matmul with ``prepare``
 (the packed GEMM) gets the weights in its layout once, here, and the model keeps only those.
 
 Why dygraph and not the inference predictor (docs/backend.md): dygraph dispatches an op in a few
@@ -31,7 +32,7 @@ from paddle.nn.functional import embedding, swiglu
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
-from ketch.engine.models.moe import MoeWeights, combine, route
+from ketch.engine.models.moe import MoeWeights, combine, select_experts
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
 from ketch.kernels.collective import Group
@@ -60,11 +61,13 @@ def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
     return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
 
 
-def _prepared_weights(weights: ModelWeights, linear: Matmul, fused_experts: bool) -> ModelWeights:
+def _prepared_weights(
+    weights: ModelWeights, linear: Matmul, fuse: bool, fused_experts: bool
+) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
-    has no ``prepare``); with ``fused_experts``, no routed experts' lists (the fused op holds
-    its own copy); norms, biases and embeddings stay as they are."""
-    fuse = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
+    has no ``prepare``; ``fuse``: gate/up with the SwiGLU epilogue); with ``fused_experts``, no
+    routed experts' lists (the fused op holds its own copy); norms, biases and embeddings stay
+    as they are."""
 
     def gate_up(w: paddle.Tensor):
         return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
@@ -79,7 +82,7 @@ def _prepared_weights(weights: ModelWeights, linear: Matmul, fused_experts: bool
         forms = {n: prepared(linear, getattr(lw, n)) for n in ("qkv", "o")}
         if lw.moe is not None:
             forms["moe"] = moe(lw.moe)
-        else:
+        if lw.gate_up is not None:  # the dense MLP, or ERNIE's shared experts
             forms["gate_up"] = gate_up(lw.gate_up)
             forms["down"] = prepared(linear, lw.down)
         return dataclasses.replace(lw, **forms)
@@ -120,8 +123,9 @@ class KeptRows:
         starts = np.asarray([s.start for s in spans], dtype=np.int64)
         rows = np.asarray(keep, dtype=np.int64)
         seq = np.searchsorted(starts, rows, side="right") - 1
-        # A kept row at position p (computed + its offset in the chunk) sees tokens 0..p; its
-        # own K/V and those of the chunk's earlier rows are written before it attends.
+        # A kept row at position p (computed + its offset in the chunk) sees tokens 0..p (those
+        # of its layer's window); its own K/V and those of the chunk's earlier rows are written
+        # before it attends.
         lens = [spans[b].context_len - spans[b].query_len + int(r) - spans[b].start + 1
                 for b, r in zip(seq, rows, strict=True)]  # fmt: skip
         meta = PagedAttentionMetadata.build(
@@ -144,6 +148,7 @@ class NativeLlamaModel:
     other than 0 computes no logits (``forward`` returns None)."""
 
     backend_name = "native"
+    swiglu_mlp = True  # the MLP is SwiGLU (the packed GEMM may compute it in its epilogue)
 
     def __init__(
         self,
@@ -162,6 +167,9 @@ class NativeLlamaModel:
             )
         self.config = config
         self.kernels = eager.kernels
+        self._fused_swiglu = self.swiglu_mlp and all(
+            _fuses_swiglu(linear, lw) for lw in weights.layers
+        )
         # The routed experts run in one fused op on the packed GEMM whenever it is there (the
         # dense matmuls' measured winner or not): per-expert calls cost more than any GEMM saves.
         experts = packed_gemm_of(linear) if config.is_moe else None
@@ -174,10 +182,10 @@ class NativeLlamaModel:
             for i, lw in enumerate(weights.layers)
             if lw.moe is not None and self.experts_op is not None
         }
-        self.weights = _prepared_weights(weights, linear, self.experts_op is not None)
+        fused_experts = self.experts_op is not None
+        self.weights = _prepared_weights(weights, linear, self._fused_swiglu, fused_experts)
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
-        self._fused_swiglu = all(_fuses_swiglu(linear, lw) for lw in weights.layers)
         self.attention = attention
         self.eps = float(config.rms_norm_eps)
         self._cos, self._sin = eager._cos, eager._sin
@@ -212,11 +220,10 @@ class NativeLlamaModel:
         return y if b is None else y + b
 
     def _experts(self, i: int, x: paddle.Tensor) -> paddle.Tensor:
-        """Layer i's Qwen3-MoE sparse block (``ketch.engine.models.moe``): the router in paddle
-        ops, as the eager model routes, then this rank's experts (``routed_experts``); the
-        ranks' parts summed like the dense down's."""
-        c, moe = self.config, self.weights.layers[i].moe
-        routing, indices = route(x, moe.router, c.num_experts_per_tok, c.norm_topk_prob)
+        """Layer i's routed experts (``ketch.engine.models.moe``): the router in paddle ops, as
+        the eager model routes (``select_experts``: the layer's architecture's router), then
+        this rank's experts (``routed_experts``); the ranks' parts summed like the dense down's."""
+        routing, indices = select_experts(x, self.weights.layers[i].moe, self.config)
         y = self.routed_experts(i, x, routing, indices)
         return y if self.group is None else self.group.all_reduce(y)
 
@@ -238,11 +245,19 @@ class NativeLlamaModel:
 
         return combine(x, moe, routing, indices, mlp)
 
+    def _mlp(self, x: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
+        """The dense SwiGLU MLP (column- then row-parallel), summed over the ranks."""
+        if self._fused_swiglu:
+            up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
+        else:
+            up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
+        return self._row_parallel(up, layer.down, layer.down_bias)
+
     kept_rows = staticmethod(KeptRows.build)  # what forward's ``kept`` takes
 
     def _attend(
         self,
-        layer: LayerWeights,
+        i: int,
         x: paddle.Tensor,
         cos,
         sin,
@@ -250,7 +265,9 @@ class NativeLlamaModel:
         meta,
         kept: KeptRows | None = None,
     ) -> paddle.Tensor:
-        """Writes every row's K/V; attends for every row, or only the ``kept`` ones."""
+        """Layer ``i``: writes every row's K/V; attends for every row, or only the ``kept`` ones,
+        within the layer's sliding window."""
+        layer = self.weights.layers[i]
         heads, kv_heads, d = self.shard.num_heads, self.shard.num_kv_heads, self.config.head_dim
         qkv = self._dense(x, layer.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
@@ -259,7 +276,8 @@ class NativeLlamaModel:
         self.attention.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
         if kept is not None:
             q, meta = paddle.gather(q, kept.rows), kept.meta
-        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, d**-0.5)
+        scale, window = self.config.attention_scale, self.config.window(i)
+        out = self.attention(q, cache.k_blocks, cache.v_blocks, meta, scale, window)
         return out.reshape([0, heads * d])
 
     def _norm_heads(self, qkv: paddle.Tensor, layer: LayerWeights) -> paddle.Tensor:
@@ -296,7 +314,7 @@ class NativeLlamaModel:
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
             pruned = kept if i == last else None
-            attn = self._attend(layer, x, cos, sin, cache, meta, pruned)
+            attn = self._attend(i, x, cos, sin, cache, meta, pruned)
             if pruned is not None:
                 h = paddle.gather(h, pruned.rows)
                 logit_rows, hidden_rows = pruned.logit_rows, pruned.hidden_rows
@@ -305,20 +323,27 @@ class NativeLlamaModel:
             )
             if layer.moe is not None:
                 mlp = self._experts(i, x)
+                if layer.gate_up is not None:  # ERNIE's shared experts, beside the routed
+                    mlp = mlp + self._mlp(x, layer)
             else:
-                if self._fused_swiglu:
-                    up = self.linear(x, layer.gate_up)  # silu(gate) * up, from the GEMM
-                else:
-                    up = swiglu(self._dense(x, layer.gate_up, layer.gate_up_bias))
-                mlp = self._row_parallel(up, layer.down, layer.down_bias)
+                mlp = self._mlp(x, layer)
             if i < last:
                 h, x = fused.add_rms_norm(h, mlp, w.layers[i + 1].input_norm, self.eps)
             elif w.lm_head is None:
                 return None  # a rank other than 0: no logits
             else:
                 h = h + mlp
-        x = fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps)
-        logits = self.linear(x, w.lm_head)
+        return self._head(h, logit_rows, hidden_rows)
+
+    def _head(
+        self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None
+    ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
+        """The final norm and the logits of ``logit_rows`` of h, as ``forward`` returns them."""
+        w = self.weights
+        logits = self._logits(fused.rms_norm(paddle.gather(h, logit_rows), w.norm, self.eps))
         if hidden_rows is None:
             return logits
         return logits, fused.rms_norm(paddle.gather(h, hidden_rows), w.norm, self.eps)
+
+    def _logits(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self._dense(x, self.weights.lm_head, self.weights.lm_head_bias)

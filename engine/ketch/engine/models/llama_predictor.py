@@ -27,7 +27,6 @@ from ketch.engine.models.attention import (
 )
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights, qk_norm, rotate
-from ketch.engine.models.moe import refuse_moe
 from ketch.kernels import CpuKernels, dense_graph
 from ketch.kernels.dense_graph import DenseShape, Matmul
 from ketch.kernels.paged_attention import PagedAttention, PagedAttentionMetadata
@@ -90,8 +89,9 @@ class PredictorLlamaModel:
         threads: int,
         cache_dir: Path | None = None,
     ) -> None:
-        if config.is_moe:
-            refuse_moe(config.architecture, "--backend predictor")
+        problem = config.backend_problem("predictor")
+        if problem is not None:  # routed experts, Gemma 3's layers: not in its programs
+            raise ValueError(problem)
         self._setup(config, weights, eager, paddle.matmul)
         self.programs: DensePrograms | None = DensePrograms(dense_shape(config), threads, cache_dir)
 
@@ -156,10 +156,11 @@ class PredictorLlamaModel:
         sin = paddle.gather(self._sin, positions)
         rotary = (cos, sin) if self._qk_norm_layers is None else self._identity_rotary(cos)
         h, q, k, v = run("first", [input_ids, *rotary, *self._first])
-        attn = attend(*self._norm_heads(0, q, k, cos, sin), v, kv_caches[0], meta)
-        for i, (weights, cache) in enumerate(zip(self._middle, kv_caches[1:], strict=True)):
+        window = self.config.window
+        attn = attend(*self._norm_heads(0, q, k, cos, sin), v, kv_caches[0], meta, window(0))
+        for i, (weights, cache) in enumerate(zip(self._middle, kv_caches[1:], strict=True), 1):
             h, q, k, v = run("middle", [h, attn, *rotary, *weights])
-            attn = attend(*self._norm_heads(i + 1, q, k, cos, sin), v, cache, meta)
+            attn = attend(*self._norm_heads(i, q, k, cos, sin), v, cache, meta, window(i))
         logits = run("last", [h, attn, logit_rows, *self._last])[0]
         if hidden_rows is None:
             return logits
@@ -209,10 +210,12 @@ class PredictorLlamaModel:
         v: paddle.Tensor,
         cache: LayerCache,
         meta: PagedAttentionMetadata,
+        window: int = 0,
     ) -> paddle.Tensor:
         kernel = self.attention
         kernel.write_kv(k, v, cache.k_blocks, cache.v_blocks, meta)
-        out = kernel(q, cache.k_blocks, cache.v_blocks, meta, self.config.head_dim**-0.5)
+        scale = self.config.head_dim**-0.5
+        out = kernel(q, cache.k_blocks, cache.v_blocks, meta, scale, window)
         return out.reshape([0, self.config.num_attention_heads * self.config.head_dim])
 
 

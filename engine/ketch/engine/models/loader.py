@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import paddle
 from safetensors import safe_open
 
@@ -36,7 +37,7 @@ def load_weights(
 def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWeights:
     loader = _Checked(checkpoint)
     c, d = config, config.head_dim
-    hidden, inter = c.hidden_size, c.intermediate_size
+    hidden = c.hidden_size
     q_rows = _times(shard.heads, d)
     kv_rows = _times(shard.kv_heads, d)
     rows = (
@@ -49,56 +50,26 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
         qkv = [loader.get(p + f"self_attn.{n}_proj.weight", (m, hidden), r) for n, m, r in rows]
         qkv_bias = None
         if c.qkv_bias:
-            qkv_bias = paddle.concat(
-                [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
-            )
+            qkv_bias = [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
+        if c.rope_interleaved:
+            qkv[:2] = [deinterleave(w, d) for w in qkv[:2]]
+            if qkv_bias is not None:
+                qkv_bias[:2] = [deinterleave(b, d) for b in qkv_bias[:2]]
         moe = _experts(loader, c, p, shard) if i in c.moe_layers else None
-        gate_up = (
-            None
-            if moe
-            else [
-                loader.get(p + f"mlp.{n}_proj.weight", (inter, hidden), shard.intermediate)
-                for n in ("gate", "up")
-            ]
-        )
-        gate_up_bias = None
-        if c.mlp_bias:
-            gate_up_bias = paddle.concat(
-                [
-                    loader.get(p + f"mlp.{n}_proj.bias", (inter,), shard.intermediate)
-                    for n in ("gate", "up")
-                ]
-            )
         o_shape = (hidden, c.num_attention_heads * d)
-        # Per-head-dim weights, the same for every head: replicated on every rank.
-        q_norm, k_norm = (
-            (loader.get(p + f"self_attn.{n}_norm.weight", (d,)) for n in ("q", "k"))
-            if c.qk_norm
-            else (None, None)
-        )
         layers.append(
             LayerWeights(
-                input_norm=loader.get(p + "input_layernorm.weight", (hidden,)),
+                **_norms(loader, c, p),
                 qkv=paddle.concat(qkv, axis=0).T.contiguous(),
-                qkv_bias=qkv_bias,
+                qkv_bias=None if qkv_bias is None else paddle.concat(qkv_bias),
                 o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
                 o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
-                post_norm=loader.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=None if moe else paddle.concat(gate_up, axis=0).T.contiguous(),
-                gate_up_bias=gate_up_bias,
-                down=None
-                if moe
-                else loader.get(
-                    p + "mlp.down_proj.weight", (hidden, inter), cols=shard.intermediate
-                ).T.contiguous(),
-                down_bias=loader.get(p + "mlp.down_proj.bias", (hidden,)) if c.mlp_bias else None,
-                q_norm=q_norm,
-                k_norm=k_norm,
+                **_mlp(loader, c, p, shard, moe is not None),
                 moe=moe,
             )
         )
     embed = loader.get("model.embed_tokens.weight", (c.vocab_size, hidden))
-    lm_head = None
+    lm_head = lm_head_bias = None
     if shard.first:  # the other ranks never compute logits
         if c.tie_word_embeddings or "lm_head.weight" not in checkpoint:
             if not c.tie_word_embeddings:
@@ -109,24 +80,113 @@ def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWe
         else:
             lm_head = loader.get("lm_head.weight", (c.vocab_size, hidden))
         lm_head = lm_head.T.contiguous()
+        if c.lm_head_bias:
+            lm_head_bias = loader.get("lm_head.bias", (c.vocab_size,))
+    norm = loader.get("model.norm.weight", (hidden,))
+    if c.gemma is not None:
+        embed, norm = _gemma_scaled(embed, hidden), _gemma_norm(norm)
     weights = ModelWeights(
-        embed=embed,
-        layers=layers,
-        norm=loader.get("model.norm.weight", (hidden,)),
-        lm_head=lm_head,
+        embed=embed, layers=layers, norm=norm, lm_head=lm_head, lm_head_bias=lm_head_bias
     )
+    # ERNIE 4.5 MoE's multi-token-prediction layers (``mtp_*``): transformers reads them only
+    # for speculative decoding (generate(use_mtp=True)); plain decoding never does.
+    loader.used.update(n for n in checkpoint.names if n.startswith("mtp"))
     loader.warn_unused()
     return weights
+
+
+def deinterleave(w: paddle.Tensor, head_dim: int) -> paddle.Tensor:
+    """q or k projection rows (weight [heads * D, hidden] or bias [heads * D]) with each head's
+    rows reordered: its even rows, then its odd rows.
+
+    ERNIE 4.5 rotates each head's pairs (2i, 2i + 1) by angle ``p * inv_freq[i]`` (GLM style);
+    Ketch's kernels rotate (i, i + D/2) (Llama's rotate-half). Row 2i of the checkpoint becomes
+    row i and row 2i + 1 becomes row i + D/2, so rotate-half on the reordered q and k moves every
+    pair exactly as the interleaved rotation does. q and k are reordered alike, so each q.k (the
+    only use of them) is the same sum in another order: the attention is transformers'. v and o
+    are untouched; the KV cache holds the reordered keys."""
+    heads = w.shape[0] // head_dim
+    order = paddle.to_tensor(list(range(0, head_dim, 2)) + list(range(1, head_dim, 2)))
+    per_head = w.reshape([heads, head_dim, -1])
+    return paddle.gather(per_head, order, axis=1).reshape(w.shape)
+
+
+def _mlp(
+    loader: _Checked, c: ModelConfig, p: str, shard: Shard, routed: bool
+) -> dict[str, paddle.Tensor | None]:
+    """Layer ``p``'s dense SwiGLU MLP, or in an expert layer ERNIE's shared experts (``None``
+    without them), as ``LayerWeights``' gate_up, gate_up_bias, down and down_bias: this
+    ``shard``'s intermediate columns of it."""
+    if not routed:
+        prefix, inter, cols = p + "mlp.", c.intermediate_size, shard.intermediate
+    elif c.shared_intermediate_size:
+        prefix, inter, cols = p + "mlp.shared_experts.", c.shared_intermediate_size, shard.shared
+    else:
+        return dict.fromkeys(("gate_up", "gate_up_bias", "down", "down_bias"))
+    hidden = c.hidden_size
+    gate_up = [
+        loader.get(f"{prefix}{n}_proj.weight", (inter, hidden), cols) for n in ("gate", "up")
+    ]
+    down = loader.get(prefix + "down_proj.weight", (hidden, inter), cols=cols)
+    biases = {"gate_up_bias": None, "down_bias": None}
+    if c.mlp_bias:
+        halves = [loader.get(f"{prefix}{n}_proj.bias", (inter,), cols) for n in ("gate", "up")]
+        biases = {
+            "gate_up_bias": paddle.concat(halves),
+            "down_bias": loader.get(prefix + "down_proj.bias", (hidden,)),
+        }
+    return {
+        "gate_up": paddle.concat(gate_up, axis=0).T.contiguous(),
+        "down": down.T.contiguous(),
+        **biases,
+    }
+
+
+def _norms(loader: _Checked, c: ModelConfig, p: str) -> dict[str, paddle.Tensor]:
+    """Layer ``p``'s RMSNorm weights, by ``LayerWeights``' names."""
+    names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+    if c.gemma is not None:
+        names = {
+            "input_norm": "input_layernorm",
+            "attn_out_norm": "post_attention_layernorm",
+            "post_norm": "pre_feedforward_layernorm",
+            "mlp_out_norm": "post_feedforward_layernorm",
+        }
+    out = {
+        field: loader.get(p + f"{name}.weight", (c.hidden_size,)) for field, name in names.items()
+    }
+    if c.qk_norm:  # per-head-dim weights, the same for every head: replicated on every rank
+        for n in ("q", "k"):
+            out[f"{n}_norm"] = loader.get(p + f"self_attn.{n}_norm.weight", (c.head_dim,))
+    return {k: _gemma_norm(w) for k, w in out.items()} if c.gemma is not None else out
+
+
+def _gemma_norm(w: paddle.Tensor) -> paddle.Tensor:
+    """Gemma's RMSNorm multiplies by ``1 + w`` (in float32): folded here, so every backend's
+    RMSNorm computes it as Llama's."""
+    return (w.astype("float32") + 1.0).astype(w.dtype)
+
+
+def _gemma_scaled(embed: paddle.Tensor, hidden: int) -> paddle.Tensor:
+    """Gemma scales each embedding by sqrt(hidden_size), rounded to the weights' dtype; folded
+    into the table (a tied lm_head keeps the unscaled one)."""
+    normalizer = paddle.to_tensor(np.float32(hidden**0.5)).astype(embed.dtype)
+    return embed * normalizer
 
 
 def _experts(loader: _Checked, c: ModelConfig, p: str, shard: Shard) -> MoeWeights:
     """Layer ``p``'s router and ``shard``'s experts, whole. transformers 5's save_pretrained
     writes one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``, as the
     Hub's checkpoints have them); its in-memory layout, stacked ``mlp.experts.gate_up_proj``
-    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], is read too."""
+    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], is read too. ERNIE's router and its
+    ``e_score_correction_bias`` stay float32 whatever the compute dtype (transformers keeps them
+    so: ``_keep_in_fp32_modules_strict``)."""
     hidden, inter, count = c.hidden_size, c.moe_intermediate_size, c.num_experts
     first, end = shard.experts
-    router = loader.get(p + "mlp.gate.weight", (count, hidden)).T.contiguous()
+    router_dtype = "float32" if c.moe_score_bias else None
+    router = loader.get(p + "mlp.gate.weight", (count, hidden), dtype=router_dtype)
+    router = router.T.contiguous()
+    score_bias = _score_bias(loader, p, count) if c.moe_score_bias else None
     # Other ranks' experts are theirs to read, not unused weights.
     loader.used.update(n for n in loader.checkpoint.names if n.startswith(p + "mlp.experts."))
     stacked = p + "mlp.experts.gate_up_proj"
@@ -135,14 +195,23 @@ def _experts(loader: _Checked, c: ModelConfig, p: str, shard: Shard) -> MoeWeigh
         downs = loader.get(p + "mlp.experts.down_proj", (count, hidden, inter), (first, end))
         gate_up = [gate_ups[j].T.contiguous() for j in range(end - first)]
         down = [downs[j].T.contiguous() for j in range(end - first)]
-        return MoeWeights(router, gate_up, down, first)
+        return MoeWeights(router, gate_up, down, first, score_bias)
     gate_up, down = [], []
     for e in range(first, end):
         q = f"{p}mlp.experts.{e}."
         halves = [loader.get(q + f"{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")]
         gate_up.append(paddle.concat(halves, axis=0).T.contiguous())
         down.append(loader.get(q + "down_proj.weight", (hidden, inter)).T.contiguous())
-    return MoeWeights(router, gate_up, down, first)
+    return MoeWeights(router, gate_up, down, first, score_bias)
+
+
+def _score_bias(loader: _Checked, p: str, count: int) -> paddle.Tensor:
+    """ERNIE's ``e_score_correction_bias`` [1, E] as [E]: where the Hub's checkpoints (and
+    save_pretrained) put it, ``mlp.moe_statics.``, or transformers' module path."""
+    name = p + "mlp.moe_statics.e_score_correction_bias"
+    if name not in loader.checkpoint:
+        name = p + "mlp.gate.moe_statics.e_score_correction_bias"
+    return loader.get(name, (1, count), dtype="float32").reshape([count])
 
 
 def _times(span: tuple[int, int], n: int) -> tuple[int, int]:
@@ -163,7 +232,9 @@ class _Checked:
         shape: tuple[int, ...],
         rows: tuple[int, int] | None = None,
         cols: tuple[int, int] | None = None,
+        dtype: str | None = None,
     ) -> paddle.Tensor:
+        """``dtype``: read in it, not in the compute dtype."""
         path = self.checkpoint.path
         if name not in self.checkpoint:
             raise ModelLoadError(f"{path}: weight {name!r} is missing from the checkpoint")
@@ -174,7 +245,7 @@ class _Checked:
                 f"{list(shape)}"
             )
         self.used.add(name)
-        return self.checkpoint.read(name, rows, cols)
+        return self.checkpoint.read(name, rows, cols, dtype)
 
     def warn_unused(self) -> None:
         unused = sorted(set(self.checkpoint.names) - self.used - {"lm_head.weight"})
@@ -233,7 +304,11 @@ class _Checkpoint:
         return tuple(handle.get_slice(name).get_shape())
 
     def read(
-        self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None
+        self,
+        name: str,
+        rows: tuple[int, int] | None,
+        cols: tuple[int, int] | None,
+        dtype: str | None = None,
     ) -> paddle.Tensor:
         file, handle = self._files[name]
         try:
@@ -246,7 +321,8 @@ class _Checkpoint:
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read weight {name!r}: {exc}") from exc
         tensor = tensor.contiguous()
-        return tensor if tensor.dtype == self._target else tensor.astype(self.dtype)
+        target = self._target if dtype is None else _paddle_dtype(dtype)
+        return tensor if tensor.dtype == target else tensor.astype(dtype or self.dtype)
 
 
 def _weight_files(path: Path) -> list[Path]:

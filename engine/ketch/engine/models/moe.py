@@ -1,9 +1,16 @@
-"""Routed experts (Qwen3-MoE's sparse MLP block) in paddle ops, for the eager and native backends.
+"""Routed experts (the sparse MLP blocks of Qwen3-MoE and ERNIE 4.5 MoE) in paddle ops, for the
+eager and native backends.
 
-The router is transformers' ``Qwen3MoeTopKRouter`` step for step: router logits in the hidden
-dtype, softmax in float32, ``topk`` of the probabilities (paddle's CPU ``topk`` orders exact ties
-as torch's does: the tests check it on tied routers), renormalised over the top-k when
-``norm_topk_prob``, then cast back to the logits' dtype. The experts run as
+Two routers, each transformers' step for step. ``route`` is ``Qwen3MoeTopKRouter``: router
+logits in the hidden dtype, softmax in float32, ``topk`` of the probabilities (paddle's CPU
+``topk`` orders exact ties as torch's does: the tests check it on tied routers), renormalised over
+the top-k when ``norm_topk_prob``, then cast back to the logits' dtype. ``route_with_bias`` is
+``Ernie4_5_MoeTopKRouter``: everything in float32 (the router weight and its
+``e_score_correction_bias`` are kept in float32 at load, as transformers keeps them), the top-k
+chosen on the probabilities plus the bias, the weights gathered from the un-biased probabilities
+and divided by their sum (clamped to at least ``moe_norm_min``). ERNIE's shared experts are a
+dense MLP the callers add beside the routed output (``LayerWeights.gate_up``/``down`` of an
+expert layer), not part of this module. The experts run as
 ``Qwen3MoeExperts``' eager loop does: the tokens routed to each expert gathered, that expert's
 SwiGLU on them, each output scaled by its routing weight and added into the result, experts in
 ascending order (so each token's sum has transformers' order).
@@ -13,8 +20,8 @@ Tensor parallelism splits the experts: a rank holds ``num_experts / world`` of t
 and the ranks' partial results are summed by the caller (like the dense MLP's row-parallel
 output). ``combine`` is one matmul pair per expert that has tokens (the eager reference, and the
 native backend without the packed GEMM); the native backend otherwise runs the same sum in one
-fused op (``ketch.kernels.fused_moe``). Routing and the experts stay two steps, so a model with
-another router (a score-correction bias, say) reuses the experts as they are.
+fused op (``ketch.kernels.fused_moe``). Routing and the experts stay two steps: both routers
+feed the same experts code.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle.nn.functional import swiglu
 
-from ketch.engine.models.config import moe_refusal
+from ketch.engine.models.config import ModelConfig, moe_refusal
 
 
 @dataclass
@@ -38,6 +45,9 @@ class MoeWeights:
     gate_up: list  # per held expert: [hidden, 2 * moe_intermediate] ([gate | up]), or its form
     down: list  # per held expert: [moe_intermediate, hidden], or its form
     first: int  # the global index of gate_up[0]: this rank holds [first, first + len(gate_up))
+    # ERNIE 4.5: e_score_correction_bias [num_experts], float32, added to the probabilities
+    # only to choose the top-k (``route_with_bias``); None for Qwen3-MoE's router
+    score_bias: paddle.Tensor | None = None
 
 
 def route(
@@ -52,6 +62,29 @@ def route(
     if norm_topk_prob:
         top = top / top.sum(axis=-1, keepdim=True)
     return (top if wide else top.astype(logits.dtype)), indices
+
+
+def route_with_bias(
+    x: paddle.Tensor, router: paddle.Tensor, score_bias: paddle.Tensor, top_k: int, norm_min: float
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(routing weights [T, top_k] in x's dtype, expert indices [T, top_k] int64), as
+    ``Ernie4_5_MoeTopKRouter.forward`` computes them; ``router`` [hidden, E] and ``score_bias``
+    [E] are float32."""
+    probs = F.softmax(paddle.matmul(x.astype("float32"), router), axis=-1)
+    _, indices = paddle.topk(probs + score_bias, top_k, axis=-1)
+    top = paddle.take_along_axis(probs, indices, axis=-1)
+    top = top / paddle.clip(top.sum(axis=-1, keepdim=True), min=norm_min)
+    return top.astype(x.dtype), indices
+
+
+def select_experts(
+    x: paddle.Tensor, weights: MoeWeights, config: ModelConfig
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """The layer's routing weights and expert indices, by its architecture's router."""
+    top_k = config.num_experts_per_tok
+    if weights.score_bias is not None:
+        return route_with_bias(x, weights.router, weights.score_bias, top_k, config.moe_norm_min)
+    return route(x, weights.router, top_k, config.norm_topk_prob)
 
 
 ExpertMlp = Callable[[paddle.Tensor, int], paddle.Tensor]  # (rows, held expert j) -> rows out
@@ -84,9 +117,9 @@ def combine(
     return out
 
 
-def eager_moe(x: paddle.Tensor, weights: MoeWeights, top_k: int, norm: bool) -> paddle.Tensor:
-    """The sparse MLP block in plain paddle ops (``LlamaModel``, the reference)."""
-    routing, indices = route(x, weights.router, top_k, norm)
+def eager_moe(x: paddle.Tensor, weights: MoeWeights, config: ModelConfig) -> paddle.Tensor:
+    """The routed experts in plain paddle ops (``LlamaModel``, the reference)."""
+    routing, indices = select_experts(x, weights, config)
 
     def mlp(rows: paddle.Tensor, j: int) -> paddle.Tensor:
         return paddle.matmul(swiglu(paddle.matmul(rows, weights.gate_up[j])), weights.down[j])

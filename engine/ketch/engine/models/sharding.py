@@ -17,6 +17,8 @@ same layout at any tensor-parallel size; ranks that replicate a head write the s
 Routed experts (Qwen3-MoE): rank ``r`` holds experts ``[r E/w, (r+1) E/w)`` whole and the
 router entire; it adds up its own experts' contributions, and the same all-reduce as the dense
 MLP's down projection sums the ranks' parts. Dense layers of a MoE model split as above.
+ERNIE 4.5's shared experts (one dense MLP beside the routed ones) split as a dense MLP does, by
+their own intermediate columns (``Shard.shared``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def shard_problems(config: ModelConfig, world: int) -> list[str]:
         )
     if inter % world and len(config.moe_layers) < config.num_hidden_layers:
         out.append(f"intermediate_size {inter} is not divisible by tensor_parallel_size {world}")
+    if config.shared_intermediate_size % world:
+        out.append(
+            f"the shared experts' intermediate size {config.shared_intermediate_size} is not "
+            f"divisible by tensor_parallel_size {world}"
+        )
     if config.num_experts % world:
         out.append(
             f"num_experts {config.num_experts} is not divisible by tensor_parallel_size {world} "
@@ -56,7 +63,8 @@ def shard_problems(config: ModelConfig, world: int) -> list[str]:
 @dataclass(frozen=True)
 class Shard:
     """What rank ``rank`` of ``world`` holds: [begin, end) ranges of query heads, KV heads,
-    intermediate columns (of the dense MLP) and routed experts ((0, 0) for a dense model)."""
+    intermediate columns (of the dense MLP), routed experts ((0, 0) for a dense model) and the
+    shared experts' intermediate columns ((0, 0) without them)."""
 
     rank: int
     world: int
@@ -64,6 +72,7 @@ class Shard:
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     experts: tuple[int, int] = (0, 0)
+    shared: tuple[int, int] = (0, 0)
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, world: int) -> Shard:
@@ -82,7 +91,7 @@ class Shard:
         else:
             head = rank // (world // kv)
             kv_range = (head, head + 1)
-        e = config.num_experts // world
+        e, shared = config.num_experts // world, config.shared_intermediate_size // world
         return cls(
             rank,
             world,
@@ -90,6 +99,7 @@ class Shard:
             kv_range,
             (rank * inter, (rank + 1) * inter),
             (rank * e, (rank + 1) * e),
+            (rank * shared, (rank + 1) * shared),
         )
 
     @property

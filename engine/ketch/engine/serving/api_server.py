@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ketch.engine.choices import Choice, group, usage_counts
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
-from ketch.engine.serving import embeddings, openapi, tokenization
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.serving import embeddings, openapi, reasoning, tokenization
 from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     Slot,
@@ -50,7 +51,7 @@ from ketch.engine.serving.protocol import (
 )
 from ketch.engine.serving.tokenization import decode, encode, render_chat
 from ketch.engine.serving.tool_parsers import parser_for_template
-from ketch.engine.serving.tools import ToolPlan, apply_plan, stream_delta
+from ketch.engine.serving.tools import ToolPlan, apply_plan, chat_delta
 from ketch.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ServingState:
     hidden_size: int = 0  # the model's (its embeddings' size), as the engine announced it
     api_key: str | None = None
     admin_key: str | None = None  # for /pause and /resume; None: refused to everyone
+    reasoning_parser: str | None = None  # chosen at startup (``reasoning.choose``); None: off
     in_flight: int = 0
     draining: bool = False
     paused: bool = False
@@ -285,10 +287,13 @@ async def _chat_completions(request: Request) -> Response:
         plan = body.tool_plan()  # checked with the grammar
         if plan is not None:
             plan.parser = parser_for_template(state.tokenizer.chat_template_source)
-        tools = {"tools": plan.tools} if plan is not None else {}
+        variables = dict(body.chat_template_kwargs or {})
+        if plan is not None:
+            variables["tools"] = plan.tools
         prompt = await render_chat(
-            state, body.messages, body.add_generation_prompt, size=len(raw), **tools
+            state, body.messages, body.add_generation_prompt, len(raw), variables=variables
         )
+        start = _reasoning_start(state, params, prompt)
         check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
         check_output_size(state.config, params, [prompt], state.max_model_len)
         paired = await pairing(state.config, state.prefill_peers, request)
@@ -299,7 +304,7 @@ async def _chat_completions(request: Request) -> Response:
             state.model_name, body.include_usage, state.config.enable_prompt_tokens_details
         )
         if body.stream:
-            return _sse(slot, _chat_events(state, meta, choices, plan))
+            return _sse(slot, _chat_events(state, meta, choices, plan, start))
         done = await run_to_end(state.engine, choices, request)
     except BaseException:
         slot.release()
@@ -307,7 +312,19 @@ async def _chat_completions(request: Request) -> Response:
     slot.release()
     output = group(done, 1)[0]
     body_json = R.chat_completion_response(meta, output, state.tokenizer)
+    if start is not None:
+        reasoning.split_messages(body_json, start)
     return JSONResponse(apply_plan(body_json, plan))
+
+
+def _reasoning_start(state: ServingState, params: SamplingParams, prompt: list[int]) -> str | None:
+    """Where the output's reasoning stands when it begins (``reasoning.output_start``), or
+    None when it is not split off: no reasoning parser, or a grammar (response_format, guided
+    fields, a required or named tool) constrains the whole output, which then is all content."""
+    if state.reasoning_parser is None or params.grammar is not None:
+        return None
+    tail = state.tokenizer.decode(reasoning.prompt_tail(prompt), skip_special_tokens=False)
+    return reasoning.output_start(tail)
 
 
 def _sse(slot: Slot, events: AsyncIterator[str]) -> StreamingResponse:
@@ -351,17 +368,22 @@ async def _completion_events(
 
 
 async def _chat_events(
-    state: ServingState, meta: R.ResponseMeta, choices: list[Choice], plan: ToolPlan | None
+    state: ServingState,
+    meta: R.ResponseMeta,
+    choices: list[Choice],
+    plan: ToolPlan | None,
+    start: str | None,
 ) -> AsyncIterator[str]:
+    splitters = {c.index: reasoning.ThinkSplitter(start) for c in choices if start is not None}
     for choice in choices:
         yield R.sse(R.chat_role_chunk(meta, choice.index))
     async for choice, delta in merge_streams(state.engine, choices):
         chunk = R.chat_chunk(meta, choice.index, delta, state.tokenizer)
-        if plan is not None and plan.mode != "none":
-            tool_delta = stream_delta(plan, choice, delta)
-            if tool_delta is None:
+        if plan is not None or splitters:
+            reply = chat_delta(plan, splitters.get(choice.index), choice, delta)
+            if reply is None:
                 continue
-            chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = tool_delta
+            chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"] = reply
         yield R.sse(chunk)
     if meta.include_usage:
         yield R.sse(R.chat_usage_chunk(meta, meta.usage(*usage_counts(choices))))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ketch.engine.sampling_params import POOLINGS
+from ketch.engine.serving.reasoning import CHOICES as REASONING_PARSERS
 
 if TYPE_CHECKING:
     from ketch.engine.structured.grammars import Limits
@@ -183,6 +184,14 @@ class ServerConfig:
         "takes no prefix-cache hits). A request's 'pooling' field overrides it.",
         choices=POOLINGS,
     )
+    reasoning_parser: str = _opt(
+        "auto",
+        "How chat completions split a thinking model's <think>...</think> text from its answer "
+        "into message.reasoning_content (delta.reasoning_content when streamed): 'auto' does "
+        "when the chat template writes <think> (Qwen3, DeepSeek-R1); 'think' (or vLLM's names "
+        "'qwen3', 'deepseek_r1') always; 'none' never (the text stays in content).",
+        choices=REASONING_PARSERS,
+    )
     drain_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
@@ -241,6 +250,11 @@ class ServerConfig:
             raise ValueError(f"ports must be distinct; {clashes} used more than once")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.embedding_pooling not in POOLINGS:
             raise ValueError(
                 f"embedding_pooling must be one of {list(POOLINGS)}, got {self.embedding_pooling!r}"

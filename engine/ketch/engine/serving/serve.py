@@ -27,6 +27,7 @@ from ketch.engine.metrics import EngineMetrics
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.peer_auth import require_peer_key
 from ketch.engine.ports import Listener, check_free
+from ketch.engine.serving import reasoning
 from ketch.engine.serving.admission import local_admin_key
 from ketch.engine.serving.api_server import ServingState, create_app
 from ketch.engine.serving.config import ServerConfig
@@ -95,6 +96,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         )
     model_path = resolve_model_path(engine_config.model)
     tokenizer = Tokenizer(model_path)
+    reasoning_parser = _reasoning_parser(config, tokenizer)
     name = config.served_model_name or engine_config.model
     engine = EngineClient(
         engine_config, config.port, worker_port=config.engine_worker_queue_port, server=config
@@ -113,6 +115,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         api_key=api_key,
         admin_key=admin_key,
         prefill_peers=PrefillPeers(config.pd_prefill_peers, config.pd_comm_port),
+        reasoning_parser=reasoning_parser,
     )
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
@@ -151,6 +154,21 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     state.close()  # the grammar workers and tokenizing threads
     await engine.shutdown()
     return code
+
+
+def _reasoning_parser(config: ServerConfig, tokenizer: Tokenizer) -> str | None:
+    """The reasoning parser this model gets (``--reasoning-parser``), logged with why."""
+    name, why = reasoning.choose(config.reasoning_parser, tokenizer.chat_template_source)
+    logger.info("reasoning parser: %s (%s)", name or "none", why)
+    hidden = [t for t in (reasoning.OPEN, reasoning.CLOSE) if tokenizer.is_special(t)]
+    if name is not None and hidden:
+        logger.warning(
+            "the tokenizer marks %s as special tokens, which skip_special_tokens (the default) "
+            "removes from the text: reasoning is split only for requests that set "
+            "skip_special_tokens to false",
+            " and ".join(hidden),
+        )
+    return name
 
 
 def _metrics_server(state: ServingState) -> uvicorn.Server | None:

@@ -2,7 +2,8 @@
 
 ``/tokenize`` takes either a completions-style ``prompt`` (``add_special_tokens`` defaults to
 true) or chat ``messages`` rendered with the model's chat template (``add_generation_prompt``,
-default true; ``add_special_tokens`` defaults to false, as the template adds them) and answers
+default true, and ``chat_template_kwargs`` as in chat completions; ``add_special_tokens``
+defaults to false, as the template adds them) and answers
 ``{"count", "max_model_len", "tokens"}`` (and ``"token_strs"`` with ``return_token_strs``).
 ``/detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": <text>}`` (special tokens
 included, so a rendered chat round-trips).
@@ -22,7 +23,7 @@ event loop keeps answering; a short one inline, where a thread would cost more t
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ketch.engine.serving.admission import read_body
-from ketch.engine.serving.protocol import ChatMessage, ProtocolError, check_model, parse_request
+from ketch.engine.serving.protocol import (
+    ChatMessage,
+    ProtocolError,
+    TemplateKwargs,
+    check_model,
+    parse_request,
+)
 from ketch.engine.tokenizer import RELEASE_GIL_CHARS, RELEASE_GIL_TOKENS
 
 if TYPE_CHECKING:
@@ -65,12 +72,14 @@ async def render_chat(
     add_generation_prompt: bool,
     size: int,
     add_special_tokens: bool = False,
-    **extra: Any,
+    variables: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """A chat rendered with the model's template and tokenised; on a thread when its request
-    body was over ``INLINE_BYTES``. A 400 naming ``messages`` when the template cannot render
-    it (whatever the template raised)."""
+    body was over ``INLINE_BYTES``. ``variables`` are the template's others (``tools``, a
+    request's ``chat_template_kwargs``). A 400 naming ``messages`` when the template cannot
+    render it (whatever the template raised)."""
     tokenizer = state.tokenizer
+    extra = dict(variables or {})
 
     def work() -> list[int]:
         conversation = [m.model_dump(exclude_none=True) for m in messages]
@@ -92,6 +101,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
     add_special_tokens: bool | None = None  # default: true for prompt, false for messages
     return_token_strs: bool | None = False
 
@@ -131,8 +141,9 @@ async def tokenize(request: Request) -> JSONResponse:
     if body.messages is not None:
         special = bool(body.add_special_tokens)
         tokens = await render_chat(
-            state, body.messages, body.add_generation_prompt, len(raw), special
-        )
+            state, body.messages, body.add_generation_prompt, len(raw), special,
+            body.chat_template_kwargs,
+        )  # fmt: skip
     else:
         text = body.prompt or ""
         special = body.add_special_tokens is not False

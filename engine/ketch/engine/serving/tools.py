@@ -33,6 +33,7 @@ from pydantic import PrivateAttr
 from ketch.engine.choices import Choice
 from ketch.engine.outputs import RequestDelta
 from ketch.engine.serving.guided import GuidedError, GuidedFields, Recipe
+from ketch.engine.serving.reasoning import ThinkSplitter, split
 from ketch.engine.serving.tool_parsers import PARSERS, ToolCall
 
 logger = logging.getLogger(__name__)
@@ -194,27 +195,54 @@ def _named(choice: Any) -> str:
 
 
 def apply_plan(body: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
-    """A ``chat.completion`` body with each choice's text turned into its tool calls."""
+    """A ``chat.completion`` body with each choice's content turned into its tool calls (the
+    message's other fields, ``reasoning_content``, stay)."""
     if plan is None or plan.mode == "none":
         return body
     for choice in body["choices"]:
         text = choice["message"]["content"] or ""
-        choice["message"], choice["finish_reason"] = plan.message(text, choice["finish_reason"])
+        message, choice["finish_reason"] = plan.message(text, choice["finish_reason"])
+        choice["message"] = choice["message"] | message
     return body
 
 
+def chat_delta(
+    plan: ToolPlan | None, splitter: ThinkSplitter | None, choice: Choice, delta: RequestDelta
+) -> tuple[dict, str | None] | None:
+    """A streamed chat choice's next delta and finish reason, or None to send nothing yet,
+    with its reasoning split off (``splitter``, when it is) and its tool calls found in the
+    content that is left (``plan``)."""
+    finish = delta.finish_reason
+    pieces = {"content": delta.new_text}
+    if splitter is not None:
+        pieces = splitter.delta(delta.new_text, finish is not None)
+    if plan is None or plan.mode == "none":
+        if pieces or finish is not None or delta.logprobs:
+            return pieces, finish
+        return None  # all held back (a tag may be starting): nothing to say yet
+    thought = {k: v for k, v in pieces.items() if k == "reasoning_content"}
+    content = None
+    if splitter is not None and finish is not None:
+        content = split(choice.output().text, splitter.start)[1] or ""
+    tool = stream_delta(plan, choice, delta, content)
+    if tool is None:
+        return (thought, None) if thought else None
+    return thought | tool[0], tool[1]
+
+
 def stream_delta(
-    plan: ToolPlan, choice: Choice, delta: RequestDelta
+    plan: ToolPlan, choice: Choice, delta: RequestDelta, content: str | None = None
 ) -> tuple[dict, str | None] | None:
     """A streamed choice's next delta and finish reason, or None to send nothing yet. A named
     function's output is its arguments, so they stream as generated (the first delta also has
     the call's id and name); other modes' calls are known at the end, from the choice's whole
-    text (it accumulates: ``streams_whole``), and come whole then."""
+    text (it accumulates: ``streams_whole``) or, when its reasoning was split off, from its
+    ``content``, and come whole then."""
     finish = delta.finish_reason
     if plan.mode != "named":
         if finish is None:
             return None
-        return _last_delta(plan, choice.output().text, finish)
+        return _last_delta(plan, choice.output().text if content is None else content, finish)
     first = choice.first
     if not (first or delta.new_text or finish):
         return None

@@ -37,6 +37,8 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
+from ketch.engine.tokenizer import tokenizer_json
+
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
@@ -99,7 +101,7 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer_file.read_text(),
+                    tokenizer_json(self.tokenizer_file),
                     n_vocab=self.vocab_size,
                     eos_token=self.eos_token_ids or None,
                 )

@@ -4,7 +4,8 @@
 // head_dim], float32, contiguous: the worker's shared-memory buffer viewed through from_dlpack.
 // A step's tokens are flattened: q [T, heads, head_dim], sequence b owns rows
 // [query_start[b], query_start[b + 1]) and has context_lens[b] tokens in all (cached prefix plus
-// these), so its i-th new token sits at position context_lens[b] - n + i and sees keys 0..that.
+// these), so its i-th new token sits at position context_lens[b] - n + i and sees keys 0..that;
+// with a sliding window w > 0, only the keys j with position - j < w (transformers' mask).
 //
 // ketch_paged_attention's `isa` attribute picks the kernel: "avx512", "avx2" (AVX2 + FMA) or
 // "generic". The library itself is built for the x86-64 baseline; the AVX2 and AVX-512 kernels
@@ -33,6 +34,7 @@ struct AttentionArgs {
   int64_t max_blocks, num_heads, kv_heads, head_dim, num_blocks, block_size;
   float scale;
   int num_threads;
+  int64_t window;  // keys a query sees, its own included; 0: every earlier key
 };
 
 // A tile of one sequence's new tokens [first, first + tokens) for one KV head.
@@ -41,8 +43,12 @@ struct WorkItem {
 };
 
 struct TileShape {
-  int64_t kv_head, group, first, rows, q_start, computed, num_keys, stride;
+  // Keys [key_begin, num_keys) are scored: the tile's last row sees up to num_keys, and with a
+  // window its first row sees nothing before key_begin (rounded down to a block), so the blocks
+  // before it are never read. Score column c is key key_begin + c.
+  int64_t kv_head, group, first, rows, q_start, computed, key_begin, num_keys, stride;
   const int32_t* table;
+  int64_t window;
 
   TileShape(const AttentionArgs& a, const WorkItem& w, int width)
       : kv_head(w.kv_head),
@@ -50,14 +56,19 @@ struct TileShape {
         first(w.first),
         rows(static_cast<int64_t>(w.tokens) * group),
         q_start(a.query_start[w.seq]),
-        table(a.block_tables + w.seq * a.max_blocks) {
+        table(a.block_tables + w.seq * a.max_blocks),
+        window(a.window) {
     const int64_t n = a.query_start[w.seq + 1] - q_start;
     computed = a.context_lens[w.seq] - n;
     num_keys = computed + first + w.tokens;
-    stride = (num_keys + width - 1) / width * width;
+    key_begin = first_visible(0) / a.block_size * a.block_size;
+    stride = (num_keys - key_begin + width - 1) / width * width;
   }
   // Query row r of the tile is token first + r / group, head kv_head * group + r % group.
   int64_t visible_keys(int64_t r) const { return computed + first + r / group + 1; }
+  int64_t first_visible(int64_t r) const {
+    return window > 0 ? std::max<int64_t>(0, visible_keys(r) - window) : 0;
+  }
   int64_t head_offset(const AttentionArgs& a, int64_t r) const {
     const int64_t token = q_start + first + r / group;
     return (token * a.num_heads + kv_head * group + r % group) * a.head_dim;
@@ -155,7 +166,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            const paddle::Tensor& block_tables,
                                            const paddle::Tensor& query_start,
                                            const paddle::Tensor& context_lens, float scale,
-                                           int num_threads, const std::string& isa) {
+                                           int num_threads, const std::string& isa, int window) {
   check_float(q, "q", 3);
   check_float(k_cache, "k_cache", 4);
   check_float(v_cache, "v_cache", 4);
@@ -172,12 +183,13 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int width = isa == "avx512" ? 16 : isa == "avx2" ? 8 : 1;
   PD_CHECK(isa == "avx512" || isa == "avx2" || isa == "generic", "unknown isa ", isa);
   PD_CHECK(qs[2] % width == 0, "head_dim ", qs[2], " is not a multiple of ", width);
+  PD_CHECK(window >= 0, "window must be 0 (full attention) or positive, got ", window);
   auto out = paddle::empty(qs, paddle::DataType::FLOAT32, q.place());
   const AttentionArgs a{q.data<float>(), out.data<float>(), k_cache.data<float>(),
                         v_cache.data<float>(), block_tables.data<int32_t>(),
                         query_start.data<int32_t>(), context_lens.data<int32_t>(),
                         block_tables.shape()[1], qs[1], cs[0], cs[3], cs[1], cs[2], scale,
-                        std::max(1, num_threads)};
+                        std::max(1, num_threads), window};
   check_metadata(a, num_seqs, qs[0]);
   const std::vector<WorkItem> items = plan(a, num_seqs);
   if (isa == "avx512") {
@@ -236,7 +248,7 @@ void ReshapeAndCache(const paddle::Tensor& k, const paddle::Tensor& v, paddle::T
 PD_BUILD_OP(ketch_paged_attention)
     .Inputs({"q", "k_cache", "v_cache", "block_tables", "query_start", "context_lens"})
     .Outputs({"out"})
-    .Attrs({"scale: float", "num_threads: int", "isa: std::string"})
+    .Attrs({"scale: float", "num_threads: int", "isa: std::string", "window: int"})
     .SetKernelFn(PD_KERNEL(ketch::PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(ketch::PagedAttentionShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ketch::PagedAttentionDtype));

@@ -12,6 +12,8 @@ refuse at start-up, named by the InferenceService field it was rendered from). N
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ketch.operator.wiring.engine import check_engine
 from ketch.operator.wiring.pods import Obj, WiringError, read_pods
 from ketch.operator.wiring.ports import check_pod, check_ports, check_service
@@ -20,8 +22,9 @@ from ketch.operator.wiring.router import check_router
 __all__ = ["WiringError", "check_wiring"]
 
 
-def check_wiring(children: list[Obj]) -> list[str]:
-    """Problems with how ``children`` (one InferenceService's, rendered) are wired; [] when fine."""
+def check_wiring(children: list[Obj], model_dir: Path | None = None) -> list[str]:
+    """Problems with how ``children`` (one InferenceService's, rendered) are wired; [] when fine.
+    ``model_dir``: a local copy of the served checkpoint, checked against each engine."""
     problems: list[str] = []
     pods = read_pods(children, problems)
     services = [o for o in children if o["kind"] == "Service"]
@@ -29,7 +32,7 @@ def check_wiring(children: list[Obj]) -> list[str]:
         for proc in pod.processes:
             problems += check_ports(proc)
             if proc.command == "serve" and not proc.init:
-                problems += check_engine(proc, pod)
+                problems += check_engine(proc, pod, model_dir)
         problems += check_pod(pod)
     for svc in services:
         problems += check_service(svc, pods)

@@ -9,8 +9,12 @@ container's args when a flag set it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
+from ketch.engine.errors import ModelLoadError
+from ketch.engine.models.config import ModelConfig
 from ketch.engine.serving.config import ServerConfig
 from ketch.operator import runnable
 from ketch.operator.wiring.pods import Obj, Pod, Process
@@ -19,9 +23,17 @@ SHM = "/dev/shm"
 RUNTIME_SHM = "64Mi"  # a pod's /dev/shm when no volume is mounted there
 
 
-def check_engine(proc: Process, pod: Pod) -> list[str]:
-    """What ``ketch serve`` in ``proc`` would refuse to run, or run without the GPUs it holds."""
+def check_engine(proc: Process, pod: Pod, model_dir: Path | None = None) -> list[str]:
+    """What ``ketch serve`` in ``proc`` would refuse to run, or run without the GPUs it holds.
+    ``model_dir``: a local copy of the checkpoint (its config.json), whose architecture and
+    fields are checked as the engine checks them at load, at the context the role serves."""
     config = proc.config(EngineConfig)
+    model = None
+    if model_dir is not None:
+        try:
+            model = ModelConfig.from_dir(model_dir, context_len=config.max_model_len)
+        except ModelLoadError as exc:
+            return [f"{proc.where}: spec.model: {exc}"]
     role = proc.config(ServerConfig).role
     shm = shm_size_limit(proc.container, pod)
     mounted = any(m["mountPath"] == SHM for m in proc.container.get("volumeMounts") or [])
@@ -40,6 +52,7 @@ def check_engine(proc: Process, pod: Pod) -> list[str]:
         shm_size=shm,
         cpu=cpu_limit(proc.container),
         named=named,
+        model=model,
     )
     return [f"{proc.where}: {problem}" for problem in found]
 
