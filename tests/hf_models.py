@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,6 @@ def make_checkpoint(
         Qwen3MoeForCausalLM,
     )
 
-    out.mkdir(parents=True, exist_ok=True)
     settings: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=64,
@@ -87,14 +87,77 @@ def make_checkpoint(
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**settings)).eval()
-    # Random init is near-degenerate (std 0.02); widen it so logits have real structure.
+    return _save_random(model_cls(config_cls(**settings)), out, max_shard_size)
+
+
+SMALL: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    eos_token_id=0,
+    bos_token_id=0,
+)
+"""The sizes every architecture's test checkpoints start from (each test's shapes override)."""
+
+
+def make_random_checkpoint(out: Path, config: Any, seed: int = 0) -> Path:
+    """A random checkpoint of ``config`` (a transformers config object naming its architecture),
+    initialised as ``make_checkpoint``'s: matrices widened to std 0.15, every 1-D weight (norms,
+    q_norm/k_norm, biases) given noise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return _save_random(AutoModelForCausalLM.from_config(config), out)
+
+
+def make_small_checkpoint(
+    out: Path, config_class: str, seed: int = 0, architectures: list[str] | None = None, **overrides
+) -> Path:
+    """A random checkpoint of transformers' ``config_class`` (e.g. "Qwen3Config") with ``SMALL``
+    sizes under ``overrides``; ``architectures`` names the model class where the config's
+    default would not (Gemma 3's text config)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**{**SMALL, **overrides})
+    if architectures is not None:
+        config.architectures = architectures
+    return make_random_checkpoint(out, config, seed)
+
+
+def shape_cache(
+    tmp_path_factory: Any, prefix: str, make: Callable[[Path, str], Path]
+) -> Callable[[str], Path]:
+    """get(shape) -> the checkpoint ``make(directory, shape)`` wrote, made once per cache (a
+    module-scoped fixture returns one)."""
+    made: dict[str, Path] = {}
+
+    def get(shape: str) -> Path:
+        if shape not in made:
+            made[shape] = make(
+                tmp_path_factory.mktemp(f"{prefix}_{shape.replace('-', '_')}"), shape
+            )
+        return made[shape]
+
+    return get
+
+
+def _save_random(model: Any, out: Path, max_shard_size: str | None = None) -> Path:
+    """Random init is near-degenerate (std 0.02): widened so logits have real structure; then
+    saved with a tokenizer."""
+    import torch
+
+    model.eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.15)
             else:  # norm weights (ones) and biases (zeros) get noise too
                 param.add_(torch.randn_like(param) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size

@@ -307,8 +307,8 @@ def test_a_refused_checkpoint_stops_the_engine_before_loading(tmp_path: Path) ->
 def test_an_accepted_window_serves_transformers_logits(tmp_path: Path) -> None:
     """A Mistral window as long as the context (it never slides) is exact."""
     from test_model_exactness import assert_close
-    from test_qwen3 import make_random_checkpoint
 
+    from hf_models import make_random_checkpoint
     from ketch.kernels import CpuKernels
 
     path = make_random_checkpoint(

@@ -24,13 +24,13 @@ from test_engine_exactness import assert_constrained_greedy_matches, make_prompt
 from test_llama_gpu import assert_close as assert_gpu_model_close
 from test_llama_gpu import gpu_model_logits
 from test_model_exactness import assert_close
-from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import (
     assert_logits_close,
     assert_two_ranks_greedy_match,
     sequences_for,
 )
 
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import deinterleave, load_weights
 from ketch.engine.models.sharding import Shard
@@ -58,35 +58,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def make_ernie_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import Ernie4_5Config
-
-    settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    settings.update(overrides)
-    return make_random_checkpoint(out, Ernie4_5Config(**settings), seed)
+    overrides = {"pad_token_id": 0, **overrides}
+    return make_small_checkpoint(out, "Ernie4_5Config", seed, **overrides)
 
 
 @pytest.fixture(scope="module")
 def ernie(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """ernie("gqa") -> that shape's checkpoint directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(shape: str) -> Path:
-        if shape not in made:
-            out = tmp_path_factory.mktemp(f"ernie_{shape.replace('-', '_')}")
-            made[shape] = make_ernie_checkpoint(out, **SHAPES[shape])
-        return made[shape]
-
-    return get
+    return shape_cache(
+        tmp_path_factory, "ernie", lambda out, shape: make_ernie_checkpoint(out, **SHAPES[shape])
+    )
 
 
 def test_reordered_rows_rotated_by_halves_are_transformers_interleaved_rotation() -> None:

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_model_exactness import assert_close
-from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import assert_logits_close, assert_two_ranks_greedy_match
 
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
 from ketch.engine.errors import ModelLoadError
@@ -65,25 +65,15 @@ BIAS = "mlp.moe_statics.e_score_correction_bias"
 
 
 def make_ernie_moe_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import Ernie4_5_MoeConfig
-
     settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
         moe_num_experts=8,
         moe_k=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
         pad_token_id=0,
     )
-    settings.update(overrides)
-    return make_random_checkpoint(out, Ernie4_5_MoeConfig(**settings), seed)
+    return make_small_checkpoint(out, "Ernie4_5_MoeConfig", seed, **{**settings, **overrides})
 
 
 def _tie_router_rows(path: Path) -> None:
@@ -107,20 +97,17 @@ def _tie_router_rows(path: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+def _ernie_moe_shape(out: Path, shape: str) -> Path:
+    path = make_ernie_moe_checkpoint(out, **SHAPES[shape])
+    if shape == "ties":
+        _tie_router_rows(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def ernie_moe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """ernie_moe("early") -> that shape's checkpoint directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(shape: str) -> Path:
-        if shape not in made:
-            out = tmp_path_factory.mktemp(f"ernie_moe_{shape.replace('-', '_')}")
-            made[shape] = make_ernie_moe_checkpoint(out, **SHAPES[shape])
-            if shape == "ties":
-                _tie_router_rows(out)
-        return made[shape]
-
-    return get
+    return shape_cache(tmp_path_factory, "ernie_moe", _ernie_moe_shape)
 
 
 def test_the_checkpoints_have_the_layers_they_claim(ernie_moe) -> None:

@@ -26,9 +26,9 @@ from test_embeddings import assert_close as assert_embedding_close
 from test_embeddings import constrained, prompts_for, reference
 from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_model_exactness import assert_close
-from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import assert_logits_close, assert_two_ranks_greedy_match
 
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
 from ketch.engine.errors import ModelLoadError
@@ -85,39 +85,22 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def make_gemma3_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import Gemma3TextConfig
-
-    settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
+    overrides = {"pad_token_id": 0, **overrides}
+    return make_small_checkpoint(
+        out, "Gemma3TextConfig", seed, architectures=["Gemma3ForCausalLM"], **overrides
     )
-    settings.update(overrides)
-    config = Gemma3TextConfig(**settings)
-    config.architectures = ["Gemma3ForCausalLM"]
-    return make_random_checkpoint(out, config, seed)
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """gemma3("gqa") -> that shape's checkpoint directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(shape: str) -> Path:
-        if shape not in made:
-            out = tmp_path_factory.mktemp(f"gemma3_{shape.replace('-', '_')}")
-            made[shape] = make_gemma3_checkpoint(
-                out, sliding_window=WINDOWS[shape], **SHAPES[shape]
-            )
-        return made[shape]
-
-    return get
+    return shape_cache(
+        tmp_path_factory,
+        "gemma3",
+        lambda out, shape: make_gemma3_checkpoint(
+            out, sliding_window=WINDOWS[shape], **SHAPES[shape]
+        ),
+    )
 
 
 def test_the_checkpoints_have_the_shapes_they_claim(gemma3) -> None:

@@ -27,7 +27,7 @@ from test_tensor_parallel_exactness import (
     sequences_for,
 )
 
-from hf_models import make_tokenizer
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
@@ -49,56 +49,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_random_checkpoint(out: Path, config: Any, seed: int = 0) -> Path:
-    """A random checkpoint of ``config`` (a transformers config object naming its architecture),
-    initialised as ``hf_models.make_checkpoint`` initialises its Llama/Qwen2 ones: matrices
-    widened to std 0.15, every 1-D weight (norms, q_norm/k_norm, biases) given noise."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-            else:
-                param.add_(torch.randn_like(param) * 0.1)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    make_tokenizer(out)
-    return out
-
-
 def make_qwen3_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import Qwen3Config
-
-    settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
-    )
-    settings.update(overrides)
-    return make_random_checkpoint(out, Qwen3Config(**settings), seed)
+    return make_small_checkpoint(out, "Qwen3Config", seed, **overrides)
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """qwen3("gqa") -> that shape's checkpoint directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(shape: str) -> Path:
-        if shape not in made:
-            out = tmp_path_factory.mktemp(f"qwen3_{shape.replace('-', '_')}")
-            made[shape] = make_qwen3_checkpoint(out, **SHAPES[shape])
-        return made[shape]
-
-    return get
+    return shape_cache(
+        tmp_path_factory, "qwen3", lambda out, shape: make_qwen3_checkpoint(out, **SHAPES[shape])
+    )
 
 
 def test_the_checkpoints_have_the_shapes_they_claim(qwen3) -> None:

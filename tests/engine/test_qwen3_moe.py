@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from test_engine_exactness import assert_constrained_greedy_matches, make_prompts
 from test_model_exactness import assert_close
-from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import (
     assert_logits_close,
     assert_two_ranks_greedy_match,
 )
 
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine import LLM
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
@@ -56,25 +56,15 @@ MOE_LAYERS = {"sparse": (0, 1, 2), "mixed": (1,), "ties": (0, 1)}
 
 
 def make_qwen3_moe_checkpoint(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import Qwen3MoeConfig
-
     settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
         num_experts=8,
         num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
     )
-    settings.update(overrides)
-    return make_random_checkpoint(out, Qwen3MoeConfig(**settings), seed)
+    return make_small_checkpoint(out, "Qwen3MoeConfig", seed, **{**settings, **overrides})
 
 
 def _tie_router_rows(path: Path) -> None:
@@ -115,20 +105,17 @@ def _stack_experts(src: Path, out: Path) -> None:
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
+def _qwen3_moe_shape(out: Path, shape: str) -> Path:
+    path = make_qwen3_moe_checkpoint(out, **SHAPES[shape])
+    if shape == "ties":
+        _tie_router_rows(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """qwen3_moe("sparse") -> that shape's checkpoint directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(shape: str) -> Path:
-        if shape not in made:
-            out = tmp_path_factory.mktemp(f"qwen3_moe_{shape}")
-            made[shape] = make_qwen3_moe_checkpoint(out, **SHAPES[shape])
-            if shape == "ties":
-                _tie_router_rows(out)
-        return made[shape]
-
-    return get
+    return shape_cache(tmp_path_factory, "qwen3_moe", _qwen3_moe_shape)
 
 
 def test_the_checkpoints_have_the_layers_they_claim(qwen3_moe) -> None:

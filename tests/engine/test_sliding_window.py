@@ -30,25 +30,15 @@ from test_engine_exactness import (
     make_prompts,
 )
 from test_model_exactness import assert_close, reference_logits
-from test_qwen3 import make_random_checkpoint
 from test_tensor_parallel_exactness import assert_logits_close, assert_two_ranks_greedy_match
 
+from hf_models import make_small_checkpoint, shape_cache
 from ketch.engine import LLM, SamplingParams
 from ketch.engine.models.config import ModelConfig
 from ketch.kernels import CpuKernels
 from ketch.kernels.paged_attention import PagedAttention
 
-SMALL: dict[str, Any] = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    eos_token_id=0,
-    bos_token_id=0,
-)
+WINDOWED_SIZES: dict[str, Any] = dict(num_hidden_layers=3, num_key_value_heads=2)
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
     # name: (config class, its settings, the windows Ketch must read from them)
     "mistral": ("MistralConfig", {"sliding_window": 16}, (16, 16, 16)),
@@ -84,24 +74,14 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
 
 
 def make_windowed_checkpoint(out: Path, name: str) -> Path:
-    import transformers
-
     cls, settings, _ = CHECKPOINTS[name]
-    return make_random_checkpoint(out, getattr(transformers, cls)(**{**SMALL, **settings}))
+    return make_small_checkpoint(out, cls, **{**WINDOWED_SIZES, **settings})
 
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """windowed("mistral") -> that checkpoint's directory (made once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            out = tmp_path_factory.mktemp(name.replace("-", "_"))
-            made[name] = make_windowed_checkpoint(out, name)
-        return made[name]
-
-    return get
+    return shape_cache(tmp_path_factory, "windowed", make_windowed_checkpoint)
 
 
 def without_window(path: Path, out: Path) -> Path:
