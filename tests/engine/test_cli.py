@@ -16,6 +16,7 @@ from ketch.engine import LLM, SamplingParams
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.loader import TINY_MODEL_DIR
+from procs import free_ports
 
 SMALL = ["--block-size", "16", "--kv-cache-memory", "64MiB", "--max-model-len", "128"]
 
@@ -105,3 +106,34 @@ def test_generate_with_the_built_in_tiny_model(tmp_path: Path) -> None:
     result = ketch("generate", "The", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The")
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        ({"architectures": ["Qwen3ForCausalLM"], "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0},
+            "attn_logit_softcapping",
+        ),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "awq"}},
+            "quantization_config (quant_method='awq')",
+        ),
+        ({"architectures": ["Phi3ForCausalLM"]}, "unsupported architecture Phi3ForCausalLM"),
+    ],
+)
+def test_serve_refuses_an_unimplemented_field_at_start_up(
+    tmp_path: Path, config: dict, named: str
+) -> None:
+    """``ketch serve`` on a checkpoint whose config.json asks for something Ketch does not
+    implement exits at start-up with one line naming the field (before it binds a port)."""
+    sizes = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "max_position_embeddings": 512}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**sizes, **config}))
+    [port] = free_ports(1)
+    result = ketch("serve", "--model", str(tmp_path), "--port", str(port), cwd=tmp_path)
+    assert result.returncode != 0
+    assert named in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
+from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.peer_auth import require_peer_key
 from ketch.engine.ports import Listener, check_free
@@ -95,6 +96,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
             config.peer_key_file, config.insecure_no_peer_key, f"the {config.role} role"
         )
     model_path = resolve_model_path(engine_config.model)
+    # The checkpoint's architecture and fields first: the clearest error for a model Ketch does
+    # not serve, before the tokenizer or the engine's processes are started.
+    ModelConfig.from_dir(model_path, context_len=engine_config.max_model_len)
     tokenizer = Tokenizer(model_path)
     reasoning_parser = _reasoning_parser(config, tokenizer)
     name = config.served_model_name or engine_config.model
