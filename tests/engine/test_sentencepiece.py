@@ -1,7 +1,7 @@
 """Checkpoints with only a SentencePiece ``tokenizer.model`` (``ketch.engine.sentencepiece``).
 
-The reference is the ``sentencepiece`` library itself: models are trained here on the repo's
-docs (BPE with byte fallback and split digits as Llama's, Unigram and BPE with the default NFKC
+The reference is the ``sentencepiece`` library itself: models are trained here on a fixed text
+(the tiny model's Alice corpus and a few command-line and code lines) (BPE with byte fallback and split digits as Llama's, Unigram and BPE with the default NFKC
 rules and whitespace clean-up), and the converted tokenizer must give the same ids and the same
 decoded text on plain text, hostile whitespace, Unicode and emoji. Where the two conventions
 differ on purpose (a control piece like ``<s>`` written in the text is one special token for
@@ -22,12 +22,22 @@ import pytest
 
 from hf_models import make_checkpoint
 from ketch.engine.errors import ModelLoadError
+from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.engine.sentencepiece import read_model, tokenizer_from_model_file
 from ketch.engine.tokenizer import Tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ALICE = TINY_MODEL_DIR / "corpus.txt"  # fixed text: the trained models never change under a test
+TECHNICAL = [
+    f"ketch serve --model /models/{name} --port {8000 + i} --max-model-len {512 * (i + 1)}"
+    for i, name in enumerate(["qwen3-8b", "ernie-4.5-21b", "gemma-3-1b", "llama-3.1-8b"])
+] + [
+    "def forward(self, x: Tensor) -> Tensor:  # returns logits [T, vocab]",
+    "curl -s http://127.0.0.1:8000/v1/models | jq '.data[0].id'",
+    "CPU 2 cores, 24 GiB; p50 TTFT 91 ms vs 94 ms (1.08x at c=32)",
+    '{"role": "user", "content": "What is 2 + 2?"}',
+]
 HOSTILE = [
     "",
     " ",
@@ -55,10 +65,8 @@ KINDS = {
 
 
 def _corpus() -> list[str]:
-    lines = []
-    for doc in sorted(DOCS.glob("*.md")):
-        lines += [line for line in doc.read_text().splitlines() if line.strip()]
-    return lines
+    lines = [line for line in ALICE.read_text().splitlines() if line.strip()]
+    return lines + TECHNICAL * 3
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +102,20 @@ def test_ids_and_text_equal_sentencepieces(trained, kind: str) -> None:
     for text in _samples():
         expected = reference.encode(text)
         got = ours.encode(text, add_special_tokens=False).ids
+        if got != expected and kind == "unigram":
+            # Viterbi ties ("000" as "00" + "0" or "0" + "00", the same log-probability) are
+            # broken differently by the two libraries: another best segmentation of the same
+            # text is as good an answer.
+            assert _score(reference, got) == pytest.approx(_score(reference, expected), abs=1e-4)
+            assert ours.decode(got) == reference.decode(expected), text
+            continue
         assert got == expected, (text, got, expected)
         if unknown not in expected:  # SentencePiece spells an unknown piece " ⁇ "
             assert ours.decode(got) == reference.decode(expected), text
+
+
+def _score(reference, ids: list[int]) -> float:
+    return sum(reference.get_score(i) for i in ids)
 
 
 def test_user_defined_pieces_are_single_tokens_and_control_pieces_special(trained) -> None:
