@@ -1,8 +1,9 @@
 """Checkpoints with only a SentencePiece ``tokenizer.model`` (``ketch.engine.sentencepiece``).
 
 The reference is the ``sentencepiece`` library itself: models are trained here on a fixed text
-(the tiny model's Alice corpus and a few command-line and code lines) (BPE with byte fallback and split digits as Llama's, Unigram and BPE with the default NFKC
-rules and whitespace clean-up), and the converted tokenizer must give the same ids and the same
+(the tiny model's Alice corpus and a few command-line and code lines): BPE with byte fallback
+and split digits as Llama's, Unigram and BPE with the default NFKC rules and whitespace
+clean-up. The converted tokenizer must give the same ids and the same
 decoded text on plain text, hostile whitespace, Unicode and emoji. Where the two conventions
 differ on purpose (a control piece like ``<s>`` written in the text is one special token for
 Ketch, as for Hugging Face tokenizers and the chat templates that write it; SentencePiece spells
