@@ -19,9 +19,6 @@ from ketch.engine.outputs import RequestDelta
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.protocol import (
-    MAX_TEMPLATE_KWARGS_CHARS,
-    MAX_TEMPLATE_KWARGS_DEPTH,
-    MAX_TEMPLATE_KWARGS_VALUES,
     ChatCompletionRequest,
     ProtocolError,
     parse_request,
@@ -36,6 +33,11 @@ from ketch.engine.serving.reasoning import (
     output_start,
     split,
     split_messages,
+)
+from ketch.engine.serving.template_kwargs import (
+    MAX_TEMPLATE_KWARGS_CHARS,
+    MAX_TEMPLATE_KWARGS_DEPTH,
+    MAX_TEMPLATE_KWARGS_VALUES,
 )
 from ketch.engine.serving.tools import ToolPlan, apply_plan, chat_delta
 from ketch.engine.tokenizer import TEMPLATE_VARIABLES

@@ -35,10 +35,10 @@ from ketch.engine.serving.admission import read_body
 from ketch.engine.serving.protocol import (
     ChatMessage,
     ProtocolError,
-    TemplateKwargs,
     check_model,
     parse_request,
 )
+from ketch.engine.serving.template_kwargs import TemplateKwargs
 from ketch.engine.tokenizer import RELEASE_GIL_CHARS, RELEASE_GIL_TOKENS
 
 if TYPE_CHECKING:
