@@ -316,3 +316,53 @@ def test_an_accepted_window_serves_transformers_logits(tmp_path: Path) -> None:
     )
     assert json.loads((path / "config.json").read_text())["sliding_window"] == 512
     assert_close(path, 320, CpuKernels.portable())
+
+
+HOSTILE_CONFIGS = [
+    ([1, 2], "expected a JSON object, got list"),
+    (None, "expected a JSON object, got NoneType"),
+    ({"architectures": "Qwen3ForCausalLM"}, "architectures must be a list of class names"),
+    ({"architectures": [5]}, "architectures must be a list of class names"),
+    # Per-layer work at load must stay small whatever the file claims.
+    ({**SMALL, "architectures": ["MistralForCausalLM"], "num_hidden_layers": 10**9,
+      "sliding_window": 16}, "num_hidden_layers=1000000000 is more than Ketch loads"),
+    ({**SMALL, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 10**9},
+     "num_hidden_layers=1000000000 is more than Ketch loads"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "vocab_size": 10**12},
+     "vocab_size=1000000000000 is more than Ketch loads"),
+    ({**SMALL, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+      "sliding_window": 8, "max_window_layers": 1, "layer_types": ["sliding_attention", {}, []]},
+     "expected a list of layer kinds (strings)"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "rms_norm_eps": float("nan")},
+     "rms_norm_eps"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "head_dim": "x"}, "head_dim must be"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "num_key_value_heads": -2},
+     "num_key_value_heads must be"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "eos_token_id": [1, None]},
+     "eos_token_id must be token ids"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "eos_token_id": 10**20},
+     "eos_token_id must be a token id"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "eos_token_id": list(range(10**5))},
+     "at most 64"),
+    ({**SMALL, "architectures": ["LlamaForCausalLM"], "bos_token_id": "<s>"},
+     "bos_token_id must be a token id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw, words", HOSTILE_CONFIGS)
+def test_a_hostile_config_json_is_refused_in_a_short_line(raw: Any, words: str) -> None:
+    """Wrong types, extreme sizes and huge lists in config.json: a ModelLoadError naming the
+    field (never a TypeError, a MemoryError or a minutes-long load), short whatever it holds."""
+    message = refusal(raw)
+    assert words in message and len(message) < 600, message
+
+
+def test_a_config_file_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config_dict("LlamaForCausalLM")))
+    (tmp_path / "generation_config.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json: expected a JSON object"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "generation_config.json").write_text("[" * 100_000)
+    with pytest.raises(ModelLoadError, match="is not valid JSON"):
+        ModelConfig.from_dir(tmp_path)

@@ -148,12 +148,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{path} has no config.json; is it a Hugging Face model directory?"
             )
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from exc
+        raw = _json_object(config_file)
         generation = path / "generation_config.json"
-        gen = json.loads(generation.read_text()) if generation.is_file() else {}
+        gen = _json_object(generation) if generation.is_file() else {}
         return cls.from_dict(raw, gen, source=str(config_file), context_len=context_len)
 
     @classmethod
@@ -166,6 +163,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Raises ``ModelLoadError`` naming every field Ketch would not honour
         (``ketch.engine.models.architectures``)."""
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         arch = _architecture(raw, source)
         s = arch.settings(raw)
         heads = _int(s, "num_attention_heads", source)
@@ -175,8 +174,6 @@ class ModelConfig:
         problems = arch.problems(s, context_len or max_positions)
         if problems:
             raise ModelLoadError(f"{source}: {arch.name}: " + "; ".join(problems))
-        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         config = cls(
             architecture=arch.name,
             vocab_size=_int(s, "vocab_size", source),
@@ -184,10 +181,10 @@ class ModelConfig:
             intermediate_size=_int(s, "intermediate_size", source),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(s.get("num_key_value_heads") or heads),
-            head_dim=int(s.get("head_dim") or hidden // heads),
+            num_key_value_heads=_int(s, "num_key_value_heads", source, default=heads),
+            head_dim=_int(s, "head_dim", source, default=hidden // heads),
             max_position_embeddings=max_positions,
-            rms_norm_eps=float(s.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_eps(s, source),
             rope=_gemma_ropes(s)[0] if arch.gemma else _rope(s),
             tie_word_embeddings=bool(s.get("tie_word_embeddings", False)),
             qkv_bias=arch.flag(arch.qkv_bias, s),
@@ -197,8 +194,8 @@ class ModelConfig:
             rope_interleaved=arch.rope_interleaved,
             lm_head_bias=arch.flag(arch.lm_head_bias, s),
             torch_dtype=str(s.get("torch_dtype") or s.get("dtype") or "float32"),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw, generation or {}, source),
+            bos_token_id=_token_id(raw.get("bos_token_id"), "bos_token_id", source),
             sliding_windows=_windows(arch, s),
             **_moe(arch, s),
             **(_gemma(s) if arch.gemma else {}),
@@ -216,8 +213,20 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings")
 
 
+def _json_object(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _architecture(raw: dict[str, Any], source: str) -> Architecture:
     architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelLoadError(f"{source}: architectures must be a list of class names")
     for name in architectures:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
@@ -260,11 +269,53 @@ def _windows(arch: Architecture, s: Settings) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
-def _int(s: Settings, key: str, source: str) -> int:
-    value = s.get(key)
+# Far above any released model's, and low enough that per-layer (and per-head) work at load
+# stays small whatever config.json claims.
+_MAXIMA = {
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "head_dim": 4096,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 27,
+}
+
+
+def _int(s: Settings, key: str, source: str, default: int | None = None) -> int:
+    value = s.get(key) if default is None or s.get(key) is not None else default
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if value > _MAXIMA.get(key, value):
+        raise ModelLoadError(f"{source}: {key}={value} is more than Ketch loads ({_MAXIMA[key]})")
     return value
+
+
+def _eps(s: Settings, source: str) -> float:
+    value = s.get("rms_norm_eps", 1e-6)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ModelLoadError(f"{source}: rms_norm_eps must be a number in (0, 1), got {value!r}")
+    return float(value)
+
+
+def _token_id(value: Any, key: str, source: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 31:
+        raise ModelLoadError(f"{source}: {key} must be a token id, got {value!r}")
+    return value
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], source: str) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (one id or a list) over config.json's."""
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if len(ids) > 64:
+        raise ModelLoadError(f"{source}: eos_token_id lists {len(ids)} ids (at most 64)")
+    if any(i is None for i in ids):
+        raise ModelLoadError(f"{source}: eos_token_id must be token ids, got {eos!r}")
+    return tuple(_token_id(i, "eos_token_id", source) for i in ids)
 
 
 def _gemma(s: Settings) -> dict[str, Any]:

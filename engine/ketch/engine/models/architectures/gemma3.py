@@ -16,6 +16,7 @@ from ketch.engine.models.architectures.rules import (
     ranges,
     rope_problem,
     show,
+    string_list,
     window_value,
 )
 
@@ -100,8 +101,8 @@ def _gemma3_partial_rotary(s: Settings, _context: int) -> str | None:
 
 def _gemma3_layer_types(s: Settings, _context: int) -> str | None:
     given = s.get("layer_types")
-    if given is not None and not isinstance(given, list):
-        return f"{show('layer_types', given)}: expected a list"
+    if given is not None and not string_list(given):
+        return f"{show('layer_types', given)}: expected a list of layer kinds (strings)"
     pattern = s.get("sliding_window_pattern", 6)
     if given is None and (not count(pattern) or not pattern):
         return f"{show('sliding_window_pattern', pattern)}: expected a positive integer"

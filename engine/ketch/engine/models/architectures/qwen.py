@@ -14,6 +14,7 @@ from ketch.engine.models.architectures.rules import (
     declared_layer_types,
     ranges,
     show,
+    string_list,
     window_value,
 )
 
@@ -39,8 +40,8 @@ def qwen_window(s: Settings) -> Any:
 
 def _qwen_layer_types(s: Settings, _context: int) -> str | None:
     given = s.get("layer_types")
-    if given is not None and not isinstance(given, list):
-        return f"{show('layer_types', given)}: expected a list"
+    if given is not None and not string_list(given):
+        return f"{show('layer_types', given)}: expected a list of layer kinds (strings)"
     layers = s.get("num_hidden_layers")
     if given is not None and len(given) != layers:
         return f"layer_types: {len(given)} entries for {layers} layers (num_hidden_layers)"

@@ -80,7 +80,12 @@ class Architecture:
 
 
 def show(field: str, value: Any) -> str:
-    return f"{field}={value!r}"
+    shown = repr(value)
+    return f"{field}={shown if len(shown) <= 200 else shown[:200] + '...'}"
+
+
+def string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def hidden_act_problem(s: Settings, _context: int) -> str | None:
@@ -167,8 +172,8 @@ def declared_layer_types(s: Settings, _context: int) -> str | None:
     given = s.get("layer_types")
     if given is None:
         return None
-    if not isinstance(given, list):
-        return f"{show('layer_types', given)}: expected a list"
+    if not string_list(given):
+        return f"{show('layer_types', given)}: expected a list of layer kinds (strings)"
     other = sorted(set(given) - {"full_attention"})
     if not other:
         return None
