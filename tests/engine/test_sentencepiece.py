@@ -25,7 +25,7 @@ from hf_models import make_checkpoint
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.engine.sentencepiece import read_model, tokenizer_from_model_file
-from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.tokenizer import Tokenizer, load_tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -143,11 +143,22 @@ def test_bos_is_added_as_tokenizer_config_says(trained, tmp_path) -> None:
     shutil.copy(trained["llama-bpe"], model)
     reference = spm.SentencePieceProcessor(model_file=str(model))
     body = reference.encode("hello there")
-    assert tokenizer_from_model_file(model).encode("hello there").ids == [reference.bos_id(), *body]
+    assert load_tokenizer(tmp_path).encode("hello there").ids == [reference.bos_id(), *body]
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"add_bos_token": False, "add_eos_token": True})
     )
-    assert tokenizer_from_model_file(model).encode("hello there").ids == [*body, reference.eos_id()]
+    assert load_tokenizer(tmp_path).encode("hello there").ids == [*body, reference.eos_id()]
+
+
+@pytest.mark.parametrize(
+    "text, words", [("[1]", "expected a JSON object"), ("{", "not valid JSON"),
+                    ("[" * 100_000, "not valid JSON")],
+)  # fmt: skip
+def test_a_broken_tokenizer_config_is_refused(trained, tmp_path, text: str, words: str) -> None:
+    shutil.copy(trained["llama-bpe"], tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=words):
+        load_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize(

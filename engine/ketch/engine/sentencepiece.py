@@ -27,7 +27,6 @@ result against the ``sentencepiece`` library itself on models it trains.
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -300,9 +299,7 @@ def _post_processor(model: SentencePieceModel, config: dict[str, Any]) -> Any:
     )
 
 
-def tokenizer_from_model_file(path: Path) -> Tokenizer:
-    """``path``: a ``tokenizer.model``; its directory's tokenizer_config.json, if any, says
-    whether BOS/EOS are added."""
-    config_file = path.parent / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return convert(read_model(path), config if isinstance(config, dict) else {})
+def tokenizer_from_model_file(path: Path, config: dict[str, Any] | None = None) -> Tokenizer:
+    """``path``: a ``tokenizer.model``; ``config``: the model's tokenizer_config.json, which
+    says whether BOS/EOS are added."""
+    return convert(read_model(path), config)

@@ -40,10 +40,7 @@ class Tokenizer:
 
     def __init__(self, path: Path) -> None:
         self._tok = load_tokenizer(path)
-        config_file = path / "tokenizer_config.json"
-        self._config: dict[str, Any] = (
-            json.loads(config_file.read_text()) if config_file.is_file() else {}
-        )
+        self._config = tokenizer_config(path)
         self.path = path
 
     @property
@@ -158,7 +155,7 @@ def load_tokenizer(path: Path) -> HFTokenizer:
     if not file.is_file():
         spm = path / "tokenizer.model"
         if spm.is_file():
-            return tokenizer_from_model_file(spm)
+            return tokenizer_from_model_file(spm, tokenizer_config(path))
         raise ModelLoadError(
             f"{path} has no tokenizer.json (a Hugging Face fast tokenizer) and no "
             "tokenizer.model (SentencePiece)"
@@ -167,6 +164,20 @@ def load_tokenizer(path: Path) -> HFTokenizer:
         return HFTokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception subclass
         raise ModelLoadError(f"{file}: cannot load tokenizer: {exc}") from exc
+
+
+def tokenizer_config(path: Path) -> dict[str, Any]:
+    """The model directory's tokenizer_config.json ({} without one)."""
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def tokenizer_json(tokenizer_file: Path) -> str:
