@@ -70,11 +70,12 @@ def route_with_bias(
     """(routing weights [T, top_k] in x's dtype, expert indices [T, top_k] int64), as
     ``Ernie4_5_MoeTopKRouter.forward`` computes them; ``router`` [hidden, E] and ``score_bias``
     [E] are float32."""
-    probs = F.softmax(paddle.matmul(x.astype("float32"), router), axis=-1)
+    wide = x.dtype == paddle.float32  # no casts to make (each is an op call at decode)
+    probs = F.softmax(paddle.matmul(x if wide else x.astype("float32"), router), axis=-1)
     _, indices = paddle.topk(probs + score_bias, top_k, axis=-1)
     top = paddle.take_along_axis(probs, indices, axis=-1)
     top = top / paddle.clip(top.sum(axis=-1, keepdim=True), min=norm_min)
-    return top.astype(x.dtype), indices
+    return (top if wide else top.astype(x.dtype)), indices
 
 
 def select_experts(
