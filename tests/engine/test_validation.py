@@ -319,6 +319,28 @@ def test_sharded_index_naming_a_missing_shard(model_path: Path, tmp_path: Path) 
         load(path)
 
 
+@pytest.mark.parametrize(
+    "index, words",
+    [
+        ("[]", "expected a JSON object"),
+        ("{", "not valid JSON"),
+        ("[" * 100_000, "not valid JSON"),
+        ('{"weight_map": []}', "weight_map must map"),
+        ('{"weight_map": {"a": ["x"]}}', "weight_map must map"),
+        ('{"weight_map": {"a": "../../outside.safetensors"}}', "weight_map must map"),
+        ('{"weight_map": {"a": "/etc/model.safetensors"}}', "weight_map must map"),
+    ],
+)
+def test_a_hostile_safetensors_index_is_refused(
+    model_path: Path, tmp_path: Path, index: str, words: str
+) -> None:
+    """Never a crash, and never a shard path out of the checkpoint's directory."""
+    path = copy_checkpoint(model_path, tmp_path / "m")
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelLoadError, match=words):
+        load(path)
+
+
 def test_corrupt_safetensors_names_the_file(model_path: Path, tmp_path: Path) -> None:
     path = copy_checkpoint(model_path, tmp_path / "m")
     (path / "model.safetensors").write_bytes(b"\x00" * 64)

@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from ketch.engine.errors import ModelLoadError
+from ketch.engine.models.paths import read_json_object
 from ketch.engine.sentencepiece import tokenizer_from_model_file
 
 Message = dict[str, Any]
@@ -169,15 +170,7 @@ def load_tokenizer(path: Path) -> HFTokenizer:
 def tokenizer_config(path: Path) -> dict[str, Any]:
     """The model directory's tokenizer_config.json ({} without one)."""
     file = path / "tokenizer_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return read_json_object(file) if file.is_file() else {}
 
 
 def tokenizer_json(tokenizer_file: Path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from ketch.engine.models.architectures import (
     gemma3_rope_parameters,
     rope_field,
 )
+from ketch.engine.models.paths import read_json_object
 
 __all__ = [
     "MOE_BACKENDS",
@@ -148,9 +148,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{path} has no config.json; is it a Hugging Face model directory?"
             )
-        raw = _json_object(config_file)
+        raw = read_json_object(config_file)
         generation = path / "generation_config.json"
-        gen = _json_object(generation) if generation.is_file() else {}
+        gen = read_json_object(generation) if generation.is_file() else {}
         return cls.from_dict(raw, gen, source=str(config_file), context_len=context_len)
 
     @classmethod
@@ -211,16 +211,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim must be even for rotary embeddings")
-
-
-def _json_object(file: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{file}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _architecture(raw: dict[str, Any], source: str) -> Architecture:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LayerWeights, ModelWeights
 from ketch.engine.models.moe import MoeWeights
-from ketch.engine.models.paths import TINY_MODEL_DIR, resolve_model_path
+from ketch.engine.models.paths import TINY_MODEL_DIR, read_json_object, resolve_model_path
 from ketch.engine.models.sharding import Shard, whole
 
 logger = logging.getLogger(__name__)
@@ -328,11 +327,15 @@ class _Checkpoint:
 def _weight_files(path: Path) -> list[Path]:
     index = path / _INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index).get("weight_map")
+        names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+        # Shard names only: never a path out of the checkpoint's directory.
+        if names is None or not all(isinstance(n, str) and Path(n).name == n for n in names):
+            raise ModelLoadError(
+                f"{index} is not a valid safetensors index: weight_map must map tensor names "
+                "to shard file names in the checkpoint's directory"
+            )
+        files = [path / name for name in sorted(set(names))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{path}: shard(s) {missing} listed in {_INDEX} are missing")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from ketch.engine.errors import ModelLoadError
 
@@ -22,3 +24,16 @@ def resolve_model_path(model: str) -> Path:
     if not path.is_dir():
         raise ModelLoadError(f"model {model!r} is a file; give the checkpoint's directory")
     return path
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, tokenizer_config.json, the safetensors index) that
+    must hold an object: a ModelLoadError naming the file when it does not parse or holds
+    something else."""
+    try:
+        value = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
