@@ -153,10 +153,9 @@ def test_fused_experts_on_bfloat16_panels(isa: str, threads: int) -> None:
     )
     assert experts.gate_up.dtype == paddle.bfloat16 and experts.down.dtype == paddle.bfloat16
     out = moe(x, routing, indices, experts)
-    ref = fused_moe_reference(
-        x, routing, indices,
-        [paddle.to_tensor(rounded(w)) for w in gate_up], [paddle.to_tensor(rounded(w)) for w in down],
-    )  # fmt: skip
+    gu_ref = [paddle.to_tensor(rounded(w)) for w in gate_up]
+    dn_ref = [paddle.to_tensor(rounded(w)) for w in down]
+    ref = fused_moe_reference(x, routing, indices, gu_ref, dn_ref)
     assert rel_err(out, ref.numpy()) <= TOLERANCE
     # Both weights of one dtype: a float32 down with bfloat16 gate_up is refused.
     f32 = moe.prepare([paddle.to_tensor(w) for w in gate_up], [paddle.to_tensor(w) for w in down])
