@@ -55,7 +55,8 @@ class PackedWeight:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """``x @ w`` (+ ``bias``) for float32 CPU tensors, ``w`` packed by ``prepare``."""
+    """``x @ w`` (+ ``bias``) for float32 CPU tensors, ``w`` packed by ``prepare`` (float32 or
+    bfloat16 panels)."""
 
     isa: str
     num_threads: int = 1
