@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -323,9 +324,17 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 namespace {
 
-KETCH_INLINE float ToPanel(float v, float*) { return v; }
-KETCH_INLINE uint16_t ToPanel(float v, uint16_t*) { return RoundToBf16(v); }
-KETCH_INLINE uint16_t ToPanel(uint16_t v, uint16_t*) { return v; }  // already bfloat16
+// A weight of S as a panel element of D: float as it is, float rounded to bfloat16, or bfloat16
+// (a checkpoint's) as it is.
+template <typename D, typename S>
+KETCH_INLINE D ToPanel(S v) {
+  if constexpr (std::is_same_v<D, uint16_t> && std::is_same_v<S, float>) {
+    return RoundToBf16(v);
+  } else {
+    static_assert(std::is_same_v<D, S>, "float32 panels are packed from float32 weights");
+    return v;
+  }
+}
 
 // w [k, n] of S into panels of D (see the file comment for the layout); zero past the columns.
 template <typename S, typename D>
@@ -339,9 +348,9 @@ void PackPanels(const S* src, D* dst, int64_t k, int64_t n, int64_t nr, bool glu
       D* out = dst + (p * k + kk) * nr;
       const S* in = src + kk * n + p * width;
       std::fill(out, out + nr, D{});
-      for (int64_t j = 0; j < cols; ++j) out[j] = ToPanel(in[j], out);
+      for (int64_t j = 0; j < cols; ++j) out[j] = ToPanel<D>(in[j]);
       if (!glu) continue;
-      for (int64_t j = 0; j < cols; ++j) out[width + j] = ToPanel(in[outputs + j], out);
+      for (int64_t j = 0; j < cols; ++j) out[width + j] = ToPanel<D>(in[outputs + j]);
     }
   }
 }
