@@ -115,3 +115,27 @@ def test_cpp_kernels_run_without_avx512() -> None:
     ]  # fmt: skip
     # OpenBLAS picked its kernels from the emulated CPUID: an AVX2 core, not an AVX-512 one.
     assert core not in ("skylakex", "cooperlake", "sapphirerapids"), core
+
+
+# The bfloat16 panels of the packed GEMM under the emulated Zen 3 (no AVX512-BF16, no AVX-512):
+# the chosen (AVX2) and generic kernels widen them and match the float GEMM of the rounded weight.
+_BF16_PROBE = """
+import numpy as np, paddle
+from ketch.kernels.packed_linear import PackedLinear, round_to_bfloat16, select_packed_linear
+rng = np.random.default_rng(0)
+x = rng.standard_normal((7, 300), np.float32)
+w = paddle.to_tensor(rng.standard_normal((300, 130), np.float32))
+ref = x.astype(np.float64) @ round_to_bfloat16(w).astype("float32").numpy().astype(np.float64)
+for kernel in (select_packed_linear(), PackedLinear("generic")):
+    out = kernel(paddle.to_tensor(x), kernel.prepare(w, dtype="bfloat16")).numpy()
+    print(kernel.isa, float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
+"""
+
+
+def test_bf16_packed_gemm_runs_without_avx512() -> None:
+    from ketch.kernels import cpp_ops
+
+    cpp_ops.ops()  # build natively first
+    out = _emulated("-c", _BF16_PROBE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["avx2", "True", "generic", "True"]

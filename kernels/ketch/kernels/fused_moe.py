@@ -24,7 +24,7 @@ import paddle
 
 from ketch.kernels import cpp_ops
 from ketch.kernels.cpu_features import CpuFeatures
-from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear
+from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear, pack_weight
 
 AVX512_OP = "ketch.kernels.fused_moe.fused_moe_avx512"
 AVX2_OP = "ketch.kernels.fused_moe.fused_moe_avx2"
@@ -36,7 +36,7 @@ class PackedExperts:
     ``FusedMoe`` runs; one tensor each, since every tensor handed to an op costs its dispatch)."""
 
     gate_up: paddle.Tensor  # [E, ceil(I / (NR / 2)), hidden, NR]: [gate | up] packed with glu
-    down: paddle.Tensor  # [E, ceil(hidden / NR), I, NR]
+    down: paddle.Tensor  # [E, ceil(hidden / NR), I, NR]; both float32 or both bfloat16
     inter: int  # I, each expert's intermediate size
     isa: str
 
@@ -56,10 +56,14 @@ class FusedMoe:
             raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
 
     def prepare(
-        self, gate_up: Sequence[paddle.Tensor], down: Sequence[paddle.Tensor]
+        self,
+        gate_up: Sequence[paddle.Tensor],
+        down: Sequence[paddle.Tensor],
+        dtype: str | None = None,
     ) -> PackedExperts:
         """Expert j's gate_up[j] [hidden, 2I] ([gate | up]) and down[j] [I, hidden], packed and
-        stacked (a copy; the inputs may be dropped)."""
+        stacked (a copy; the inputs may be dropped); ``dtype``: the panels' element type, as
+        ``PackedLinear.prepare`` takes it (default: the first weight's)."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate_up weights and {len(down)} down weights")
         hidden, inter = int(gate_up[0].shape[0]), int(gate_up[0].shape[1]) // 2
@@ -69,9 +73,9 @@ class FusedMoe:
                     f"every expert must have gate_up [{hidden}, {2 * inter}] and down "
                     f"[{inter}, {hidden}], got {list(g.shape)} and {list(d.shape)}"
                 )
-        pack = cpp_ops.ops().ketch_pack_weight
-        up = paddle.stack([pack(w, self.isa, True) for w in gate_up])
-        dn = paddle.stack([pack(w, self.isa, False) for w in down])
+        dtype = dtype or ("bfloat16" if gate_up[0].dtype == paddle.bfloat16 else "float32")
+        up = paddle.stack([pack_weight(w, self.isa, True, dtype) for w in gate_up])
+        dn = paddle.stack([pack_weight(w, self.isa, False, dtype) for w in down])
         return PackedExperts(up, dn, inter, self.isa)
 
     def __call__(

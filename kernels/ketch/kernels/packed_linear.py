@@ -9,6 +9,11 @@ The panel width belongs to the instruction set (AVX-512: 32, AVX2 + FMA: 16, gen
 weight is packed by the ``PackedLinear`` that will run it, and ``select_packed_linear`` picks the
 instruction set from the CPU's features (never assumed). ``linear_reference`` (paddle.matmul on
 the unpacked weight) is the spec.
+
+Panels hold float32 or bfloat16 (``prepare(w, dtype="bfloat16")``: half the bytes, which is what
+a decode step's few rows are bound by). Every instruction set widens bfloat16 to float32 as it
+loads a panel; x, the sums and the epilogues stay float32, so a bfloat16 weight gives the float32
+GEMM of the weight rounded to bfloat16 (``round_to_bfloat16``: to nearest, ties to even).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ketch.kernels.cpu_features import CpuFeatures
 AVX512_OP = "ketch.kernels.packed_linear.packed_linear_avx512"
 AVX2_OP = "ketch.kernels.packed_linear.packed_linear_avx2"
 PANEL_WIDTH = {"avx512": 32, "avx2": 16, "generic": 8}
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -30,11 +36,16 @@ class PackedWeight:
     """A [K, N] weight in one instruction set's panel layout. ``glu``: a [gate | up] weight
     packed so that the product comes out as SwiGLU's ``silu(x @ gate) * (x @ up)``, N / 2 wide."""
 
-    data: paddle.Tensor  # [ceil(outputs / (NR or NR / 2)), K, NR]
+    data: paddle.Tensor  # [ceil(outputs / (NR or NR / 2)), K, NR], float32 or bfloat16
     k: int
     n: int  # output columns
     isa: str
     glu: bool = False
+
+    @property
+    def dtype(self) -> str:
+        """The panels' element type, one of ``WEIGHT_DTYPES``."""
+        return "bfloat16" if self.data.dtype == paddle.bfloat16 else "float32"
 
     @property
     def shape(self) -> list[int]:
@@ -44,7 +55,8 @@ class PackedWeight:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """``x @ w`` (+ ``bias``) for float32 CPU tensors, ``w`` packed by ``prepare``."""
+    """``x @ w`` (+ ``bias``) for float32 CPU tensors, ``w`` packed by ``prepare`` (float32 or
+    bfloat16 panels)."""
 
     isa: str
     num_threads: int = 1
@@ -53,13 +65,17 @@ class PackedLinear:
         if self.isa not in PANEL_WIDTH:
             raise ValueError(f"unknown isa {self.isa!r}; expected one of {sorted(PANEL_WIDTH)}")
 
-    def prepare(self, w: paddle.Tensor, glu: bool = False) -> PackedWeight:
+    def prepare(
+        self, w: paddle.Tensor, glu: bool = False, dtype: str | None = None
+    ) -> PackedWeight:
         """``w`` [K, N] in this instruction set's layout (a copy; ``w`` may be dropped);
-        ``glu``: ``w`` is [gate | up] and the product is SwiGLU's (see ``swiglu_reference``)."""
+        ``glu``: ``w`` is [gate | up] and the product is SwiGLU's (see ``swiglu_reference``).
+        ``dtype``: the panels' element type (default: ``w``'s, float32 or bfloat16); a float32
+        ``w`` packed as bfloat16 is rounded to nearest even."""
         if len(w.shape) != 2 or (glu and int(w.shape[1]) % 2):
             want = "[K, 2I]" if glu else "[K, N]"
             raise ValueError(f"a weight to pack must be {want}, got {list(w.shape)}")
-        packed = cpp_ops.ops().ketch_pack_weight(w, self.isa, glu)
+        packed = pack_weight(w, self.isa, glu, dtype)
         n = int(w.shape[1]) // 2 if glu else int(w.shape[1])
         return PackedWeight(packed, int(w.shape[0]), n, self.isa, glu)
 
@@ -74,6 +90,26 @@ class PackedLinear:
         return cpp_ops.ops().ketch_packed_linear(
             x, w.data, bias, w.n, self.isa, int(self.num_threads), w.glu
         )
+
+
+def pack_weight(w: paddle.Tensor, isa: str, glu: bool, dtype: str | None) -> paddle.Tensor:
+    """The packed panels of ``w`` (see ``PackedLinear.prepare``)."""
+    own = "bfloat16" if w.dtype == paddle.bfloat16 else "float32"
+    dtype = dtype or own
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {dtype!r}; expected one of {WEIGHT_DTYPES}")
+    ops = cpp_ops.ops()
+    if dtype == "bfloat16":
+        return ops.ketch_pack_weight_bf16(w, isa, glu)
+    return ops.ketch_pack_weight(w.astype("float32") if own == "bfloat16" else w, isa, glu)
+
+
+def round_to_bfloat16(w: paddle.Tensor) -> paddle.Tensor:
+    """float32 ``w`` rounded to bfloat16 as the packing rounds it (nearest, ties to even; NaN
+    stays NaN), as bfloat16: ``.astype("float32")`` is the weight a bfloat16 GEMM multiplies by."""
+    size = int(w.numel())
+    row = pack_weight(w.reshape([1, size]), "generic", False, "bfloat16")  # [P, 1, 8]
+    return row.reshape([-1])[:size].reshape(w.shape)
 
 
 def swiglu_reference(x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:

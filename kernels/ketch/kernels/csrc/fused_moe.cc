@@ -1,4 +1,4 @@
-// Routed experts (a MoE block's sparse MLP) in one op, float32, CPU:
+// Routed experts (a MoE block's sparse MLP) in one op, float32 (weights float32 or bfloat16), CPU:
 //
 //   ketch_fused_moe(x [T, H], routing [T, K], indices [T, K] int64, gate_up [E, P, H, NR],
 //                   down [E, P', I, NR], first, inter, isa, num_threads) -> y [T, H]
@@ -9,7 +9,7 @@
 // dispatch microseconds, and a decode step calls this once per layer). y[t] = the sum over t's
 // picks of a held expert e, in ascending e, of routing[t, slot] * down_e(swiglu(x[t] . gate_up_e));
 // picks of experts outside [first, first + E) (another rank's) add nothing, a token with none
-// gets zeros.
+// gets zeros. Both weights may instead be bfloat16 (ketch_pack_weight_bf16), widened as they load.
 //
 // Steps: a counting sort of the T * K picks by expert (stable: token order within an expert);
 // each picked row of x gathered into its expert's contiguous run; the gate_up GEMM of every
@@ -130,11 +130,23 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 paddle::Tensor Dense(const paddle::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
+// The packed weights from element `offset` on, float or bfloat16 as the tensor holds them.
+const void* Weights(const paddle::Tensor& packed, int64_t offset) {
+  if (packed.dtype() == paddle::DataType::BFLOAT16) return packed.data<paddle::bfloat16>() + offset;
+  return packed.data<float>() + offset;
+}
+
 // Checks the stacked experts against the layer's shapes.
 void CheckExperts(const paddle::Tensor& gate_up, const paddle::Tensor& down, int64_t hidden,
                   int64_t inter, int64_t nr) {
-  CheckFloatCpu(gate_up, "gate_up");
-  CheckFloatCpu(down, "down");
+  if (gate_up.dtype() == paddle::DataType::BFLOAT16) {
+    PD_CHECK(gate_up.place() == paddle::CPUPlace() && down.place() == paddle::CPUPlace() &&
+                 down.dtype() == paddle::DataType::BFLOAT16,
+             "ketch_fused_moe: gate_up and down must both be float32 or both bfloat16 CPU tensors");
+  } else {
+    CheckFloatCpu(gate_up, "gate_up");
+    CheckFloatCpu(down, "down");
+  }
   const auto gs = gate_up.shape(), ds = down.shape();
   PD_CHECK(gs.size() == 4 && gs[1] == (inter + nr / 2 - 1) / (nr / 2) && gs[2] == hidden &&
                gs[3] == nr && gate_up.is_contiguous(),
@@ -168,7 +180,8 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   PD_CHECK(first >= 0 && inter > 0, "ketch_fused_moe: needs first >= 0 and inter > 0");
   CheckExperts(gate_up, down, hidden, inter, nr);
   const int64_t held = gate_up.shape()[0];
-  const int64_t up_size = gate_up.shape()[1] * hidden * nr;  // floats per expert
+  const bool bf16 = gate_up.dtype() == paddle::DataType::BFLOAT16;
+  const int64_t up_size = gate_up.shape()[1] * hidden * nr;  // weights per expert
   const int64_t down_size = down.shape()[1] * inter * nr;
   const int64_t top_k = routing_in.shape()[1];
   auto y = paddle::empty({tokens, hidden}, paddle::DataType::FLOAT32, paddle::CPUPlace());
@@ -188,11 +201,13 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   for (int64_t j = 0; j < held; ++j) {
     const int64_t m = groups.start[j + 1] - groups.start[j], r0 = groups.start[j];
     if (m == 0) continue;
-    const float* up_w = gate_up.data<float>() + j * up_size;
-    const float* down_w = down.data<float>() + j * down_size;
-    up.Add({gathered + r0 * hidden, up_w, nullptr, act + r0 * inter, m, hidden, inter, nr, true},
+    const void* up_w = Weights(gate_up, j * up_size);
+    const void* down_w = Weights(down, j * down_size);
+    up.Add({gathered + r0 * hidden, up_w, nullptr, act + r0 * inter, m, hidden, inter, nr, true,
+            bf16},
            kind);
-    dn.Add({act + r0 * inter, down_w, nullptr, out + r0 * hidden, m, inter, hidden, nr, false},
+    dn.Add({act + r0 * inter, down_w, nullptr, out + r0 * hidden, m, inter, hidden, nr, false,
+            bf16},
            kind);
   }
   RunBatch(up, kind, num_threads);

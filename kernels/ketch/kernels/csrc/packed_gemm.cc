@@ -1,6 +1,7 @@
 // Dense matmul on weights packed once at load: y[M, N] = x[M, K] . w[K, N] (+ bias), float32, CPU.
 //
 //   ketch_pack_weight(w [K, N], isa, glu)                  -> packed [P, K, NR]
+//   ketch_pack_weight_bf16(w [K, N] f32 or bf16, isa, glu) -> packed [P, K, NR] bfloat16
 //   ketch_packed_linear(x [.., K], packed, bias?, n, isa, num_threads, glu) -> y [.., n]
 //
 // glu = false: P = ceil(N / NR) panels of NR consecutive columns, y = x . w (+ bias), n = N.
@@ -15,6 +16,12 @@
 // columns is one contiguous [K, NR] block: the micro-kernel streams it once per MR rows, with
 // MR x NR accumulators in registers and one broadcast of x per row and k.
 //
+// bfloat16 weights (ketch_pack_weight_bf16): the same panels at half the bytes, for decode, whose
+// few rows leave the GEMM bound by streaming the weights from memory. The kernels widen each
+// panel row to float as they load it (bf16 is the top half of a float: zero-extend the 16-bit
+// words to 32 and shift left 16) and run the float FMAs, so x, the accumulation and the epilogues
+// stay float32 on every CPU, and the result is the float GEMM on the bf16-rounded weight.
+//
 // Register blocks: AVX-512 MR 12 x NR 32 (24 zmm accumulators), AVX2 + FMA MR 6 x NR 16 (12 ymm),
 // generic MR 4 x NR 8 (plain loops the compiler vectorises for the baseline). The packed layout
 // depends on NR, so a weight is packed for the isa it will run with (the op checks). Rows come
@@ -25,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -47,15 +55,26 @@ KETCH_INLINE int64_t PanelOutputs(const Gemm& g) { return g.glu ? g.nr / 2 : g.n
 
 KETCH_INLINE float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-// One (rows x nr) tile: rows <= MR of x against one packed panel; `cols` of the nr are stored.
-template <int MR>
+// A packed weight element as float: a float as it is, bfloat16 bits as the float's top half.
+KETCH_INLINE float Widen(float v) { return v; }
+KETCH_INLINE float Widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One (rows x nr) tile: rows <= MR of x against one packed panel of W (float or bfloat16 bits);
+// `cols` of the nr are stored.
+template <typename W, int MR>
 KETCH_INLINE void TileGeneric(const Gemm& g, int64_t row, int64_t panel, int rows, int cols) {
   constexpr int NR = 8;
   float acc[MR][NR] = {};
-  const float* b = g.packed + panel * g.k * NR;
+  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
   const float* x = g.x + row * g.k;
   for (int64_t kk = 0; kk < g.k; ++kk) {
-    const float* bk = b + kk * NR;
+    float bk[NR];
+    for (int j = 0; j < NR; ++j) bk[j] = Widen(b[kk * NR + j]);
     for (int r = 0; r < MR; ++r) {
       if (r >= rows) break;
       const float a = x[r * g.k + kk];
@@ -80,18 +99,27 @@ KETCH_INLINE __m256 SiluAvx2(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-template <int MR>
+// 8 packed weights at p as floats: bfloat16 bits zero-extended to 32 and shifted into the top.
+KETCH_INLINE __m256 LoadAvx2(const float* p) { return _mm256_loadu_ps(p); }
+KETCH_INLINE __m256 LoadAvx2(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+template <typename W, int MR>
 __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, int64_t panel,
                                                   int cols) {
   constexpr int NR = 16;
+  // The same distance ahead in bytes whatever the element: a bfloat16 panel row is half as long.
+  constexpr int64_t kAhead = kPrefetchRows * sizeof(float) / sizeof(W);
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const float* b = g.packed + panel * g.k * NR;
+  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
   const float* x = g.x + row * g.k;
   for (int64_t kk = 0; kk < g.k; ++kk) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + kPrefetchRows) * NR), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + kAhead) * NR), _MM_HINT_T0);
+    const __m256 b0 = LoadAvx2(b + kk * NR), b1 = LoadAvx2(b + kk * NR + 8);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * g.k + kk);
@@ -143,17 +171,25 @@ KETCH_INLINE __m512 SiluAvx512(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-template <int MR>
-__attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64_t row, int64_t panel,
-                                                   int cols) {
+// 16 packed weights at p as floats (bfloat16 bits widened as in LoadAvx2).
+KETCH_INLINE __m512 LoadAvx512(const float* p) { return _mm512_loadu_ps(p); }
+KETCH_INLINE __m512 LoadAvx512(const uint16_t* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <typename W, int MR>
+__attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64_t row,
+                                                            int64_t panel, int cols) {
   constexpr int NR = 32;
   __m512 acc0[MR], acc1[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  const float* b = g.packed + panel * g.k * NR;
+  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
   const float* x = g.x + row * g.k;
   for (int64_t kk = 0; kk < g.k; ++kk) {
-    const __m512 b0 = _mm512_loadu_ps(b + kk * NR), b1 = _mm512_loadu_ps(b + kk * NR + 16);
+    const __m512 b0 = LoadAvx512(b + kk * NR), b1 = LoadAvx512(b + kk * NR + 16);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * g.k + kk]);
@@ -188,13 +224,13 @@ __attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64
 
 // Dispatches a tile of `rows` (1..MR) rows to the kernel compiled for exactly that many.
 #define KETCH_TILE_SWITCH(FN, MR_MAX)                                              \
-  template <int R = MR_MAX>                                                        \
+  template <typename W, int R = MR_MAX>                                            \
   KETCH_INLINE void FN##Rows(const Gemm& g, int64_t row, int64_t panel, int rows,  \
                              int cols) {                                           \
     if constexpr (R > 1) {                                                         \
-      if (rows < R) return FN##Rows<R - 1>(g, row, panel, rows, cols);             \
+      if (rows < R) return FN##Rows<W, R - 1>(g, row, panel, rows, cols);          \
     }                                                                              \
-    FN<R>(g, row, panel, cols);                                                    \
+    FN<W, R>(g, row, panel, cols);                                                 \
   }
 
 KETCH_TILE_SWITCH(TileAvx512, 12)
@@ -202,7 +238,27 @@ KETCH_TILE_SWITCH(TileAvx2, 6)
 
 int TileHeight(Isa isa) { return isa == Isa::kAvx512 ? 12 : isa == Isa::kAvx2 ? 6 : 4; }
 
+template <typename W>
+void RunTile(const Gemm& g, Isa isa, int64_t row, int64_t panel, int rows, int cols) {
+  if (isa == Isa::kAvx512) {
+    TileAvx512Rows<W>(g, row, panel, rows, cols);
+  } else if (isa == Isa::kAvx2) {
+    TileAvx2Rows<W>(g, row, panel, rows, cols);
+  } else {
+    TileGeneric<W, 4>(g, row, panel, rows, cols);
+  }
+}
+
 }  // namespace
+
+uint16_t RoundToBf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN: a quiet one, as torch
+  // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
+  // half is over 0x8000, or equal to it with an odd kept half: round to nearest, ties to even.
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 Isa ParseIsa(const std::string& isa) {
   if (isa == "avx512") return Isa::kAvx512;
@@ -231,12 +287,10 @@ void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item) {
   for (int64_t row = b * plan.block; row < end;) {
     const int64_t left = end - row, tiles = (left + mr - 1) / mr;
     const int rows = static_cast<int>((left + tiles - 1) / tiles);
-    if (isa == Isa::kAvx512) {
-      TileAvx512Rows(g, row, panel, rows, cols);
-    } else if (isa == Isa::kAvx2) {
-      TileAvx2Rows(g, row, panel, rows, cols);
+    if (g.bf16) {
+      RunTile<uint16_t>(g, isa, row, panel, rows, cols);
     } else {
-      TileGeneric<4>(g, row, panel, rows, cols);
+      RunTile<float>(g, isa, row, panel, rows, cols);
     }
     row += rows;
   }
@@ -268,27 +322,80 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::string& isa,
-                                       bool glu) {
-  CheckFloatCpu(w_in, "w");
-  PD_CHECK(w_in.shape().size() == 2, "ketch_pack_weight: w must be [K, N]");
-  const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
-  const int64_t k = w.shape()[0], n = w.shape()[1], nr = PanelWidth(ParseIsa(isa));
-  PD_CHECK(!glu || n % 2 == 0, "ketch_pack_weight: a glu weight [K, 2I] needs an even N, got ", n);
+namespace {
+
+// A weight of S as a panel element of D: float as it is, float rounded to bfloat16, or bfloat16
+// (a checkpoint's) as it is.
+template <typename D, typename S>
+KETCH_INLINE D ToPanel(S v) {
+  if constexpr (std::is_same_v<D, uint16_t> && std::is_same_v<S, float>) {
+    return RoundToBf16(v);
+  } else {
+    static_assert(std::is_same_v<D, S>, "float32 panels are packed from float32 weights");
+    return v;
+  }
+}
+
+// w [k, n] of S into panels of D (see the file comment for the layout); zero past the columns.
+template <typename S, typename D>
+void PackPanels(const S* src, D* dst, int64_t k, int64_t n, int64_t nr, bool glu) {
   // Each panel: `groups` runs of `width` columns; glu: gate outputs, then the same outputs' up.
   const int64_t width = glu ? nr / 2 : nr, outputs = glu ? n / 2 : n;
   const int64_t panels = (outputs + width - 1) / width;
-  auto packed = paddle::empty({panels, k, nr}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  const float* src = w.data<float>();
-  float* dst = packed.data<float>();
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t cols = std::min(width, outputs - p * width);
     for (int64_t kk = 0; kk < k; ++kk) {
-      float* out = dst + (p * k + kk) * nr;
-      std::fill(out, out + nr, 0.0f);
-      std::memcpy(out, src + kk * n + p * width, cols * sizeof(float));
-      if (glu) std::memcpy(out + width, src + kk * n + outputs + p * width, cols * sizeof(float));
+      D* out = dst + (p * k + kk) * nr;
+      const S* in = src + kk * n + p * width;
+      std::fill(out, out + nr, D{});
+      for (int64_t j = 0; j < cols; ++j) out[j] = ToPanel<D>(in[j]);
+      if (!glu) continue;
+      for (int64_t j = 0; j < cols; ++j) out[width + j] = ToPanel<D>(in[outputs + j]);
     }
+  }
+}
+
+// The checked, dense [K, N] weight to pack and its panel count.
+paddle::Tensor WeightToPack(const paddle::Tensor& w_in, int64_t nr, bool glu, int64_t* panels) {
+  PD_CHECK(w_in.shape().size() == 2, "ketch_pack_weight: w must be [K, N]");
+  const int64_t n = w_in.shape()[1], width = glu ? nr / 2 : nr, outputs = glu ? n / 2 : n;
+  PD_CHECK(!glu || n % 2 == 0, "ketch_pack_weight: a glu weight [K, 2I] needs an even N, got ", n);
+  *panels = (outputs + width - 1) / width;
+  return w_in.is_contiguous() ? w_in : w_in.contiguous();
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackWeight(const paddle::Tensor& w_in, const std::string& isa,
+                                       bool glu) {
+  CheckFloatCpu(w_in, "w");
+  const int64_t nr = PanelWidth(ParseIsa(isa));
+  int64_t panels = 0;
+  const paddle::Tensor w = WeightToPack(w_in, nr, glu, &panels);
+  const int64_t k = w.shape()[0], n = w.shape()[1];
+  auto packed = paddle::empty({panels, k, nr}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  PackPanels(w.data<float>(), packed.data<float>(), k, n, nr, glu);
+  return {packed};
+}
+
+// The same panels of bfloat16: half the bytes for the kernels to stream. A float32 w is rounded
+// to nearest even; a bfloat16 one (a checkpoint's own) is laid out as it is.
+std::vector<paddle::Tensor> PackWeightBf16(const paddle::Tensor& w_in, const std::string& isa,
+                                           bool glu) {
+  const bool from_bf16 = w_in.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK(w_in.place() == paddle::CPUPlace() &&
+               (from_bf16 || w_in.dtype() == paddle::DataType::FLOAT32),
+           "w must be a float32 or bfloat16 CPU tensor");
+  const int64_t nr = PanelWidth(ParseIsa(isa));
+  int64_t panels = 0;
+  const paddle::Tensor w = WeightToPack(w_in, nr, glu, &panels);
+  const int64_t k = w.shape()[0], n = w.shape()[1];
+  auto packed = paddle::empty({panels, k, nr}, paddle::DataType::BFLOAT16, paddle::CPUPlace());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data<paddle::bfloat16>());
+  if (from_bf16) {
+    PackPanels(reinterpret_cast<const uint16_t*>(w.data<paddle::bfloat16>()), dst, k, n, nr, glu);
+  } else {
+    PackPanels(w.data<float>(), dst, k, n, nr, glu);
   }
   return {packed};
 }
@@ -297,7 +404,9 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
                                          const paddle::optional<paddle::Tensor>& bias, int n,
                                          const std::string& isa, int num_threads, bool glu) {
   CheckFloatCpu(x_in, "x");
-  CheckFloatCpu(packed, "packed");
+  const bool bf16 = packed.dtype() == paddle::DataType::BFLOAT16;
+  if (!bf16) CheckFloatCpu(packed, "packed");
+  PD_CHECK(packed.place() == paddle::CPUPlace(), "packed must be a CPU tensor");
   const Isa kind = ParseIsa(isa);
   const int64_t nr = PanelWidth(kind), width = glu ? nr / 2 : nr;
   const auto ps = packed.shape();
@@ -325,8 +434,9 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
   int64_t m = 1;
   for (size_t i = 0; i + 1 < out_shape.size(); ++i) m *= out_shape[i];
   if (m == 0 || n == 0) return {y};
-  const Gemm g{x.data<float>(), packed.data<float>(), bias_data, y.data<float>(),
-               m, ps[1], n, nr, glu};
+  const void* weights = bf16 ? static_cast<const void*>(packed.data<paddle::bfloat16>())
+                             : static_cast<const void*>(packed.data<float>());
+  const Gemm g{x.data<float>(), weights, bias_data, y.data<float>(), m, ps[1], n, nr, glu, bf16};
   if (g.k == 0) {  // x . w = 0: the bias, or silu(0) * 0
     for (int64_t r = 0; r < m; ++r)
       for (int64_t j = 0; j < n; ++j) g.y[r * n + j] = bias_data ? bias_data[j] : 0.0f;
@@ -354,6 +464,9 @@ std::vector<std::vector<int64_t>> PackedLinearShape(const std::vector<int64_t>& 
 }
 
 std::vector<paddle::DataType> SameDtype(const paddle::DataType& x) { return {x}; }
+std::vector<paddle::DataType> Bf16Dtype(const paddle::DataType&) {
+  return {paddle::DataType::BFLOAT16};
+}
 
 std::vector<paddle::DataType> PackedLinearDtype(const paddle::DataType& x, const paddle::DataType&,
                                                 const paddle::optional<paddle::DataType>&) {
@@ -369,6 +482,14 @@ PD_BUILD_OP(ketch_pack_weight)
     .SetKernelFn(PD_KERNEL(ketch::PackWeight))
     .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackWeightShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ketch::SameDtype));
+
+PD_BUILD_OP(ketch_pack_weight_bf16)
+    .Inputs({"w"})
+    .Outputs({"packed"})
+    .Attrs({"isa: std::string", "glu: bool"})
+    .SetKernelFn(PD_KERNEL(ketch::PackWeightBf16))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackWeightShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::Bf16Dtype));
 
 PD_BUILD_OP(ketch_packed_linear)
     .Inputs({"x", "packed", paddle::Optional("bias")})

@@ -14,14 +14,17 @@ enum class Isa { kGeneric, kAvx2, kAvx512 };
 Isa ParseIsa(const std::string& isa);
 // Columns per packed panel: the layout a weight is packed in for this instruction set.
 int PanelWidth(Isa isa);
+// float -> bfloat16 bits, rounded to nearest even (as torch's cast); NaN -> the quiet 0x7fc0.
+uint16_t RoundToBf16(float v);
 
 struct Gemm {
   const float* x;       // [m, k]
-  const float* packed;  // [panels, k, nr]
+  const void* packed;   // [panels, k, nr] of float, or of bfloat16 bits (uint16_t) with bf16
   const float* bias;    // [n] or nullptr (never with glu)
   float* y;             // [m, n]
   int64_t m, k, n, nr;
   bool glu;             // panels of (gate, up) halves; y = silu(gate) * up
+  bool bf16 = false;    // packed holds bfloat16, widened to float as the kernels load it
 };
 
 // A GEMM's work as independent items: (row block, panel) pairs, each writing its own outputs.
