@@ -144,7 +144,8 @@ def pack_weight(w: paddle.Tensor, isa: str, glu: bool, dtype: str | None) -> pad
 def quantize_int8(w: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
     """``w`` [K, N] (float32 or bfloat16) quantized symmetrically per column: ``(q, scale)``, q
     int8 [K, N] and scale float32 [N], scale = max_k |w[k, n]| / 127 (1 for a zero column; the
-    smallest subnormal where that quotient underflows to 0) and q = w / scale rounded to
+    smallest subnormal where that quotient underflows to 0; the next float down where 127 * scale
+    would overflow, near the largest float) and q = w / scale rounded to
     nearest, ties to even, clamped to [-127, 127]. ValueError if ``w`` holds a NaN or an
     infinity (no scale would represent it)."""
     if len(w.shape) != 2:

@@ -489,8 +489,11 @@ void QuantizeColumns(const S* w, int8_t* q, float* scale, int64_t k, int64_t n) 
     const float t = top[j];
     // A zero column: scale 1 (its q are 0). A column so small that t / 127 underflows to 0: the
     // smallest subnormal, whose multiples are exactly the column's values (|w| < 127 of them).
+    // A column near the largest float whose t / 127 rounded up: one step down, so that q * scale
+    // (q = +-127) stays finite.
     float s = t == 0.0f ? 1.0f : t / 127.0f;
     if (s == 0.0f) s = kTiny;
+    if (std::isinf(s * 127.0f) && std::isfinite(s)) s = std::nextafter(s, 0.0f);
     scale[j] = s;
   }
   // Rounding to nearest, ties to even, by adding and subtracting 1.5 * 2^23 (exact for |v| <=
@@ -512,7 +515,8 @@ void QuantizeColumns(const S* w, int8_t* q, float* scale, int64_t k, int64_t n) 
 }  // namespace
 
 // w [K, N] (float32 or bfloat16) -> q [K, N] int8, scale [N] float32: per output column,
-// scale = max_k |w[k, n]| / 127 (1 for a zero column) and q = w / scale rounded to nearest even,
+// scale = max_k |w[k, n]| / 127 (1 for a zero column, the smallest subnormal where that underflows
+// to 0, one float lower where 127 * scale would overflow) and q = w / scale rounded to nearest even,
 // clamped to [-127, 127], so that q * scale is the weight the int8 GEMM multiplies by. A column
 // with a NaN or an infinity gets a non-finite scale (the caller refuses the weight).
 std::vector<paddle::Tensor> QuantizeInt8(const paddle::Tensor& w_in) {
