@@ -201,6 +201,24 @@ def test_matches_the_gemm_of_the_dequantized_weight(
     assert k < 8 or np.abs(kernel(xt, packed).numpy() - x @ w).max() > 1e3 * TOLERANCE
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa: str, dtype: str, glu: bool) -> None:
+    """A row alone (on AVX2: the one-row kernel over two panels at once) gives the bits it gets
+    in a GEMM of many rows (taller tiles over one panel); the fused experts rely on this."""
+    rng = np.random.default_rng(7)
+    x = paddle.to_tensor(rng.standard_normal((13, 200), np.float32))
+    n = 74 if glu else 37  # 37 outputs: 3 AVX2 panels, the last a pair's odd one out and short
+    w = paddle.to_tensor(weight(200, n, 7))
+    b = None if glu else paddle.to_tensor(rng.standard_normal(n, np.float32))
+    kernel = PackedLinear(isa)
+    packed = kernel.prepare(w, glu=glu, dtype=dtype)
+    many = kernel(x, packed, b).numpy()
+    for r in (0, 6, 12):
+        np.testing.assert_array_equal(kernel(x[r : r + 1], packed, b).numpy()[0], many[r])
+
+
 def silu(v: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-v) = inf for v far below 0: silu -> -0
         return v / (1.0 + np.exp(-v))

@@ -144,28 +144,17 @@ KETCH_INLINE __m256 LoadAvx2(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
+// The same prefetch distance in bytes whatever the element: a bfloat16 panel row is half as long
+// as a float one, an int8 one a quarter.
+template <typename W>
+constexpr int64_t kAhead = kPrefetchRows * sizeof(float) / sizeof(W);
+
+// A finished AVX2 tile's epilogue: acc0/acc1 [MR] are one panel's sums for rows row..row+MR-1;
+// int8 scales, then the bias or SwiGLU, then the `cols` stored outputs.
 template <typename W, int MR>
-__attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, int64_t panel,
-                                                  int cols) {
+KETCH_INLINE void FinishAvx2(const Gemm& g, int64_t row, int64_t panel, int cols, __m256* acc0,
+                             __m256* acc1) {
   constexpr int NR = 16;
-  // The same distance ahead in bytes whatever the element: a bfloat16 panel row is half as long,
-  // an int8 one a quarter.
-  constexpr int64_t kAhead = kPrefetchRows * sizeof(float) / sizeof(W);
-  __m256 acc0[MR], acc1[MR];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
-  const float* x = g.x + row * g.k;
-  for (int64_t kk = 0; kk < g.k; ++kk) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + kAhead) * NR), _MM_HINT_T0);
-    const __m256 b0 = LoadAvx2(b + kk * NR), b1 = LoadAvx2(b + kk * NR + 8);
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * g.k + kk);
-      acc0[r] = _mm256_fmadd_ps(a, b0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(a, b1, acc1[r]);
-    }
-  }
   alignas(32) float tmp[NR];
   if constexpr (std::is_same_v<W, int8_t>) {
     PanelScales(g, panel, cols, tmp);
@@ -209,6 +198,54 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, in
       for (int j = 0; j < cols; ++j) out[j] = tmp[j] + (g.bias ? g.bias[panel * NR + j] : 0.0f);
     }
   }
+}
+
+template <typename W, int MR>
+__attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, int64_t panel,
+                                                  int cols) {
+  constexpr int NR = 16;
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
+  const float* x = g.x + row * g.k;
+  for (int64_t kk = 0; kk < g.k; ++kk) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + kAhead<W>) * NR), _MM_HINT_T0);
+    const __m256 b0 = LoadAvx2(b + kk * NR), b1 = LoadAvx2(b + kk * NR + 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * g.k + kk);
+      acc0[r] = _mm256_fmadd_ps(a, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(a, b1, acc1[r]);
+    }
+  }
+  FinishAvx2<W, MR>(g, row, panel, cols, acc0, acc1);
+}
+
+// One row against two neighbouring panels at once (a GEMM of one row: decode). One panel gives a
+// row only two chains of dependent FMAs, which their latency, not the weight stream, then bounds
+// (int8 panels stream fast enough for that to show); two panels give four. Each output's sum is
+// still over k in order, as in TileAvx2<W, 1>: the same result, bit for bit.
+template <typename W>
+__attribute__((target("avx2,fma"))) void TilePairAvx2(const Gemm& g, int64_t row, int64_t panel,
+                                                      int cols, int cols_next) {
+  constexpr int NR = 16;
+  __m256 acc0[1] = {_mm256_setzero_ps()}, acc1[1] = {_mm256_setzero_ps()};
+  __m256 acc2[1] = {_mm256_setzero_ps()}, acc3[1] = {_mm256_setzero_ps()};
+  const W* b = static_cast<const W*>(g.packed) + panel * g.k * NR;
+  const W* c = b + g.k * NR;  // the next panel
+  const float* x = g.x + row * g.k;
+  for (int64_t kk = 0; kk < g.k; ++kk) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + (kk + kAhead<W>) * NR), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + (kk + kAhead<W>) * NR), _MM_HINT_T0);
+    const __m256 a = _mm256_broadcast_ss(x + kk);
+    acc0[0] = _mm256_fmadd_ps(a, LoadAvx2(b + kk * NR), acc0[0]);
+    acc1[0] = _mm256_fmadd_ps(a, LoadAvx2(b + kk * NR + 8), acc1[0]);
+    acc2[0] = _mm256_fmadd_ps(a, LoadAvx2(c + kk * NR), acc2[0]);
+    acc3[0] = _mm256_fmadd_ps(a, LoadAvx2(c + kk * NR + 8), acc3[0]);
+  }
+  FinishAvx2<W, 1>(g, row, panel, cols, acc0, acc1);
+  FinishAvx2<W, 1>(g, row, panel + 1, cols_next, acc2, acc3);
 }
 #pragma GCC pop_options
 
@@ -311,6 +348,23 @@ void RunTile(const Gemm& g, Isa isa, int64_t row, int64_t panel, int rows, int c
   }
 }
 
+// Stored outputs of `panel`.
+KETCH_INLINE int PanelCols(const Gemm& g, int64_t panel) {
+  const int64_t per_panel = PanelOutputs(g);
+  return static_cast<int>(std::min<int64_t>(per_panel, g.n - panel * per_panel));
+}
+
+// Rows [row, row + rows) against panels [first, last).
+template <typename W>
+void RunTiles(const Gemm& g, Isa isa, int64_t row, int rows, int64_t first, int64_t last) {
+  if (isa == Isa::kAvx2 && rows == 1 && last - first == 2) {
+    TilePairAvx2<W>(g, row, first, PanelCols(g, first), PanelCols(g, first + 1));
+    return;
+  }
+  for (int64_t panel = first; panel < last; ++panel)
+    RunTile<W>(g, isa, row, panel, rows, PanelCols(g, panel));
+}
+
 }  // namespace
 
 uint16_t RoundToBf16(float v) {
@@ -337,13 +391,15 @@ GemmPlan PlanGemm(const Gemm& g, Isa isa) {
   // Row blocks of at most ~256 KiB of x (a multiple of MR rows), reused across all panels.
   const int64_t fit = std::max<int64_t>(mr, (256 * 1024 / 4 / std::max<int64_t>(g.k, 1)) / mr * mr);
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(g.m, fit));
-  return {block, panels, (g.m + block - 1) / block * panels};
+  // One row on AVX2: items of two panels (TilePairAvx2).
+  const int64_t span = isa == Isa::kAvx2 && g.m == 1 ? 2 : 1;
+  return {block, panels, (g.m + block - 1) / block * ((panels + span - 1) / span), span};
 }
 
 void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item) {
-  const int64_t mr = TileHeight(isa), per_panel = PanelOutputs(g);
-  const int64_t b = item / plan.panels, panel = item % plan.panels;
-  const int cols = static_cast<int>(std::min<int64_t>(per_panel, g.n - panel * per_panel));
+  const int64_t mr = TileHeight(isa), per_block = (plan.panels + plan.span - 1) / plan.span;
+  const int64_t b = item / per_block, first = item % per_block * plan.span;
+  const int64_t last = std::min(plan.panels, first + plan.span);
   const int64_t end = std::min(g.m, (b + 1) * plan.block);
   // Tiles of balanced height (8 rows on AVX2 are 4 + 4, not 6 + 2: each tile streams the panel).
   for (int64_t row = b * plan.block; row < end;) {
@@ -351,13 +407,13 @@ void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item) {
     const int rows = static_cast<int>((left + tiles - 1) / tiles);
     switch (g.panel) {
       case Panel::kBfloat16:
-        RunTile<uint16_t>(g, isa, row, panel, rows, cols);
+        RunTiles<uint16_t>(g, isa, row, rows, first, last);
         break;
       case Panel::kInt8:
-        RunTile<int8_t>(g, isa, row, panel, rows, cols);
+        RunTiles<int8_t>(g, isa, row, rows, first, last);
         break;
       default:
-        RunTile<float>(g, isa, row, panel, rows, cols);
+        RunTiles<float>(g, isa, row, rows, first, last);
     }
     row += rows;
   }

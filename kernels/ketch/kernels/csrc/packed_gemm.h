@@ -33,13 +33,15 @@ struct Gemm {
   const float* scale = nullptr;
 };
 
-// A GEMM's work as independent items: (row block, panel) pairs, each writing its own outputs.
+// A GEMM's work as independent items: (row block, panel) pairs (two panels a row block at one
+// row on AVX2), each writing its own outputs.
 // Every output row's sum runs over k in order whatever the item or tile, so a row's result does
 // not depend on which other rows share its GEMM (the fused experts rely on this).
 struct GemmPlan {
-  int64_t block;   // rows per block
-  int64_t panels;  // panels per row block
-  int64_t items;   // blocks * panels
+  int64_t block;     // rows per block
+  int64_t panels;    // panels per row block
+  int64_t items;     // blocks * ceil(panels / span)
+  int64_t span = 1;  // panels per item (2 for a one-row GEMM on AVX2: more FMA chains per row)
 };
 
 GemmPlan PlanGemm(const Gemm& g, Isa isa);
