@@ -10,9 +10,12 @@ L3 and every call reads its weight from DRAM, as a model's layers do.
 
 Prints, per weight shape and row count, the median ms per GEMM of each panel type, the weight
 bytes per second it streamed (``PackedWeight.nbytes``), and float32 ÷ bfloat16 and float32 ÷ int8.
+``--clock cpu`` (the default) times the calling thread's CPU time, so that on a shared, busy
+machine the time the thread spends descheduled does not count (meaningful with --threads 1);
+``--clock wall`` times the wall clock.
 
 Usage: benchmarks/bench_packed_gemm_precision.py [--shapes 4096x4096,4096x11008] [--copies 3]
-       [--threads 1] [--isa avx2] [--repeats 30] [--rows 1,8,32]
+       [--threads 1] [--isa avx2] [--repeats 30] [--rows 1,8,32] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ import numpy as np
 DTYPES = ("float32", "bfloat16", "int8")
 
 
-def median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def median_seconds(
+    fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float]
+) -> dict[str, float]:
     """Median seconds per call of each function; they take turns, so drift hits them alike."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -65,7 +70,7 @@ def bench_shape(kernel, k: int, n: int, rows: list[int], args, rng) -> None:
     sizes = ", ".join(f"{args.copies * nbytes[d] / 2**20:.0f} MiB {d}" for d in DTYPES)
     print(
         f"packed GEMM, isa {kernel.isa}, {args.threads} thread(s), weight [{k}, {n}] "
-        f"x {args.copies} copies ({sizes})"
+        f"x {args.copies} copies ({sizes}), {args.clock} time"
     )
     print(
         f"{'rows':>5} {'f32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8} {'f32 GB/s':>9} "
@@ -73,7 +78,9 @@ def bench_shape(kernel, k: int, n: int, rows: list[int], args, rng) -> None:
     )
     for m in rows:
         x = paddle.to_tensor(rng.standard_normal((m, k), np.float32))
-        t = median_seconds({d: rotating(kernel, x, forms[d]) for d in DTYPES}, args.repeats)
+        fns = {d: rotating(kernel, x, forms[d]) for d in DTYPES}
+        clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+        t = median_seconds(fns, args.repeats, clock)
         rate = {d: nbytes[d] / t[d] / 1e9 for d in DTYPES}
         print(
             f"{m:>5} {t['float32'] * 1e3:>8.2f} {t['bfloat16'] * 1e3:>8.2f} "
@@ -91,6 +98,7 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="default: the widest this CPU runs")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = parser.parse_args()
 
     from ketch.kernels.packed_linear import PackedLinear, select_packed_linear
