@@ -59,10 +59,15 @@ class KVCache:
 
     @staticmethod
     def nbytes(
-        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
     ) -> int:
         return num_blocks * KVCache.bytes_per_block(
-            num_layers, block_size, kv_heads, head_dim, "float32"
+            num_layers, block_size, kv_heads, head_dim, dtype
         )
 
     @staticmethod

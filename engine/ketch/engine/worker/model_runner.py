@@ -70,7 +70,9 @@ class RunnerConfig:
     num_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights' (activations are float32 on the CPU)
+    kv_cache_dtype: str = "float32"
+    quantization: str = "none"  # or "int8": linear layers' weights (CPU, native backend)
     num_threads: int | None = None
     backend: str = "auto"
     tensor_parallel_size: int = 1
@@ -172,7 +174,7 @@ class ModelRunner:
             config.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            config.dtype,
+            config.kv_cache_dtype,
             buffer=kv_buffer,
             heads=self.shard.kv_heads,
         )

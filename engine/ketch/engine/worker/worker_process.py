@@ -181,6 +181,7 @@ class RemoteRunner:
             config.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
+            config.kv_cache_dtype,
         )
         reclaim_stale_segments()
         kv_name, status_name = shm_names(port)
