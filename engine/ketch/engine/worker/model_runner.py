@@ -167,6 +167,8 @@ class ModelRunner:
             threads,
             shard=self.shard,
             group=group,
+            dtype=config.dtype,
+            quantization=config.quantization,
         )
         kv_cache = KVCache(
             mc.num_hidden_layers,
