@@ -158,7 +158,7 @@ class ModelRunner:
 
     def _cpu_model_and_cache(self, threads: int, kv_buffer: memoryview | None, group):
         config, mc = self.config, self.config.model_config
-        weights = load_weights(config.model_path, mc, config.dtype, self.shard)
+        weights = load_weights(config.model_path, mc, config.dtype, self.shard, "float32")
         model = build_model(
             config.backend,
             mc,
