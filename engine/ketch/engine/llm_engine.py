@@ -100,6 +100,12 @@ class LLMEngine:
             precision_line(config, runner_config.dtype, runner_config.kv_cache_dtype),
         )
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights, every rank's, in the layouts they compute from (0 for
+        the null runner)."""
+        return int(getattr(self.runner, "weight_bytes", 0))
+
     def check_health(self) -> None:
         """Raises if a part of the engine (the worker process) has died."""
         if isinstance(self.runner, RemoteRunner):

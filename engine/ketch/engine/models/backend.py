@@ -102,8 +102,7 @@ def build_model(
             return native()
         except Exception as exc:
             raise RuntimeError(
-                f"{why} need the native backend, which cannot run here: "
-                f"{type(exc).__name__}: {exc}"
+                f"{why} need the native backend, which cannot run here: {type(exc).__name__}: {exc}"
             ) from exc
     if backend == "predictor":
         return predictor()

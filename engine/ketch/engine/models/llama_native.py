@@ -31,7 +31,7 @@ from paddle.nn.functional import embedding, swiglu
 
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights, weights_nbytes
 from ketch.engine.models.moe import MoeWeights, combine, select_experts
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
@@ -226,9 +226,7 @@ class NativeLlamaModel:
             if lw.moe is not None and self.experts_op is not None
         }
         fused_experts = self.experts_op is not None
-        self.weights = _prepared_weights(
-            weights, linear, self._fused_swiglu, fused_experts, panels
-        )
+        self.weights = _prepared_weights(weights, linear, self._fused_swiglu, fused_experts, panels)
         self.panels = panels
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
@@ -239,6 +237,10 @@ class NativeLlamaModel:
         if self.shard.world > 1 and (group is None or group.world != self.shard.world):
             raise ValueError(f"a shard of {self.shard.world} ranks needs a group of as many")
         self.group = group if self.shard.world > 1 else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds, in the layouts it computes from."""
+        return weights_nbytes(self.weights) + weights_nbytes(self._packed_experts)
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int

@@ -32,6 +32,7 @@ from ketch.engine.device import parse_device, rank_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.structured.compiler import (
@@ -108,6 +109,14 @@ class RequestState:
     pooler: Pooler | None = None  # an embedding request's (SamplingParams.pooling)
 
 
+def model_weight_bytes(model: object) -> int:
+    """Bytes of the weights ``model`` holds, in the layouts it computes from."""
+    measure = getattr(model, "weight_bytes", None)
+    if callable(measure):
+        return int(measure())
+    return weights_nbytes(getattr(model, "weights", None))
+
+
 def configure_paddle(num_threads: int | None) -> int:
     """Thread count and flags for fast CPU inference; returns the thread count used."""
     threads = num_threads or len(os.sched_getaffinity(0))
@@ -145,13 +154,20 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
+        self.weight_bytes = model_weight_bytes(self.model)
+        quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
-            "model runner ready: %s on the %s backend%s, %d KV blocks x %d tokens, %d threads%s",
+            "model runner ready: %s on the %s backend%s, weights %.1f MiB (%s%s), %d KV blocks x "
+            "%d tokens (%s), %d threads%s",
             mc.architecture,
             self.model.backend_name,
-            f" ({self.device}, {config.dtype})" if self.device.is_gpu else "",
+            f" ({self.device})" if self.device.is_gpu else "",
+            self.weight_bytes / 2**20,
+            config.dtype,
+            quantized,
             config.num_blocks,
             config.block_size,
+            config.kv_cache_dtype,
             threads,
             f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
         )
