@@ -332,7 +332,11 @@ class _Checkpoint:
             raise ModelLoadError(f"{file}: cannot read weight {name!r}: {exc}") from exc
         tensor = tensor.contiguous()
         target = self._target if dtype is None else _paddle_dtype(dtype)
-        return tensor if tensor.dtype == target else tensor.astype(dtype or self.dtype)
+        if tensor.dtype != target:
+            return tensor.astype(dtype or self.dtype)
+        # A tensor read as it is stored may view the file's memory map: a weight kept as read
+        # (the embedding) would keep the whole file mapped and resident after loading.
+        return tensor.clone()
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -18,6 +18,9 @@ request arrived, or whose compile failed, fails that request alone.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 import os
 import time
@@ -109,6 +112,15 @@ class RequestState:
     pooler: Pooler | None = None  # an embedding request's (SamplingParams.pooling)
 
 
+def release_freed_memory() -> None:
+    """Returns the heap memory freed so far to the system (glibc's ``malloc_trim``): loading
+    reads each weight and packs a copy, and without this the freed originals stay resident
+    (measured: 185 MB of a 490 MB model). A no-op where the C library has no such call."""
+    gc.collect()
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def model_weight_bytes(model: object) -> int:
     """Bytes of the weights ``model`` holds, in the layouts it computes from."""
     measure = getattr(model, "weight_bytes", None)
@@ -151,6 +163,7 @@ class ModelRunner:
             self.model, self.kv_cache = gpu_model_and_cache(config, self.device, self.shard, group)
         else:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
+            release_freed_memory()  # what loading and packing freed: not resident from here on
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
