@@ -139,3 +139,47 @@ def test_bf16_packed_gemm_runs_without_avx512() -> None:
     out = _emulated("-c", _BF16_PROBE)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["avx2", "True", "generic", "True"]
+
+
+# The int8 panels under the emulated Zen 3: the chosen (AVX2: vpmovsxbd + vcvtdq2ps) and generic
+# kernels, plain, with bias and with SwiGLU, and the fused experts, against the float GEMM of the
+# dequantized weight.
+_INT8_PROBE = """
+import numpy as np, paddle
+from ketch.kernels.fused_moe import FusedMoe, fused_moe_reference
+from ketch.kernels.packed_linear import (
+    PackedLinear, dequantize_int8, quantize_int8, select_packed_linear, swiglu_reference)
+rng = np.random.default_rng(0)
+x = paddle.to_tensor(rng.standard_normal((7, 300), np.float32))
+w = rng.standard_normal((300, 130)) * rng.uniform(0.01, 10, 130)  # a scale per column
+w = paddle.to_tensor(w.astype(np.float32))
+b = paddle.to_tensor(rng.standard_normal(130, np.float32))
+wd = dequantize_int8(*quantize_int8(w))
+def close(out, ref):
+    return float((out - ref).abs().max() / ref.abs().max()) <= 1e-5
+for kernel in (select_packed_linear(), PackedLinear("generic")):
+    packed = kernel.prepare(w, dtype="int8")
+    glu = kernel.prepare(w, glu=True, dtype="int8")
+    print(kernel.isa, close(kernel(x, packed, b), paddle.matmul(x, wd) + b),
+          close(kernel(x, glu), swiglu_reference(x, wd)))
+    moe = FusedMoe.for_linear(kernel)
+    gate_up = [paddle.to_tensor(rng.standard_normal((300, 80), np.float32)) for _ in range(3)]
+    down = [paddle.to_tensor(rng.standard_normal((40, 300), np.float32)) for _ in range(3)]
+    routing = paddle.to_tensor(rng.random((7, 2), np.float32))
+    indices = paddle.to_tensor(np.stack([rng.choice(3, 2, replace=False) for _ in range(7)]))
+    out = moe(x, routing, indices, moe.prepare(gate_up, down, "int8"))
+    ref = fused_moe_reference(x, routing, indices, [dequantize_int8(*quantize_int8(v))
+                              for v in gate_up], [dequantize_int8(*quantize_int8(v)) for v in down])
+    print("moe", close(out, ref))
+"""
+
+
+def test_int8_packed_gemm_runs_without_avx512() -> None:
+    from ketch.kernels import cpp_ops
+
+    cpp_ops.ops()  # build natively first
+    out = _emulated("-c", _INT8_PROBE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [
+        "avx2", "True", "True", "moe", "True", "generic", "True", "True", "moe", "True",
+    ]  # fmt: skip

@@ -12,7 +12,9 @@ tokens (``ketch.engine.models.moe.combine``), whose per-expert dispatch dominate
 Its results equal that loop's bit for bit when the loop runs the same ``PackedLinear``; the
 plain-paddle ``fused_moe_reference`` (``paddle.matmul`` on the unpacked weights) is the spec.
 The instruction set is chosen once from the CPU's features (``select_fused_moe``, as
-``select_packed_linear``; the native backend takes its packed GEMM's).
+``select_packed_linear``; the native backend takes its packed GEMM's). The experts' panels are
+float32, bfloat16 or int8 (``prepare(..., dtype="int8")``: each expert's two weights quantized
+per column on their own, ``quantize_int8``; the op ``ketch_fused_moe_i8`` takes the scales).
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import paddle
 
 from ketch.kernels import cpp_ops
 from ketch.kernels.cpu_features import CpuFeatures
-from ketch.kernels.packed_linear import PANEL_WIDTH, PackedLinear, pack_weight
+from ketch.kernels.packed_linear import (
+    PANEL_DTYPE_NAMES,
+    PANEL_WIDTH,
+    PackedLinear,
+    pack_weight_scaled,
+    tensor_nbytes,
+)
 
 AVX512_OP = "ketch.kernels.fused_moe.fused_moe_avx512"
 AVX2_OP = "ketch.kernels.fused_moe.fused_moe_avx2"
@@ -36,12 +44,26 @@ class PackedExperts:
     ``FusedMoe`` runs; one tensor each, since every tensor handed to an op costs its dispatch)."""
 
     gate_up: paddle.Tensor  # [E, ceil(I / (NR / 2)), hidden, NR]: [gate | up] packed with glu
-    down: paddle.Tensor  # [E, ceil(hidden / NR), I, NR]; both float32 or both bfloat16
+    down: paddle.Tensor  # [E, ceil(hidden / NR), I, NR]; both float32, bfloat16 or int8
     inter: int  # I, each expert's intermediate size
     isa: str
+    # int8 panels only: each expert's per-column scales (``quantize_int8``), float32.
+    gate_up_scale: paddle.Tensor | None = None  # [E, 2I], gate columns then up columns
+    down_scale: paddle.Tensor | None = None  # [E, hidden]
 
     def __len__(self) -> int:
         return int(self.gate_up.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        """The panels' element type, one of ``packed_linear.WEIGHT_DTYPES``."""
+        return PANEL_DTYPE_NAMES[self.gate_up.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes these experts hold: panels (padding included) and scales."""
+        held = (self.gate_up, self.down, self.gate_up_scale, self.down_scale)
+        return sum(tensor_nbytes(t) for t in held if t is not None)
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,8 @@ class FusedMoe:
     ) -> PackedExperts:
         """Expert j's gate_up[j] [hidden, 2I] ([gate | up]) and down[j] [I, hidden], packed and
         stacked (a copy; the inputs may be dropped); ``dtype``: the panels' element type, as
-        ``PackedLinear.prepare`` takes it (default: the first weight's)."""
+        ``PackedLinear.prepare`` takes it (default: the first weight's); "int8" quantizes each
+        weight on its own (``quantize_int8``: per expert, per column)."""
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate_up weights and {len(down)} down weights")
         hidden, inter = int(gate_up[0].shape[0]), int(gate_up[0].shape[1]) // 2
@@ -74,9 +97,20 @@ class FusedMoe:
                     f"[{inter}, {hidden}], got {list(g.shape)} and {list(d.shape)}"
                 )
         dtype = dtype or ("bfloat16" if gate_up[0].dtype == paddle.bfloat16 else "float32")
-        up = paddle.stack([pack_weight(w, self.isa, True, dtype) for w in gate_up])
-        dn = paddle.stack([pack_weight(w, self.isa, False, dtype) for w in down])
-        return PackedExperts(up, dn, inter, self.isa)
+        up = [pack_weight_scaled(w, self.isa, True, dtype) for w in gate_up]
+        dn = [pack_weight_scaled(w, self.isa, False, dtype) for w in down]
+        up_scale = dn_scale = None
+        if dtype == "int8":
+            up_scale = paddle.stack([scale for _, scale in up])
+            dn_scale = paddle.stack([scale for _, scale in dn])
+        return PackedExperts(
+            paddle.stack([panels for panels, _ in up]),
+            paddle.stack([panels for panels, _ in dn]),
+            inter,
+            self.isa,
+            up_scale,
+            dn_scale,
+        )
 
     def __call__(
         self,
@@ -92,6 +126,11 @@ class FusedMoe:
             raise TypeError(f"expects experts packed for {self.isa} by FusedMoe.prepare")
         if indices.dtype != paddle.int64:
             indices = indices.astype("int64")
+        if experts.gate_up_scale is not None:
+            return cpp_ops.ops().ketch_fused_moe_i8(
+                x, routing, indices, experts.gate_up, experts.down, experts.gate_up_scale,
+                experts.down_scale, int(first), experts.inter, self.isa, int(self.num_threads),
+            )  # fmt: skip
         return cpp_ops.ops().ketch_fused_moe(
             x, routing, indices, experts.gate_up, experts.down, int(first), experts.inter,
             self.isa, int(self.num_threads),

@@ -1,4 +1,5 @@
-// Routed experts (a MoE block's sparse MLP) in one op, float32 (weights float32 or bfloat16), CPU:
+// Routed experts (a MoE block's sparse MLP) in one op, float32 (weights float32, bfloat16 or int8),
+// CPU:
 //
 //   ketch_fused_moe(x [T, H], routing [T, K], indices [T, K] int64, gate_up [E, P, H, NR],
 //                   down [E, P', I, NR], first, inter, isa, num_threads) -> y [T, H]
@@ -9,7 +10,14 @@
 // dispatch microseconds, and a decode step calls this once per layer). y[t] = the sum over t's
 // picks of a held expert e, in ascending e, of routing[t, slot] * down_e(swiglu(x[t] . gate_up_e));
 // picks of experts outside [first, first + E) (another rank's) add nothing, a token with none
-// gets zeros. Both weights may instead be bfloat16 (ketch_pack_weight_bf16), widened as they load.
+// gets zeros. Both weights may instead be bfloat16 (ketch_pack_weight_bf16), widened as they load,
+// or both int8 (ketch_pack_weight_i8), with their dequantization scales:
+//
+//   ketch_fused_moe_i8(x, routing, indices, gate_up, down, gate_up_scale [E, 2I],
+//                      down_scale [E, hidden], first, inter, isa, num_threads) -> y [T, H]
+//
+// expert j's rows of gate_up_scale and down_scale being its weights' per-column scales
+// (ketch_quantize_int8), applied to each finished sum as ketch_packed_linear_i8 applies them.
 //
 // Steps: a counting sort of the T * K picks by expert (stable: token order within an expert);
 // each picked row of x gathered into its expert's contiguous run; the gate_up GEMM of every
@@ -130,16 +138,22 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 paddle::Tensor Dense(const paddle::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
-// The packed weights from element `offset` on, float or bfloat16 as the tensor holds them.
+// The packed weights from element `offset` on, float, bfloat16 or int8 as the tensor holds them.
 const void* Weights(const paddle::Tensor& packed, int64_t offset) {
   if (packed.dtype() == paddle::DataType::BFLOAT16) return packed.data<paddle::bfloat16>() + offset;
+  if (packed.dtype() == paddle::DataType::INT8) return packed.data<int8_t>() + offset;
   return packed.data<float>() + offset;
 }
 
-// Checks the stacked experts against the layer's shapes.
+// Checks the stacked experts against the layer's shapes; `int8`: ketch_fused_moe_i8's.
 void CheckExperts(const paddle::Tensor& gate_up, const paddle::Tensor& down, int64_t hidden,
-                  int64_t inter, int64_t nr) {
-  if (gate_up.dtype() == paddle::DataType::BFLOAT16) {
+                  int64_t inter, int64_t nr, bool int8) {
+  if (int8) {
+    PD_CHECK(gate_up.place() == paddle::CPUPlace() && down.place() == paddle::CPUPlace() &&
+                 gate_up.dtype() == paddle::DataType::INT8 &&
+                 down.dtype() == paddle::DataType::INT8,
+             "ketch_fused_moe_i8: gate_up and down must both be int8 CPU tensors");
+  } else if (gate_up.dtype() == paddle::DataType::BFLOAT16) {
     PD_CHECK(gate_up.place() == paddle::CPUPlace() && down.place() == paddle::CPUPlace() &&
                  down.dtype() == paddle::DataType::BFLOAT16,
              "ketch_fused_moe: gate_up and down must both be float32 or both bfloat16 CPU tensors");
@@ -158,13 +172,25 @@ void CheckExperts(const paddle::Tensor& gate_up, const paddle::Tensor& down, int
            "] with gate_up's E");
 }
 
-}  // namespace
+// Checks one stack of per-expert scales ([E, columns] float32) and returns it dense.
+paddle::Tensor CheckScales(const paddle::Tensor& scale, int64_t experts, int64_t columns,
+                           const char* name) {
+  CheckFloatCpu(scale, name);
+  PD_CHECK(scale.shape().size() == 2 && scale.shape()[0] == experts &&
+               scale.shape()[1] == columns,
+           "ketch_fused_moe_i8: ", name, " must be [", experts, ", ", columns,
+           "], each expert's per-column scales");
+  return Dense(scale);
+}
 
-std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::Tensor& routing_in,
-                                     const paddle::Tensor& indices_in,
-                                     const paddle::Tensor& gate_up, const paddle::Tensor& down,
-                                     int first, int inter, const std::string& isa,
-                                     int num_threads) {
+// ketch_fused_moe, and ketch_fused_moe_i8 with both scale stacks.
+std::vector<paddle::Tensor> RunFusedMoe(const paddle::Tensor& x_in,
+                                        const paddle::Tensor& routing_in,
+                                        const paddle::Tensor& indices_in,
+                                        const paddle::Tensor& gate_up, const paddle::Tensor& down,
+                                        const paddle::Tensor* up_scale_in,
+                                        const paddle::Tensor* down_scale_in, int first, int inter,
+                                        const std::string& isa, int num_threads) {
   const Isa kind = ParseIsa(isa);
   const int64_t nr = PanelWidth(kind);
   CheckFloatCpu(x_in, "x");
@@ -178,9 +204,17 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
                indices_in.shape() == routing_in.shape(),
            "ketch_fused_moe: routing and indices must both be [T, top_k] with x's T");
   PD_CHECK(first >= 0 && inter > 0, "ketch_fused_moe: needs first >= 0 and inter > 0");
-  CheckExperts(gate_up, down, hidden, inter, nr);
+  const bool int8 = up_scale_in != nullptr;
+  CheckExperts(gate_up, down, hidden, inter, nr, int8);
   const int64_t held = gate_up.shape()[0];
-  const bool bf16 = gate_up.dtype() == paddle::DataType::BFLOAT16;
+  const Panel panel = int8 ? Panel::kInt8
+                      : gate_up.dtype() == paddle::DataType::BFLOAT16 ? Panel::kBfloat16
+                                                                       : Panel::kFloat32;
+  paddle::Tensor up_scale, down_scale;
+  if (int8) {
+    up_scale = CheckScales(*up_scale_in, held, 2 * static_cast<int64_t>(inter), "gate_up_scale");
+    down_scale = CheckScales(*down_scale_in, held, hidden, "down_scale");
+  }
   const int64_t up_size = gate_up.shape()[1] * hidden * nr;  // weights per expert
   const int64_t down_size = down.shape()[1] * inter * nr;
   const int64_t top_k = routing_in.shape()[1];
@@ -203,11 +237,13 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
     if (m == 0) continue;
     const void* up_w = Weights(gate_up, j * up_size);
     const void* down_w = Weights(down, j * down_size);
+    const float* up_s = int8 ? up_scale.data<float>() + j * 2 * inter : nullptr;
+    const float* down_s = int8 ? down_scale.data<float>() + j * hidden : nullptr;
     up.Add({gathered + r0 * hidden, up_w, nullptr, act + r0 * inter, m, hidden, inter, nr, true,
-            bf16},
+            panel, up_s},
            kind);
     dn.Add({act + r0 * inter, down_w, nullptr, out + r0 * hidden, m, inter, hidden, nr, false,
-            bf16},
+            panel, down_s},
            kind);
   }
   RunBatch(up, kind, num_threads);
@@ -215,6 +251,27 @@ std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x_in, const paddle::T
   Combine(groups, idx, routing.data<float>(), out, y.data<float>(), tokens, top_k, hidden,
           num_threads);
   return {y};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> FusedMoe(const paddle::Tensor& x, const paddle::Tensor& routing,
+                                     const paddle::Tensor& indices, const paddle::Tensor& gate_up,
+                                     const paddle::Tensor& down, int first, int inter,
+                                     const std::string& isa, int num_threads) {
+  return RunFusedMoe(x, routing, indices, gate_up, down, nullptr, nullptr, first, inter, isa,
+                     num_threads);
+}
+
+std::vector<paddle::Tensor> FusedMoeInt8(const paddle::Tensor& x, const paddle::Tensor& routing,
+                                         const paddle::Tensor& indices,
+                                         const paddle::Tensor& gate_up,
+                                         const paddle::Tensor& down,
+                                         const paddle::Tensor& gate_up_scale,
+                                         const paddle::Tensor& down_scale, int first, int inter,
+                                         const std::string& isa, int num_threads) {
+  return RunFusedMoe(x, routing, indices, gate_up, down, &gate_up_scale, &down_scale, first,
+                     inter, isa, num_threads);
 }
 
 std::vector<std::vector<int64_t>> FusedMoeShape(const std::vector<int64_t>& x,
@@ -232,7 +289,29 @@ std::vector<paddle::DataType> FusedMoeDtype(const paddle::DataType& x, const pad
   return {x};
 }
 
+std::vector<std::vector<int64_t>> FusedMoeInt8Shape(
+    const std::vector<int64_t>& x, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, const std::vector<int64_t>&, const std::vector<int64_t>&,
+    const std::vector<int64_t>&, int, int, const std::string&, int) {
+  return {x};
+}
+
+std::vector<paddle::DataType> FusedMoeInt8Dtype(const paddle::DataType& x, const paddle::DataType&,
+                                                const paddle::DataType&, const paddle::DataType&,
+                                                const paddle::DataType&, const paddle::DataType&,
+                                                const paddle::DataType&) {
+  return {x};
+}
+
 }  // namespace ketch
+
+PD_BUILD_OP(ketch_fused_moe_i8)
+    .Inputs({"x", "routing", "indices", "gate_up", "down", "gate_up_scale", "down_scale"})
+    .Outputs({"y"})
+    .Attrs({"first: int", "inter: int", "isa: std::string", "num_threads: int"})
+    .SetKernelFn(PD_KERNEL(ketch::FusedMoeInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::FusedMoeInt8Shape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::FusedMoeInt8Dtype));
 
 PD_BUILD_OP(ketch_fused_moe)
     .Inputs({"x", "routing", "indices", "gate_up", "down"})

@@ -3,6 +3,9 @@
 //   ketch_pack_weight(w [K, N], isa, glu)                  -> packed [P, K, NR]
 //   ketch_pack_weight_bf16(w [K, N] f32 or bf16, isa, glu) -> packed [P, K, NR] bfloat16
 //   ketch_packed_linear(x [.., K], packed, bias?, n, isa, num_threads, glu) -> y [.., n]
+//   ketch_quantize_int8(w [K, N] f32 or bf16)              -> q [K, N] int8, scale [N] f32
+//   ketch_pack_weight_i8(q [K, N] int8, isa, glu)          -> packed [P, K, NR] int8
+//   ketch_packed_linear_i8(x, packed, scale, bias?, n, isa, num_threads, glu) -> y [.., n]
 //
 // glu = false: P = ceil(N / NR) panels of NR consecutive columns, y = x . w (+ bias), n = N.
 // glu = true (SwiGLU fused into the epilogue): w = [gate | up], [K, 2I]; each panel holds NR/2
@@ -22,6 +25,14 @@
 // words to 32 and shift left 16) and run the float FMAs, so x, the accumulation and the epilogues
 // stay float32 on every CPU, and the result is the float GEMM on the bf16-rounded weight.
 //
+// int8 weights (W8A16 in spirit: int8 weights, float32 activations): symmetric per-column
+// quantization (ketch_quantize_int8: scale = max |column| / 127, q = round-to-even(w / scale)
+// clamped to +-127), a quarter of the float32 bytes plus one float per column. The kernels
+// sign-extend each panel row's bytes to 32-bit integers and convert them to float as they load
+// them (exact), run the same float FMAs, and multiply each column's finished sum by its scale in
+// the epilogue, before the bias or SwiGLU (with glu the gate and up columns keep their own
+// scales): the float GEMM on q, scaled, which is the GEMM on q * scale up to float rounding.
+//
 // Register blocks: AVX-512 MR 12 x NR 32 (24 zmm accumulators), AVX2 + FMA MR 6 x NR 16 (12 ymm),
 // generic MR 4 x NR 8 (plain loops the compiler vectorises for the baseline). The packed layout
 // depends on NR, so a weight is packed for the isa it will run with (the op checks). Rows come
@@ -29,8 +40,10 @@
 // the (row block, panel) items are split over OpenMP threads. Columns past n in the last panel
 // are zero in the packing and never stored.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -55,7 +68,8 @@ KETCH_INLINE int64_t PanelOutputs(const Gemm& g) { return g.glu ? g.nr / 2 : g.n
 
 KETCH_INLINE float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
-// A packed weight element as float: a float as it is, bfloat16 bits as the float's top half.
+// A packed weight element as float: a float as it is, bfloat16 bits as the float's top half, an
+// int8 as its integer value (the column's scale comes in the epilogue).
 KETCH_INLINE float Widen(float v) { return v; }
 KETCH_INLINE float Widen(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -63,9 +77,22 @@ KETCH_INLINE float Widen(uint16_t v) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+KETCH_INLINE float Widen(int8_t v) { return static_cast<float>(v); }
 
-// One (rows x nr) tile: rows <= MR of x against one packed panel of W (float or bfloat16 bits);
-// `cols` of the nr are stored.
+// int8 panels: the dequantization scales of `panel`'s nr columns in panel order (its gate
+// columns, then the same outputs' up columns, with glu), 0 past the `cols` stored. Each
+// kernel multiplies its finished sums by them, once per tile: x . (q * s) = (x . q) * s.
+KETCH_INLINE void PanelScales(const Gemm& g, int64_t panel, int cols, float* out) {
+  const int64_t width = PanelOutputs(g);
+  std::fill(out, out + g.nr, 0.0f);
+  for (int j = 0; j < cols; ++j) {
+    out[j] = g.scale[panel * width + j];
+    if (g.glu) out[width + j] = g.scale[g.n + panel * width + j];
+  }
+}
+
+// One (rows x nr) tile: rows <= MR of x against one packed panel of W (float, bfloat16 bits or
+// int8); `cols` of the nr are stored.
 template <typename W, int MR>
 KETCH_INLINE void TileGeneric(const Gemm& g, int64_t row, int64_t panel, int rows, int cols) {
   constexpr int NR = 8;
@@ -80,6 +107,12 @@ KETCH_INLINE void TileGeneric(const Gemm& g, int64_t row, int64_t panel, int row
       const float a = x[r * g.k + kk];
       for (int j = 0; j < NR; ++j) acc[r][j] += a * bk[j];
     }
+  }
+  if constexpr (std::is_same_v<W, int8_t>) {
+    float scale[NR];
+    PanelScales(g, panel, cols, scale);
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] *= scale[j];
   }
   for (int r = 0; r < rows; ++r) {
     if (g.glu) {
@@ -99,18 +132,24 @@ KETCH_INLINE __m256 SiluAvx2(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-// 8 packed weights at p as floats: bfloat16 bits zero-extended to 32 and shifted into the top.
+// 8 packed weights at p as floats: bfloat16 bits zero-extended to 32 and shifted into the top;
+// int8 sign-extended to 32-bit integers and converted (exactly: |q| <= 127).
 KETCH_INLINE __m256 LoadAvx2(const float* p) { return _mm256_loadu_ps(p); }
 KETCH_INLINE __m256 LoadAvx2(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+KETCH_INLINE __m256 LoadAvx2(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
 template <typename W, int MR>
 __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, int64_t panel,
                                                   int cols) {
   constexpr int NR = 16;
-  // The same distance ahead in bytes whatever the element: a bfloat16 panel row is half as long.
+  // The same distance ahead in bytes whatever the element: a bfloat16 panel row is half as long,
+  // an int8 one a quarter.
   constexpr int64_t kAhead = kPrefetchRows * sizeof(float) / sizeof(W);
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 16
@@ -128,6 +167,15 @@ __attribute__((target("avx2,fma"))) void TileAvx2(const Gemm& g, int64_t row, in
     }
   }
   alignas(32) float tmp[NR];
+  if constexpr (std::is_same_v<W, int8_t>) {
+    PanelScales(g, panel, cols, tmp);
+    const __m256 s0 = _mm256_load_ps(tmp), s1 = _mm256_load_ps(tmp + 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      acc0[r] = _mm256_mul_ps(acc0[r], s0);
+      acc1[r] = _mm256_mul_ps(acc1[r], s1);
+    }
+  }
   if (g.glu) {  // acc0: 8 gate columns, acc1: the same 8 outputs' up columns
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -171,12 +219,16 @@ KETCH_INLINE __m512 SiluAvx512(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-// 16 packed weights at p as floats (bfloat16 bits widened as in LoadAvx2).
+// 16 packed weights at p as floats (bfloat16 bits and int8 widened as in LoadAvx2).
 KETCH_INLINE __m512 LoadAvx512(const float* p) { return _mm512_loadu_ps(p); }
 KETCH_INLINE __m512 LoadAvx512(const uint16_t* p) {
   const __m512i wide =
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+KETCH_INLINE __m512 LoadAvx512(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
 template <typename W, int MR>
@@ -195,6 +247,16 @@ __attribute__((target("avx512f,avx2,fma"))) void TileAvx512(const Gemm& g, int64
       const __m512 a = _mm512_set1_ps(x[r * g.k + kk]);
       acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
+    }
+  }
+  if constexpr (std::is_same_v<W, int8_t>) {
+    alignas(64) float scale[NR];
+    PanelScales(g, panel, cols, scale);
+    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      acc0[r] = _mm512_mul_ps(acc0[r], s0);
+      acc1[r] = _mm512_mul_ps(acc1[r], s1);
     }
   }
   if (g.glu) {  // acc0: 16 gate columns, acc1: the same 16 outputs' up columns
@@ -287,10 +349,15 @@ void RunGemmItem(const Gemm& g, Isa isa, const GemmPlan& plan, int64_t item) {
   for (int64_t row = b * plan.block; row < end;) {
     const int64_t left = end - row, tiles = (left + mr - 1) / mr;
     const int rows = static_cast<int>((left + tiles - 1) / tiles);
-    if (g.bf16) {
-      RunTile<uint16_t>(g, isa, row, panel, rows, cols);
-    } else {
-      RunTile<float>(g, isa, row, panel, rows, cols);
+    switch (g.panel) {
+      case Panel::kBfloat16:
+        RunTile<uint16_t>(g, isa, row, panel, rows, cols);
+        break;
+      case Panel::kInt8:
+        RunTile<int8_t>(g, isa, row, panel, rows, cols);
+        break;
+      default:
+        RunTile<float>(g, isa, row, panel, rows, cols);
     }
     row += rows;
   }
@@ -324,14 +391,14 @@ void CheckFloatCpu(const paddle::Tensor& t, const char* name) {
 
 namespace {
 
-// A weight of S as a panel element of D: float as it is, float rounded to bfloat16, or bfloat16
-// (a checkpoint's) as it is.
+// A weight of S as a panel element of D: float as it is, float rounded to bfloat16, bfloat16 (a
+// checkpoint's) as it is, or int8 (quantized by QuantizeInt8) as it is.
 template <typename D, typename S>
 KETCH_INLINE D ToPanel(S v) {
   if constexpr (std::is_same_v<D, uint16_t> && std::is_same_v<S, float>) {
     return RoundToBf16(v);
   } else {
-    static_assert(std::is_same_v<D, S>, "float32 panels are packed from float32 weights");
+    static_assert(std::is_same_v<D, S>, "panels are packed from their own type (or bf16 from f32)");
     return v;
   }
 }
@@ -400,12 +467,115 @@ std::vector<paddle::Tensor> PackWeightBf16(const paddle::Tensor& w_in, const std
   return {packed};
 }
 
-std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddle::Tensor& packed,
-                                         const paddle::optional<paddle::Tensor>& bias, int n,
-                                         const std::string& isa, int num_threads, bool glu) {
+namespace {
+
+// Symmetric per-column int8 quantization of w [k, n] (S: float or bfloat16 bits); see
+// QuantizeInt8. A column holding a NaN gets a NaN scale, one holding an infinity (and no NaN) an
+// infinite one, and zeros for q.
+template <typename S>
+void QuantizeColumns(const S* w, int8_t* q, float* scale, int64_t k, int64_t n) {
+  std::vector<float> top(n, 0.0f);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const S* row = w + kk * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float a = std::fabs(Widen(row[j]));
+      // NaN sticks (a comparison with it is false); otherwise the largest, inf included.
+      top[j] = (a > top[j] || a != a) ? a : top[j];
+    }
+  }
+  constexpr float kTiny = std::numeric_limits<float>::denorm_min();
+  std::vector<float> inverse_ok(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const float t = top[j];
+    // A zero column: scale 1 (its q are 0). A column so small that t / 127 underflows to 0: the
+    // smallest subnormal, whose multiples are exactly the column's values (|w| < 127 of them).
+    // A column near the largest float whose t / 127 rounded up: one step down, so that q * scale
+    // (q = +-127) stays finite.
+    float s = t == 0.0f ? 1.0f : t / 127.0f;
+    if (s == 0.0f) s = kTiny;
+    if (std::isinf(s * 127.0f) && std::isfinite(s)) s = std::nextafter(s, 0.0f);
+    scale[j] = s;
+  }
+  // Rounding to nearest, ties to even, by adding and subtracting 1.5 * 2^23 (exact for |v| <=
+  // 2^22 in the default rounding mode, and vectorises for the x86-64 baseline, unlike rint);
+  // the clamp comes first, to +-127, an integer, so the order does not change the result.
+  constexpr float kMagic = 12582912.0f;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const S* row = w + kk * n;
+    int8_t* out = q + kk * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float s = scale[j];
+      float v = Widen(row[j]) / s;
+      v = std::isfinite(s) ? std::min(127.0f, std::max(-127.0f, v)) : 0.0f;
+      out[j] = static_cast<int8_t>(static_cast<int>((v + kMagic) - kMagic));
+    }
+  }
+}
+
+}  // namespace
+
+// w [K, N] (float32 or bfloat16) -> q [K, N] int8, scale [N] float32: per output column,
+// scale = max_k |w[k, n]| / 127 (1 for a zero column, the smallest subnormal where that underflows
+// to 0, one float lower where 127 * scale would overflow) and q = w / scale rounded to nearest even,
+// clamped to [-127, 127], so that q * scale is the weight the int8 GEMM multiplies by. A column
+// with a NaN or an infinity gets a non-finite scale (the caller refuses the weight).
+std::vector<paddle::Tensor> QuantizeInt8(const paddle::Tensor& w_in) {
+  const bool from_bf16 = w_in.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK(w_in.place() == paddle::CPUPlace() &&
+               (from_bf16 || w_in.dtype() == paddle::DataType::FLOAT32),
+           "w must be a float32 or bfloat16 CPU tensor");
+  PD_CHECK(w_in.shape().size() == 2, "ketch_quantize_int8: w must be [K, N]");
+  const paddle::Tensor w = w_in.is_contiguous() ? w_in : w_in.contiguous();
+  const int64_t k = w.shape()[0], n = w.shape()[1];
+  auto q = paddle::empty({k, n}, paddle::DataType::INT8, paddle::CPUPlace());
+  auto scale = paddle::empty({n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  if (from_bf16) {
+    QuantizeColumns(reinterpret_cast<const uint16_t*>(w.data<paddle::bfloat16>()),
+                    q.data<int8_t>(), scale.data<float>(), k, n);
+  } else {
+    QuantizeColumns(w.data<float>(), q.data<int8_t>(), scale.data<float>(), k, n);
+  }
+  return {q, scale};
+}
+
+// int8 panels (from QuantizeInt8's q): a quarter of the float32 bytes; the scales stay apart.
+std::vector<paddle::Tensor> PackWeightInt8(const paddle::Tensor& q_in, const std::string& isa,
+                                           bool glu) {
+  PD_CHECK(q_in.place() == paddle::CPUPlace() && q_in.dtype() == paddle::DataType::INT8,
+           "q must be an int8 CPU tensor");
+  const int64_t nr = PanelWidth(ParseIsa(isa));
+  int64_t panels = 0;
+  const paddle::Tensor q = WeightToPack(q_in, nr, glu, &panels);
+  const int64_t k = q.shape()[0], n = q.shape()[1];
+  auto packed = paddle::empty({panels, k, nr}, paddle::DataType::INT8, paddle::CPUPlace());
+  PackPanels(q.data<int8_t>(), packed.data<int8_t>(), k, n, nr, glu);
+  return {packed};
+}
+
+namespace {
+
+// ketch_packed_linear and ketch_packed_linear_i8; `scale` with int8 panels only.
+std::vector<paddle::Tensor> RunPackedLinear(const paddle::Tensor& x_in,
+                                            const paddle::Tensor& packed,
+                                            const paddle::optional<paddle::Tensor>& bias,
+                                            const paddle::Tensor* scale, int n,
+                                            const std::string& isa, int num_threads, bool glu) {
   CheckFloatCpu(x_in, "x");
   const bool bf16 = packed.dtype() == paddle::DataType::BFLOAT16;
-  if (!bf16) CheckFloatCpu(packed, "packed");
+  Panel kind_of_panel = bf16 ? Panel::kBfloat16 : Panel::kFloat32;
+  paddle::Tensor scale_dense;
+  if (scale) {
+    PD_CHECK(packed.place() == paddle::CPUPlace() && packed.dtype() == paddle::DataType::INT8,
+             "ketch_packed_linear_i8: packed must be an int8 CPU tensor (ketch_pack_weight_i8)");
+    CheckFloatCpu(*scale, "scale");
+    const int64_t columns = glu ? 2 * static_cast<int64_t>(n) : n;
+    PD_CHECK(scale->shape().size() == 1 && scale->shape()[0] == columns,
+             "ketch_packed_linear_i8: scale must be [", columns, "], one per weight column");
+    scale_dense = scale->is_contiguous() ? *scale : scale->contiguous();
+    kind_of_panel = Panel::kInt8;
+  } else if (!bf16) {
+    CheckFloatCpu(packed, "packed");
+  }
   PD_CHECK(packed.place() == paddle::CPUPlace(), "packed must be a CPU tensor");
   const Isa kind = ParseIsa(isa);
   const int64_t nr = PanelWidth(kind), width = glu ? nr / 2 : nr;
@@ -434,9 +604,13 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
   int64_t m = 1;
   for (size_t i = 0; i + 1 < out_shape.size(); ++i) m *= out_shape[i];
   if (m == 0 || n == 0) return {y};
-  const void* weights = bf16 ? static_cast<const void*>(packed.data<paddle::bfloat16>())
-                             : static_cast<const void*>(packed.data<float>());
-  const Gemm g{x.data<float>(), weights, bias_data, y.data<float>(), m, ps[1], n, nr, glu, bf16};
+  const void* weights = kind_of_panel == Panel::kInt8
+                            ? static_cast<const void*>(packed.data<int8_t>())
+                        : bf16 ? static_cast<const void*>(packed.data<paddle::bfloat16>())
+                               : static_cast<const void*>(packed.data<float>());
+  const float* scale_data = scale ? scale_dense.data<float>() : nullptr;
+  const Gemm g{x.data<float>(), weights,   bias_data,     y.data<float>(), m, ps[1], n, nr,
+               glu,             kind_of_panel, scale_data};
   if (g.k == 0) {  // x . w = 0: the bias, or silu(0) * 0
     for (int64_t r = 0; r < m; ++r)
       for (int64_t j = 0; j < n; ++j) g.y[r * n + j] = bias_data ? bias_data[j] : 0.0f;
@@ -444,6 +618,22 @@ std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x_in, const paddl
   }
   RunGemm(g, kind, num_threads);
   return {y};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PackedLinear(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                         const paddle::optional<paddle::Tensor>& bias, int n,
+                                         const std::string& isa, int num_threads, bool glu) {
+  return RunPackedLinear(x, packed, bias, nullptr, n, isa, num_threads, glu);
+}
+
+// y = (x . q) * scale per column (+ bias, or SwiGLU of the scaled gate and up sums).
+std::vector<paddle::Tensor> PackedLinearInt8(const paddle::Tensor& x, const paddle::Tensor& packed,
+                                             const paddle::Tensor& scale,
+                                             const paddle::optional<paddle::Tensor>& bias, int n,
+                                             const std::string& isa, int num_threads, bool glu) {
+  return RunPackedLinear(x, packed, bias, &scale, n, isa, num_threads, glu);
 }
 
 std::vector<std::vector<int64_t>> PackWeightShape(const std::vector<int64_t>& w,
@@ -473,6 +663,29 @@ std::vector<paddle::DataType> PackedLinearDtype(const paddle::DataType& x, const
   return {x};
 }
 
+std::vector<std::vector<int64_t>> PackedLinearInt8Shape(
+    const std::vector<int64_t>& x, const std::vector<int64_t>& packed, const std::vector<int64_t>&,
+    const paddle::optional<std::vector<int64_t>>& bias, int n, const std::string& isa,
+    int num_threads, bool glu) {
+  return PackedLinearShape(x, packed, bias, n, isa, num_threads, glu);
+}
+
+std::vector<paddle::DataType> PackedLinearInt8Dtype(const paddle::DataType& x,
+                                                    const paddle::DataType&,
+                                                    const paddle::DataType&,
+                                                    const paddle::optional<paddle::DataType>&) {
+  return {x};
+}
+
+std::vector<std::vector<int64_t>> QuantizeInt8Shape(const std::vector<int64_t>& w) {
+  if (w.size() != 2) return {{-1, -1}, {-1}};
+  return {w, {w[1]}};
+}
+
+std::vector<paddle::DataType> QuantizeInt8Dtype(const paddle::DataType&) {
+  return {paddle::DataType::INT8, paddle::DataType::FLOAT32};
+}
+
 }  // namespace ketch
 
 PD_BUILD_OP(ketch_pack_weight)
@@ -490,6 +703,29 @@ PD_BUILD_OP(ketch_pack_weight_bf16)
     .SetKernelFn(PD_KERNEL(ketch::PackWeightBf16))
     .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackWeightShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ketch::Bf16Dtype));
+
+PD_BUILD_OP(ketch_quantize_int8)
+    .Inputs({"w"})
+    .Outputs({"q", "scale"})
+    .SetKernelFn(PD_KERNEL(ketch::QuantizeInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::QuantizeInt8Shape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::QuantizeInt8Dtype));
+
+PD_BUILD_OP(ketch_pack_weight_i8)
+    .Inputs({"q"})
+    .Outputs({"packed"})
+    .Attrs({"isa: std::string", "glu: bool"})
+    .SetKernelFn(PD_KERNEL(ketch::PackWeightInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackWeightShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::SameDtype));
+
+PD_BUILD_OP(ketch_packed_linear_i8)
+    .Inputs({"x", "packed", "scale", paddle::Optional("bias")})
+    .Outputs({"y"})
+    .Attrs({"n: int", "isa: std::string", "num_threads: int", "glu: bool"})
+    .SetKernelFn(PD_KERNEL(ketch::PackedLinearInt8))
+    .SetInferShapeFn(PD_INFER_SHAPE(ketch::PackedLinearInt8Shape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ketch::PackedLinearInt8Dtype));
 
 PD_BUILD_OP(ketch_packed_linear)
     .Inputs({"x", "packed", paddle::Optional("bias")})

@@ -17,14 +17,20 @@ int PanelWidth(Isa isa);
 // float -> bfloat16 bits, rounded to nearest even (as torch's cast); NaN -> the quiet 0x7fc0.
 uint16_t RoundToBf16(float v);
 
+// A panel's element type. Every kernel widens bfloat16 and int8 to float as it loads a panel.
+enum class Panel { kFloat32, kBfloat16, kInt8 };
+
 struct Gemm {
   const float* x;       // [m, k]
-  const void* packed;   // [panels, k, nr] of float, or of bfloat16 bits (uint16_t) with bf16
+  const void* packed;   // [panels, k, nr] of float, bfloat16 bits (uint16_t) or int8_t
   const float* bias;    // [n] or nullptr (never with glu)
   float* y;             // [m, n]
   int64_t m, k, n, nr;
   bool glu;             // panels of (gate, up) halves; y = silu(gate) * up
-  bool bf16 = false;    // packed holds bfloat16, widened to float as the kernels load it
+  Panel panel = Panel::kFloat32;
+  // int8 panels only: each unpacked column's dequantization scale, [n] in column order ([2n],
+  // gate columns then up columns, with glu), applied to the finished sum before bias or SwiGLU.
+  const float* scale = nullptr;
 };
 
 // A GEMM's work as independent items: (row block, panel) pairs, each writing its own outputs.
