@@ -205,10 +205,12 @@ def write_kv_reference(
     for new, cache in ((k, k_cache), (v, v_cache)):
         new = paddle.gather(new, kept).transpose([1, 0, 2]).reshape([-1, head_dim])
         if cache.dtype == paddle.bfloat16:
-            # paddle's cast rounds to nearest even; its scatter has no bfloat16 kernel, so the
-            # bits travel as int32 (int16 -> int32 -> int16 is exact).
+            # paddle's cast rounds to nearest even (a NaN to 0x7fff: the kernel's is torch's
+            # quiet 0x7fc0); its scatter has no bfloat16 kernel, so the bits travel as int32
+            # (int16 -> int32 -> int16 is exact).
             bits = cache.view(paddle.int16).astype("int32").reshape([-1, head_dim])
-            new = new.astype("bfloat16").view(paddle.int16).astype("int32")
+            rounded = new.astype("bfloat16").view(paddle.int16).astype("int32")
+            new = paddle.where(paddle.isnan(new), paddle.full_like(rounded, 0x7FC0), rounded)
             flat = paddle.scatter(bits, index, new, overwrite=True)
             flat = flat.astype("int16").view(paddle.bfloat16)
         else:
