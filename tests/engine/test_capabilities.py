@@ -15,6 +15,7 @@ from ketch.engine.capabilities import (
     check_runnable,
     compute_dtype,
     kv_cache_bytes,
+    kv_cache_dtype,
     max_model_len,
     num_kv_blocks,
     refusals,
@@ -39,15 +40,48 @@ def test_defaults_run():
 @pytest.mark.parametrize(
     ("changes", "setting", "words"),
     [
-        ({"dtype": "bfloat16"}, "dtype", "float32 on the CPU only"),
-        ({"dtype": "float16"}, "dtype", "for --device gpu, written but never run"),
+        ({"dtype": "float16"}, "dtype", "no float16 arithmetic"),
+        ({"dtype": "bfloat16", "backend": "eager"}, "backend", "dtype=bfloat16 runs on the native"),
+        ({"kv_cache_dtype": "bfloat16", "backend": "predictor"}, "backend", "kv_cache_dtype=bf"),
+        ({"quantization": "int8", "backend": "eager"}, "backend", "quantization=int8 runs on"),
+        ({"quantization": "int8", "device": "gpu"}, "quantization", "CPU only"),
+        ({"kv_cache_dtype": "float32", "device": "gpu"}, "kv_cache_dtype", "use auto"),
     ],
 )
 def test_what_the_cpu_engine_refuses(changes, setting, words):
-    [refusal] = refusals(EngineConfig(**changes))
-    assert refusal.setting == setting and refusal.value == changes[setting]
-    assert words in refusal.reason and "issue 17" in refusal.reason
+    gpu = changes.get("device") == "gpu"
+    found = refusals(EngineConfig(**changes), probe=fake_gpu if gpu else None)
+    [refusal] = [r for r in found if r.setting == setting]
+    assert refusal.value == changes[setting]
+    assert words in refusal.reason
     assert str(refusal).startswith(f"{setting}={changes[setting]}: ")
+
+
+def fake_gpu(indices):
+    from ketch.engine.device import GpuInfo
+
+    return tuple(GpuInfo(i, "H200", 100 << 30, 140 << 30, (9, 0)) for i in indices)
+
+
+def test_below_float32_on_the_cpu():
+    """bfloat16 weights and KV cache and int8 weights run on the CPU's native backend; auto
+    follows a bfloat16 checkpoint there (not on eager, which computes from float32 tensors)."""
+    below = ({"dtype": "bfloat16"}, {"quantization": "int8"}, {"kv_cache_dtype": "bfloat16"})
+    for changes in below:
+        for backend in ("auto", "native"):
+            assert refusals(EngineConfig(backend=backend, **changes), model=TINY) == []
+    bf16 = dataclasses.replace(TINY, torch_dtype="bfloat16")
+    assert compute_dtype(EngineConfig(), model=bf16) == "bfloat16"
+    assert compute_dtype(EngineConfig(), model=TINY) == "float32"
+    assert compute_dtype(EngineConfig(backend="eager"), model=bf16) == "float32"
+    assert compute_dtype(EngineConfig(dtype="float32"), model=bf16) == "float32"
+    assert kv_cache_dtype(EngineConfig(), model=bf16) == "bfloat16"
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), model=bf16) == "float32"
+    assert kv_cache_dtype(EngineConfig(quantization="int8"), model=TINY) == "float32"
+    # The KV cache's bytes follow its dtype: twice the blocks in the same memory.
+    wide = num_kv_blocks(EngineConfig(), TINY)
+    assert num_kv_blocks(EngineConfig(kv_cache_dtype="bfloat16"), TINY) == 2 * wide
+    assert kv_cache_bytes(EngineConfig(dtype="bfloat16"), bf16) <= EngineConfig().kv_cache_bytes
 
 
 def test_tensor_parallel_sizes_the_model_can_be_split_into():
@@ -82,13 +116,13 @@ def test_gpus_are_refused_only_when_the_caller_knows_them():
 
 
 def test_every_refusal_is_named_at_once():
-    config = EngineConfig(tensor_parallel_size=3, dtype="bfloat16")
+    config = EngineConfig(tensor_parallel_size=3, dtype="float16")
     assert settings(refusals(config, model=TINY, gpus=4)) == {
         "tensor_parallel_size": 3,
-        "dtype": "bfloat16",
+        "dtype": "float16",
         "gpus": 4,
     }
-    with pytest.raises(ValueError, match=r"dtype=bfloat16: .*; tensor_parallel_size=3: "):
+    with pytest.raises(ValueError, match=r"dtype=float16: .*; tensor_parallel_size=3: "):
         check_runnable(config, TINY)
 
 
@@ -115,7 +149,7 @@ def test_kv_cache_arithmetic():
 
 @pytest.mark.parametrize(
     "changes",
-    [{"tensor_parallel_size": 3}, {"dtype": "bfloat16"}, {"max_model_len": 4096}],
+    [{"tensor_parallel_size": 3}, {"dtype": "float16"}, {"max_model_len": 4096}],
     ids=["tp", "dtype", "max-model-len"],
 )
 def test_the_engine_refuses_with_the_same_words(changes):

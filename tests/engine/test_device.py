@@ -102,9 +102,11 @@ def test_the_flags_say_the_gpu_path_has_never_run():
 
 def test_dtype_rules():
     assert resolve_dtype(CPU, "auto") == resolve_dtype(CPU, "float32") == "float32"
-    for dtype in ("bfloat16", "float16"):
-        with pytest.raises(ValueError, match="float32 on the CPU only"):
-            resolve_dtype(CPU, dtype)
+    assert resolve_dtype(CPU, "bfloat16") == "bfloat16"
+    assert resolve_dtype(CPU, "auto", checkpoint_dtype="bfloat16") == "bfloat16"
+    assert resolve_dtype(CPU, "auto", checkpoint_dtype="float16") == "float32"
+    with pytest.raises(ValueError, match="no float16 arithmetic"):
+        resolve_dtype(CPU, "float16")
     gpu = parse_device("gpu")
     assert resolve_dtype(gpu, "auto", (9, 0)) == "bfloat16"  # Hopper
     assert resolve_dtype(gpu, "auto", (8, 0)) == "bfloat16"  # Ampere

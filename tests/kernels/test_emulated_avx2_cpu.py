@@ -183,3 +183,45 @@ def test_int8_packed_gemm_runs_without_avx512() -> None:
     assert out.stdout.split() == [
         "avx2", "True", "True", "moe", "True", "generic", "True", "True", "moe", "True",
     ]  # fmt: skip
+
+
+# The bfloat16 KV cache under the emulated Zen 3: the write's rounding (bits as numpy rounds
+# them) and the chosen (AVX2) and generic attention kernels widening the cache's rows, against
+# the reference on the cache widened to float32, with and without a sliding window.
+_KV_BF16_PROBE = """
+import numpy as np, paddle
+from ketch.kernels import CpuKernels
+from ketch.engine.worker.kv_cache import KVCache
+from ketch.kernels.paged_attention import (
+    PagedAttention, PagedAttentionMetadata, paged_attention_reference)
+kernel = CpuKernels.select(log=False).paged_attention
+rng = np.random.default_rng(0)
+cache = KVCache(1, 9, 16, 2, 64, dtype="bfloat16")
+layer = cache.layers[0]
+meta = PagedAttentionMetadata.build([1, 20], [40, 20], [[3, 1, 7], [2, 8]], 16)
+k, v = (rng.standard_normal((21, 2, 64)).astype(np.float32) for _ in range(2))
+kernel.write_kv(paddle.to_tensor(k), paddle.to_tensor(v), layer.k_blocks, layer.v_blocks, meta)
+bits = k.view(np.uint32).astype(np.uint64)
+rne = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+slot = meta.slot_mapping.numpy()[5]
+print("write", bool(np.array_equal(cache.array[0, 0, :, slot // 16, slot % 16], rne[5])))
+q = paddle.to_tensor(rng.standard_normal((21, 8, 64), np.float32))
+wide = [paddle.to_tensor((cache.array[0, i].astype(np.uint32) << 16).view(np.float32))
+        for i in range(2)]
+for window in (0, 7):
+    ref = paged_attention_reference(q, *wide, meta, 0.125, window).numpy()
+    for isa in (kernel.isa, "generic"):
+        out = PagedAttention(isa)(q, layer.k_blocks, layer.v_blocks, meta, 0.125, window).numpy()
+        print(isa, float(np.abs(out - ref).max() / np.abs(ref).max()) <= 1e-5)
+"""
+
+
+def test_bf16_kv_cache_kernels_run_without_avx512() -> None:
+    from ketch.kernels import cpp_ops
+
+    cpp_ops.ops()  # build natively first
+    out = _emulated("-c", _KV_BF16_PROBE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [
+        "write", "True", "avx2", "True", "generic", "True", "avx2", "True", "generic", "True",
+    ]  # fmt: skip

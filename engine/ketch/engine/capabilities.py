@@ -33,8 +33,9 @@ from ketch.engine.models.sharding import Shard, shard_problems
 
 logger = logging.getLogger(__name__)
 
-# dtype asked -> dtype computed on the CPU. A GPU's rules: ketch.engine.device.resolve_dtype.
-COMPUTE_DTYPES = dev.CPU_DTYPES
+# CPU backends that run below float32 (bfloat16 weights or KV cache, int8 weights): the packed
+# GEMM and the paged-attention kernel. eager and predictor compute from float32 tensors only.
+LOW_PRECISION_BACKENDS = ("auto", "native")
 # Worker processes per instance, one per rank; more ranks than this is a typo, not a plan.
 MAX_TENSOR_PARALLEL_SIZE = 64
 CPU_SERIAL = ("eager", "predictor")  # CPU backends with no tensor-parallel path
@@ -79,6 +80,8 @@ def refusals(
     problem = dev.dtype_problem(device, config.dtype, capability)
     if problem is not None:
         out.append(Refusal("dtype", config.dtype, problem))
+    else:
+        out += _precision_refusals(config, device, model, capability)
     if config.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         out.append(
             Refusal(
@@ -130,12 +133,91 @@ def check_runnable(
         raise ValueError("; ".join(map(str, found)))
 
 
-def compute_dtype(config: EngineConfig, probe: Probe | None = None) -> str:
-    """The dtype weights and KV cache use (``config`` having passed ``check_runnable``)."""
+def compute_dtype(
+    config: EngineConfig, probe: Probe | None = None, model: ModelConfig | None = None
+) -> str:
+    """The dtype the weights use (``config`` having passed ``check_runnable``); ``model``: the
+    checkpoint's facts (``auto`` follows a bfloat16 checkpoint on the CPU)."""
     device = dev.parse_device(config.device)
     if not device.is_gpu:
-        return COMPUTE_DTYPES[config.dtype]
+        return _cpu_dtype(config, model)
     return dev.resolve_dtype(device, config.dtype, _capability(_facts(config, device, probe)))
+
+
+def kv_cache_dtype(
+    config: EngineConfig, probe: Probe | None = None, model: ModelConfig | None = None
+) -> str:
+    """The KV cache's element type: ``kv_cache_dtype``, or with ``auto`` the weights' dtype."""
+    if config.kv_cache_dtype != "auto":
+        return config.kv_cache_dtype
+    return compute_dtype(config, probe, model)
+
+
+def precision_line(config: EngineConfig, weights: str, kv: str) -> str:
+    """How the instance computes, for the start-up log: 'bfloat16 weights (int8 linear layers),
+    bfloat16 KV cache, float32 activations'."""
+    quantized = " (int8 linear layers)" if config.quantization == "int8" else ""
+    return f"{weights} weights{quantized}, {kv} KV cache, float32 activations"
+
+
+def _cpu_dtype(config: EngineConfig, model: ModelConfig | None) -> str:
+    """``auto`` on the CPU: bfloat16 for a bfloat16 checkpoint where the backend runs it."""
+    if config.dtype == "auto" and config.backend not in LOW_PRECISION_BACKENDS:
+        return "float32"  # eager and predictor compute from float32 weights
+    checkpoint = model.torch_dtype if model is not None else None
+    return dev.resolve_dtype(dev.CPU, config.dtype, checkpoint_dtype=checkpoint)
+
+
+def _precision_refusals(
+    config: EngineConfig,
+    device: dev.Device,
+    model: ModelConfig | None,
+    capability: tuple[int, int] | None,
+) -> list[Refusal]:
+    """bfloat16 / int8 settings this device or backend cannot run (the dtype itself valid)."""
+    out = []
+    if device.is_gpu:
+        if config.quantization != "none":
+            out.append(
+                Refusal(
+                    "quantization",
+                    config.quantization,
+                    "int8 weights run on the CPU only (the packed GEMM dequantizes them); on a "
+                    "GPU use none",
+                )
+            )
+        if config.kv_cache_dtype not in ("auto", config.dtype):
+            out.append(
+                Refusal(
+                    "kv_cache_dtype",
+                    config.kv_cache_dtype,
+                    f"on a GPU the KV cache holds the compute dtype: use auto (dtype "
+                    f"{config.dtype})",
+                )
+            )
+        return out
+    if config.backend in LOW_PRECISION_BACKENDS:
+        return out
+    below = [
+        f"{name}={value}"
+        for name, value in (
+            ("dtype", _cpu_dtype(config, model)),
+            ("kv_cache_dtype", config.kv_cache_dtype),
+            ("quantization", config.quantization),
+        )
+        if value not in ("float32", "auto", "none")
+    ]
+    if below:
+        out.append(
+            Refusal(
+                "backend",
+                config.backend,
+                f"{', '.join(below)} runs on the native backend only (the packed GEMM and the "
+                f"paged-attention kernel; {config.backend} computes from float32 tensors): use "
+                "auto or native",
+            )
+        )
+    return out
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -164,7 +246,7 @@ def kv_cache_bytes(config: EngineConfig, model: ModelConfig, probe: Probe | None
     device = dev.parse_device(config.device)
     if not device.is_gpu:
         return blocks * _layout(config, model).block_bytes
-    dtype = compute_dtype(config, probe)
+    dtype = kv_cache_dtype(config, probe, model)
     shard = Shard.of(model, 0, config.tensor_parallel_size)
     return blocks * dev.kv_block_bytes(model, shard, config.block_size, dtype)
 
@@ -176,8 +258,13 @@ def _layout(config: EngineConfig, model: ModelConfig) -> KVLayout:
         num_blocks=0,
         block_size=config.block_size,
         head_dim=model.head_dim,
-        dtype=COMPUTE_DTYPES.get(config.dtype, "float32"),
+        dtype=kv_cache_dtype(config, model=model) if _runs_on_cpu(config) else "float32",
     )
+
+
+def _runs_on_cpu(config: EngineConfig) -> bool:
+    """The CPU precision settings resolve (a refused dtype is sized as float32)."""
+    return dev.dtype_problem(dev.CPU, config.dtype) is None
 
 
 def _facts(config: EngineConfig, device: dev.Device, probe: Probe | None):

@@ -119,10 +119,28 @@ class EngineConfig:
     )
     dtype: str = _opt(
         "auto",
-        "Compute dtype. The engine computes in float32 on the CPU: auto or float32 there. With "
-        "--device gpu (written, never run): auto (bfloat16 on GPUs of compute capability 8.0+, "
-        "else float16), bfloat16, float16 or float32.",
+        "Weight dtype. On the CPU: float32, or bfloat16 (weights stored as bfloat16, half the "
+        "bytes, widened to float32 as the GEMM loads them; activations and sums stay float32; "
+        "native backend only); auto: bfloat16 for a checkpoint saved in bfloat16, else float32. "
+        "float16 is refused on the CPU. With --device gpu (written, never run): auto (bfloat16 on "
+        "GPUs of compute capability 8.0+, else float16), bfloat16, float16 or float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "Element type of the KV cache (and of its host swap tier and P/D transfers: a prefill "
+        "and a decode instance must use the same). auto: the weight dtype (--dtype; float32 "
+        "under --quantization int8 with float32 weights). bfloat16 halves the cache's bytes "
+        "per token on the CPU; keys and values are rounded to bfloat16 as they are written.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    quantization: str = _opt(
+        "none",
+        "Weight quantization applied at load. int8: every linear layer's weight (attention, "
+        "MLP, experts) as int8 with a float32 scale per output channel (symmetric), dequantized "
+        "in the GEMM (float32 activations); the embedding and lm_head stay in --dtype. CPU, "
+        "native backend only.",
+        choices=("none", "int8"),
     )
     runner: str = _opt(
         "model",
@@ -158,7 +176,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        for name in ("block_size", "dtype", "runner", "backend"):
+        for name in ("block_size", "dtype", "kv_cache_dtype", "quantization", "runner", "backend"):
             allowed = _field_choices(name)
             if getattr(self, name) not in allowed:
                 raise ValueError(

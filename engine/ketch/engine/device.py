@@ -27,7 +27,9 @@ from ketch.engine.models.sharding import Shard
 
 MAX_GPU_INDEX = 255  # more than any machine holds: a larger index is a typo, not a plan
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CPU_DTYPES = {"auto": "float32", "float32": "float32"}
+# Weight dtypes the CPU runs (activations and sums are float32 whatever the weights are):
+# bfloat16 weights are widened to float32 as the packed GEMM loads them (ketch.kernels).
+CPU_DTYPES = ("auto", "float32", "bfloat16")
 GPU_DTYPES = ("float32", "bfloat16", "float16")
 BF16_CAPABILITY = (8, 0)  # bfloat16 matmuls and flash attention need Ampere or newer
 # CUDA context, cuBLAS workspaces, NCCL buffers and the allocator's slack: set aside once per GPU.
@@ -102,9 +104,9 @@ def dtype_problem(
         if dtype in CPU_DTYPES:
             return None
         return (
-            "the engine computes in float32 on the CPU only: use auto or float32 "
-            f"({dtype} is for --device gpu, written but never run: GPU workers are planned in "
-            "issue 17)"
+            f"{dtype} is not a CPU weight dtype: use auto, float32 or bfloat16 (x86-64 CPUs "
+            "have no float16 arithmetic; Ketch computes in float32 on the CPU, from float32 "
+            "or bfloat16 weights)"
         )
     if dtype != "auto" and dtype not in GPU_DTYPES:
         return f"{dtype} is not a GPU compute dtype: use auto, {', '.join(GPU_DTYPES)}"
@@ -117,16 +119,22 @@ def dtype_problem(
     return None
 
 
-def resolve_dtype(device: Device, dtype: str, capability: tuple[int, int] | None = None) -> str:
-    """The dtype weights, activations and the KV cache use. ``auto``: float32 on the CPU;
-    bfloat16 on a GPU that has it (compute capability 8.0+), else float16."""
+def resolve_dtype(
+    device: Device,
+    dtype: str,
+    capability: tuple[int, int] | None = None,
+    checkpoint_dtype: str | None = None,
+) -> str:
+    """The dtype the weights use. ``auto``: on the CPU bfloat16 for a checkpoint saved in
+    bfloat16 (``checkpoint_dtype``, config.json's ``torch_dtype``), else float32; on a GPU
+    bfloat16 where it has it (compute capability 8.0+), else float16."""
     problem = dtype_problem(device, dtype, capability)
     if problem is not None:
         raise ValueError(problem)
-    if not device.is_gpu:
-        return CPU_DTYPES[dtype]
     if dtype != "auto":
         return dtype
+    if not device.is_gpu:
+        return "bfloat16" if checkpoint_dtype == "bfloat16" else "float32"
     if capability is None or tuple(capability) >= BF16_CAPABILITY:
         return "bfloat16"
     return "float16"

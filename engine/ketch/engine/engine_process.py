@@ -102,8 +102,16 @@ def _run(
         sys.exit(1)
     try:
         mc = engine.model_config
+        rc = engine.runner_config
         ready = EngineReady(
-            engine.max_model_len, engine.kv_cache.pool.num_blocks, mc.vocab_size, mc.hidden_size
+            engine.max_model_len,
+            engine.kv_cache.pool.num_blocks,
+            mc.vocab_size,
+            mc.hidden_size,
+            dtype=rc.dtype,
+            quantization=rc.quantization,
+            kv_cache_dtype=rc.kv_cache_dtype,
+            weight_bytes=engine.weight_bytes,
         )
         outputs.send(encode(ready))
         # Gauges (KV blocks, batch limits) are right from the start, before any request.

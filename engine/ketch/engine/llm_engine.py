@@ -6,7 +6,14 @@ import logging
 import time
 
 from ketch.engine.cache_manager.protocol import KVLayout
-from ketch.engine.capabilities import check_runnable, compute_dtype, max_model_len, num_kv_blocks
+from ketch.engine.capabilities import (
+    check_runnable,
+    compute_dtype,
+    kv_cache_dtype,
+    max_model_len,
+    num_kv_blocks,
+    precision_line,
+)
 from ketch.engine.config import EngineConfig
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
@@ -54,7 +61,9 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=config.block_size,
             eos_token_ids=tuple(sorted(self.eos_token_ids)),
-            dtype=compute_dtype(config),
+            dtype=compute_dtype(config, model=self.model_config),
+            kv_cache_dtype=kv_cache_dtype(config, model=self.model_config),
+            quantization=config.quantization,
             num_threads=config.num_threads,
             backend=config.backend,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -83,12 +92,19 @@ class LLMEngine:
         self._last_batch_size = 0
         self._num_seeded = 0
         logger.info(
-            "engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens; %s",
             path,
             self.max_model_len,
             num_blocks,
             config.block_size,
+            precision_line(config, runner_config.dtype, runner_config.kv_cache_dtype),
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights, every rank's, in the layouts they compute from (0 for
+        the null runner)."""
+        return int(getattr(self.runner, "weight_bytes", 0))
 
     def check_health(self) -> None:
         """Raises if a part of the engine (the worker process) has died."""
@@ -203,7 +219,7 @@ class LLMEngine:
             num_blocks=self.kv_cache.pool.num_blocks,
             block_size=self.config.block_size,
             head_dim=mc.head_dim,
-            dtype=self.runner_config.dtype,
+            dtype=self.runner_config.kv_cache_dtype,
             segment=shm_names(self.worker_port)[0] if self.worker_port is not None else "",
         )
 

@@ -142,7 +142,15 @@ class EngineMetrics:
         self._prefix_cache_tokens = 0
         self._last_hit_tokens = 0
         self._http: dict[tuple[str, str], int] = {}
+        self._precision: tuple[str, str, str] | None = None
+        self._weight_bytes = 0
         self.registry.register(self)
+
+    def set_model(self, dtype: str, quantization: str, kv_cache_dtype: str, weight_bytes: int):
+        """How the engine computes: exposed as ``model_weight_bytes`` with these as labels."""
+        with self._lock:
+            self._precision = (dtype, quantization, kv_cache_dtype)
+            self._weight_bytes = weight_bytes
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
         """Records one finished request (any finish reason, aborts included)."""
@@ -202,6 +210,16 @@ class EngineMetrics:
         for name, doc in _GAUGES.items():
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], self._gauges[name])
+            yield family
+        if self._precision is not None:
+            family = GaugeMetricFamily(
+                PREFIX + "model_weight_bytes",
+                "Bytes of the model's weights in memory (every tensor-parallel rank's), at "
+                "the precision the labels name: dtype (the weights'), quantization (of the "
+                "linear layers) and kv_cache_dtype.",
+                labels=["model_name", "dtype", "quantization", "kv_cache_dtype"],
+            )
+            family.add_metric([self.model_name, *self._precision], self._weight_bytes)
             yield family
 
     def _counter_families(self) -> Iterator[Metric]:

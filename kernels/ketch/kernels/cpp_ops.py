@@ -67,7 +67,7 @@ class Library:
 ATTENTION = Library(
     "ketch_ops",
     ("paged_attention.cc", "fused.cc", "comm.cc", "packed_gemm.cc", "fused_moe.cc"),
-    ("simd.h", "attention_kernel.inc", "packed_gemm.h"),
+    ("simd.h", "attention_kernel.inc", "packed_gemm.h", "bf16.h"),
 )
 
 

@@ -12,6 +12,12 @@ sliding-window mask); the kernel does not read the blocks wholly before a tile's
 Decodes (``n = 1``) and prefill chunks mix freely in one call; grouped-query heads share KV head
 ``h // (heads // kv_heads)``.
 
+The caches hold float32 or bfloat16 (``--kv-cache-dtype bfloat16``: half the bytes per token).
+q, k and v are float32 either way, and so is the output: the KV write rounds k and v to bfloat16
+(nearest, ties to even, as the packed GEMM rounds bfloat16 weights), and the kernels widen each
+cached row back to float32 as they load it, so scores, softmax and sums are float32 arithmetic
+on the rounded keys and values.
+
 ``paged_attention_reference`` is the specification, in plain paddle ops, one sequence at a time.
 ``PagedAttention`` runs the C++ op (``csrc/paged_attention.cc``) with the kernel for one
 instruction set; ``CpuKernels.select`` picks the instruction set from the CPU's features.
@@ -117,8 +123,9 @@ class PagedAttention:
         v_cache: paddle.Tensor,
         meta: PagedAttentionMetadata,
     ) -> None:
-        """Writes k, v ([T, kv_heads, head_dim]) into their slots of the caches, in place.
-        A slot of -1 is skipped. Plain copies: the same code on every CPU."""
+        """Writes k, v ([T, kv_heads, head_dim], float32) into their slots of the caches
+        (float32 or bfloat16), in place. A slot of -1 is skipped. Plain copies, or roundings
+        to bfloat16: the same code on every CPU."""
         cpp_ops.ops().ketch_reshape_and_cache(
             k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping
         )
@@ -147,7 +154,10 @@ def paged_attention_reference(
 ) -> paddle.Tensor:
     """The specification: per sequence, gather its context, mask the keys after each query's
     position (and, with a ``window`` > 0, those ``window`` or more before it),
-    softmax(q·kᵀ·scale)·v. q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    softmax(q·kᵀ·scale)·v. q: [T, heads, head_dim] -> [T, heads, head_dim]. A bfloat16 cache
+    is read as float32 (exactly its values), and everything after is float32."""
+    k_cache, v_cache = (c.astype("float32") if c.dtype != paddle.float32 else c
+                        for c in (k_cache, v_cache))  # fmt: skip
     kv_heads, _, block_size, head_dim = k_cache.shape
     heads = q.shape[1]
     group = heads // kv_heads
@@ -184,7 +194,8 @@ def write_kv_reference(
     meta: PagedAttentionMetadata,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """The specification of ``PagedAttention.write_kv``, without writing in place: the caches
-    with row ``h * num_blocks * block_size + slot`` of head h of each kept token replaced."""
+    with row ``h * num_blocks * block_size + slot`` of head h of each kept token replaced, in
+    the caches' dtype (a bfloat16 cache gets k and v rounded to nearest, ties to even)."""
     kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     kept = paddle.nonzero(meta.slot_mapping >= 0).reshape([-1])
     slots = paddle.gather(meta.slot_mapping, kept)
@@ -193,6 +204,16 @@ def write_kv_reference(
     written = []
     for new, cache in ((k, k_cache), (v, v_cache)):
         new = paddle.gather(new, kept).transpose([1, 0, 2]).reshape([-1, head_dim])
-        flat = paddle.scatter(cache.reshape([-1, head_dim]), index, new, overwrite=True)
+        if cache.dtype == paddle.bfloat16:
+            # paddle's cast rounds to nearest even (a NaN to 0x7fff: the kernel's is torch's
+            # quiet 0x7fc0); its scatter has no bfloat16 kernel, so the bits travel as int32
+            # (int16 -> int32 -> int16 is exact).
+            bits = cache.view(paddle.int16).astype("int32").reshape([-1, head_dim])
+            rounded = new.astype("bfloat16").view(paddle.int16).astype("int32")
+            new = paddle.where(paddle.isnan(new), paddle.full_like(rounded, 0x7FC0), rounded)
+            flat = paddle.scatter(bits, index, new, overwrite=True)
+            flat = flat.astype("int16").view(paddle.bfloat16)
+        else:
+            flat = paddle.scatter(cache.reshape([-1, head_dim]), index, new, overwrite=True)
         written.append(flat.reshape(cache.shape))
     return written[0], written[1]

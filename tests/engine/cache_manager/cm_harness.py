@@ -31,17 +31,21 @@ SMALL = {"num_layers": 2, "kv_heads": 2, "num_blocks": 8, "block_size": 16, "hea
 
 
 class Segment:
-    """A KV segment in /dev/shm filled with seeded random data, as the worker would hold."""
+    """A KV segment in /dev/shm filled with seeded random data, as the worker would hold.
+    ``dtype`` bfloat16: the segment holds the raw 16-bit words (``kv`` is uint16), filled with
+    random normals rounded to bfloat16 by truncation (any bits do: nothing computes on them)."""
 
-    def __init__(self, seed: int = 0, **dims: int) -> None:
+    def __init__(self, seed: int = 0, dtype: str = "float32", **dims: int) -> None:
         name = f"ketch-test-kv-{uuid.uuid4().hex[:10]}"
-        self.layout = p.KVLayout(**{**SMALL, **dims}, segment=name)
+        self.layout = p.KVLayout(**{**SMALL, **dims}, dtype=dtype, segment=name)
         self.path = Path("/dev/shm") / name
-        size = int(np.prod(self.layout.shape)) * 4
+        storage = np.uint16 if dtype == "bfloat16" else np.float32
+        size = int(np.prod(self.layout.shape)) * np.dtype(storage).itemsize
         with self.path.open("wb") as f:
             f.truncate(size)
-        self.kv = np.memmap(self.path, dtype=np.float32, mode="r+", shape=self.layout.shape)
-        self.kv[:] = np.random.default_rng(seed).standard_normal(self.layout.shape)
+        self.kv = np.memmap(self.path, dtype=storage, mode="r+", shape=self.layout.shape)
+        data = np.random.default_rng(seed).standard_normal(self.layout.shape, np.float32)
+        self.kv[:] = (data.view(np.uint32) >> 16).astype(np.uint16) if dtype == "bfloat16" else data
 
     def block(self, index: int) -> np.ndarray:
         return np.array(self.kv[:, :, :, index])

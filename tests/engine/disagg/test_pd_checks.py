@@ -44,6 +44,7 @@ def _request(engine, **changes) -> PrefillRequest:
         params=SamplingParams(max_tokens=8, temperature=0),
         seed=7,
         model=engine.model_fingerprint,
+        kv_cache_dtype=engine.runner_config.kv_cache_dtype,
         layout=engine.kv_layout,
         kv_dest="127.0.0.1:1",
         dest_blocks=[4, 5, 6],
@@ -101,6 +102,22 @@ def test_kv_layout_mismatch_names_the_field(engine) -> None:
     answer = _answer(engine, _request(engine, layout=layout))
     assert isinstance(answer, PrefillFailed)
     assert "block_size is 32 on the decode instance, 16 here" in answer.error
+
+
+def test_kv_cache_dtype_mismatch_names_both_dtypes(engine) -> None:
+    """A bfloat16 decode instance and this float32 prefill instance cannot share blocks: refused
+    by the dtype the message states, and by the layout's dtype where only that differs."""
+    assert engine.runner_config.kv_cache_dtype == "float32"
+    bf16_layout = dataclasses.replace(engine.kv_layout, dtype="bfloat16")
+    answer = _answer(engine, _request(engine, kv_cache_dtype="bfloat16", layout=bf16_layout))
+    assert isinstance(answer, PrefillFailed) and answer.status_code == 400
+    assert (
+        "KV cache dtype mismatch: the decode instance's KV cache holds bfloat16, this prefill "
+        "instance's float32" in answer.error
+    )
+    answer = _answer(engine, _request(engine, layout=bf16_layout))
+    assert isinstance(answer, PrefillFailed)
+    assert "dtype is bfloat16 on the decode instance, float32 here" in answer.error
 
 
 def test_no_cache_manager_is_refused(engine) -> None:

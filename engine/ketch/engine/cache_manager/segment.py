@@ -16,11 +16,10 @@ import numpy as np
 
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.cache_manager.reservations import Reservations
+from ketch.engine.cache_manager.swap import NUMPY_DTYPES as _NUMPY_DTYPES
 from ketch.engine.cache_manager.swap import SwapStore
 
 SHM_DIR = Path("/dev/shm")
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
-"""bfloat16 is copied as raw 16-bit words: the cache manager never does arithmetic on it."""
 
 
 @dataclass

@@ -11,6 +11,11 @@ import numpy as np
 
 from ketch.engine.cache_manager.protocol import KVLayout
 
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+"""The numpy element a KV dtype is kept as in the segment and the swap slots. bfloat16 is copied
+as raw 16-bit words: the cache manager never does arithmetic on KV data, so every copy is exact
+and a slot holds exactly ``layout.block_bytes``."""
+
 
 class SwapStore:
     """``slots`` block-sized buffers plus the set of slots that hold swapped-out data.
@@ -27,7 +32,8 @@ class SwapStore:
 
     def _buffer(self) -> np.ndarray:
         if self._store is None:
-            self._store = np.empty((self.slots, *self.layout.block_shape), dtype=np.float32)
+            shape = (self.slots, *self.layout.block_shape)
+            self._store = np.empty(shape, dtype=NUMPY_DTYPES[self.layout.dtype])
         return self._store
 
     def check(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> str | None:

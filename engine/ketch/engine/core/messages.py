@@ -61,6 +61,12 @@ class EngineReady:
     num_kv_blocks: int
     vocab_size: int = 0  # the model's: the API server checks token ids against it
     hidden_size: int = 0  # the model's: the size of its embeddings (/v1/embeddings)
+    # How it computes (the startup log and /metrics): the weights' dtype, the linear layers'
+    # quantization, the KV cache's dtype, and the bytes of weights every rank holds in all.
+    dtype: str = "float32"
+    quantization: str = "none"
+    kv_cache_dtype: str = "float32"
+    weight_bytes: int = 0
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A decode engine sends ``PrefillRequest``: the prompt, the sampling settings and seed, and where
 the KV goes. This side checks that the two instances can share KV at all (protocol version,
-model, KV layout), runs the prompt as a one-token request that keeps its blocks when it
+model, KV cache dtype, KV layout), runs the prompt as a one-token request that keeps its blocks when it
 finishes, has its cache manager push the blocks into the decode instance's cache, and only then
 hands the first token over (``PrefillDone``). Any failure answers ``PrefillFailed`` and frees
 the blocks; nothing is left behind when a decode peer disappears.
@@ -134,6 +134,13 @@ class PrefillSide:
             return (
                 f"model mismatch: the decode instance serves {message.model}, this prefill "
                 f"instance {engine.model_fingerprint}"
+            )
+        kv_dtype = engine.runner_config.kv_cache_dtype
+        if message.kv_cache_dtype != kv_dtype:
+            return (
+                f"KV cache dtype mismatch: the decode instance's KV cache holds "
+                f"{message.kv_cache_dtype}, this prefill instance's {kv_dtype}; start both with "
+                "the same --kv-cache-dtype (KV blocks are copied as they are)"
             )
         mismatch = engine.kv_layout.mismatch(message.layout, "the decode instance")
         if mismatch is not None:

@@ -21,9 +21,11 @@ from pathlib import Path
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.gemma3 import Gemma3Model
 from ketch.engine.models.llama import LlamaModel, ModelWeights
+from ketch.engine.models.llama_native import Panels
 from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels
 from ketch.kernels.collective import Group
+from ketch.kernels.packed_linear import select_packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +42,16 @@ def build_model(
     cache_dir: Path | None = None,
     shard: Shard | None = None,
     group: Group | None = None,
+    dtype: str = "float32",
+    quantization: str = "none",
 ):
     """A model with ``forward(input_ids, positions, kv_caches, meta, logit_rows)``.
 
     ``kernels`` apply to the eager model only; ``cache_dir`` overrides ``$KETCH_CACHE_DIR``.
     ``shard`` and ``group``: one tensor-parallel rank's weights and its collectives, which only
-    the native backend runs (``auto`` then means native, with no fallback)."""
+    the native backend runs (``auto`` then means native, with no fallback). ``dtype``: the
+    weights' (as loaded), ``quantization``: ``int8`` for the linear layers; below float32 the
+    model runs on the native backend's packed GEMM only (``auto``: no fallback either)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     problem = config.backend_problem(backend)
@@ -55,6 +61,12 @@ def build_model(
     if parallel and backend not in ("auto", "native"):
         raise ValueError(
             f"tensor_parallel_size {shard.world} runs on the native backend only, not {backend!r}"
+        )
+    panels = _panels(dtype, quantization)
+    if panels is not None and backend not in ("auto", "native"):
+        raise ValueError(
+            f"{dtype} weights{' quantized to int8' if quantization == 'int8' else ''} run on "
+            f"the native backend only, not {backend!r}"
         )
     gemma = config.gemma is not None
     eager = (Gemma3Model if gemma else LlamaModel)(config, weights, max_len, kernels)
@@ -69,22 +81,28 @@ def build_model(
 
         cpp_ops.ops()  # the fused ops and attention
         attention = _attention_kernel(eager.kernels, config.head_dim)
-        matmul, _ = measured_matmul(weights, threads)  # logged by ketch.kernels.linear
+        if panels is None:
+            matmul, _ = measured_matmul(weights, threads)  # logged by ketch.kernels.linear
+        else:  # only the packed GEMM reads bfloat16 or int8 weights
+            matmul = select_packed_linear(num_threads=threads)
+            logger.info("matmul: packed (%s panels, %s lm_head)", panels.linear, panels.head)
         native_model = NativeGemma3Model if gemma else NativeLlamaModel
-        return native_model(config, weights, eager, matmul, attention, shard, group)
+        return native_model(config, weights, eager, matmul, attention, shard, group, panels)
 
     def predictor():
         return PredictorLlamaModel(config, weights, eager, threads, cache_dir)
 
     if backend == "native":
         return native()
-    if parallel:
+    if parallel or panels is not None:
+        why = f"tensor_parallel_size {shard.world}" if parallel else f"{dtype} weights"
+        if quantization == "int8":
+            why += " quantized to int8"
         try:
             return native()
         except Exception as exc:
             raise RuntimeError(
-                f"tensor_parallel_size {shard.world} needs the native backend, which cannot run "
-                f"here: {type(exc).__name__}: {exc}"
+                f"{why} need the native backend, which cannot run here: {type(exc).__name__}: {exc}"
             ) from exc
     if backend == "predictor":
         return predictor()
@@ -103,3 +121,14 @@ def build_model(
         return model
     logger.warning("backend: eager (%s)", "; ".join(why))
     return eager
+
+
+def _panels(dtype: str, quantization: str):
+    """The packed GEMM's panel types for weights below float32, else None."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"the CPU backends take float32 or bfloat16 weights, not {dtype!r}")
+    if quantization not in ("none", "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}; expected none or int8")
+    if dtype == "float32" and quantization == "none":
+        return None
+    return Panels(linear="int8" if quantization == "int8" else dtype, head=dtype)

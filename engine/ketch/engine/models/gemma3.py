@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import paddle
 import paddle.nn.functional as F
-from paddle.nn.functional import embedding
 
 from ketch.engine.models.attention import AttentionMetadata, LayerCache
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import LlamaModel, ModelWeights, _linear
-from ketch.engine.models.llama_native import KeptRows, NativeLlamaModel
+from ketch.engine.models.llama_native import KeptRows, NativeLlamaModel, Panels
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels, fused
@@ -113,8 +112,9 @@ class NativeGemma3Model(NativeLlamaModel):
         attention: PagedAttention | None,
         shard: Shard | None = None,
         group: Group | None = None,
+        panels: Panels | None = None,
     ) -> None:
-        super().__init__(config, weights, eager, linear, attention, shard, group)
+        super().__init__(config, weights, eager, linear, attention, shard, group, panels)
         self._rotations = eager.rotations  # the eager model's tables, per layer kind
 
     def forward(
@@ -129,7 +129,7 @@ class NativeGemma3Model(NativeLlamaModel):
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor] | None:
         w, eps = self.weights, self.eps
         rotations = self._rotations(positions)
-        h = embedding(input_ids, w.embed)
+        h = self.embed(input_ids)
         x = fused.rms_norm(h, w.layers[0].input_norm, eps)
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):

@@ -8,6 +8,7 @@ each step's matmuls need no transpose.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import paddle
@@ -58,6 +59,24 @@ class ModelWeights:
     norm: paddle.Tensor
     lm_head: paddle.Tensor | None  # [hidden, vocab]; None on tensor-parallel ranks but 0
     lm_head_bias: paddle.Tensor | None = None  # [vocab] (ERNIE 4.5 MoE with use_bias)
+
+
+def weights_nbytes(tree: object) -> int:
+    """Bytes of every tensor in ``tree``: a tensor, a packed weight (``nbytes``), or a
+    dataclass, list, tuple or dict of them (``ModelWeights``, a packed form per matmul)."""
+    if tree is None:
+        return 0
+    if isinstance(tree, paddle.Tensor):
+        return int(tree.numel()) * tree.element_size()
+    if hasattr(tree, "nbytes") and not isinstance(tree, int | float):
+        return int(tree.nbytes)
+    if dataclasses.is_dataclass(tree):
+        return sum(weights_nbytes(getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    if isinstance(tree, dict):
+        return sum(weights_nbytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(weights_nbytes(v) for v in tree)
+    return 0
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None) -> paddle.Tensor:

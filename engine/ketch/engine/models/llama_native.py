@@ -31,7 +31,7 @@ from paddle.nn.functional import embedding, swiglu
 
 from ketch.engine.models.attention import LayerCache, SequenceSpan
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights
+from ketch.engine.models.llama import LayerWeights, LlamaModel, ModelWeights, weights_nbytes
 from ketch.engine.models.moe import MoeWeights, combine, select_experts
 from ketch.engine.models.sharding import Shard, whole
 from ketch.kernels import fused
@@ -61,37 +61,77 @@ def _fuses_swiglu(linear: Matmul, layer: LayerWeights) -> bool:
     return isinstance(linear, PackedLinear) and layer.gate_up_bias is None
 
 
+@dataclasses.dataclass(frozen=True)
+class Panels:
+    """The element types the packed GEMM's panels hold below float32: ``linear`` for the
+    layers' projections and experts (float32, bfloat16 or int8), ``head`` for the lm_head
+    (float32 or bfloat16: never quantized). None in ``NativeLlamaModel``: float32 weights in
+    whatever layout the measured matmul takes."""
+
+    linear: str
+    head: str
+
+
+# LayerWeights' vectors: norms and biases, float32 whatever the weights' dtype (they are added
+# to or multiplied with float32 activations; a few kilobytes a layer).
+_VECTORS = (
+    "input_norm", "post_norm", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm",
+    "k_norm", "attn_out_norm", "mlp_out_norm",
+)  # fmt: skip
+
+
+def _float32(t: paddle.Tensor | None) -> paddle.Tensor | None:
+    return t if t is None or t.dtype == paddle.float32 else t.astype("float32")
+
+
 def _prepared_weights(
-    weights: ModelWeights, linear: Matmul, fuse: bool, fused_experts: bool
+    weights: ModelWeights,
+    linear: Matmul,
+    fuse: bool,
+    fused_experts: bool,
+    panels: Panels | None = None,
 ) -> ModelWeights:
     """``weights`` with every matmul operand in ``linear``'s layout (the same tensors where it
     has no ``prepare``; ``fuse``: gate/up with the SwiGLU epilogue); with ``fused_experts``, no
-    routed experts' lists (the fused op holds its own copy); norms, biases and embeddings stay
-    as they are."""
+    routed experts' lists (the fused op holds its own copy). ``panels``: the packed GEMM's
+    element types below float32 (``linear`` is then a ``PackedLinear``); norms, biases and the
+    router become float32 and the embedding stays as loaded."""
 
-    def gate_up(w: paddle.Tensor):
-        return linear.prepare(w, glu=True) if fuse else prepared(linear, w)
+    def pack(w: paddle.Tensor, glu: bool = False, head: bool = False):
+        if panels is not None:
+            return linear.prepare(w, glu=glu, dtype=panels.head if head else panels.linear)
+        return linear.prepare(w, glu=True) if glu else prepared(linear, w)
 
     def moe(e: MoeWeights) -> MoeWeights:
+        router = _float32(e.router)
         if fused_experts:
-            return dataclasses.replace(e, gate_up=[], down=[])
-        down = [prepared(linear, w) for w in e.down]
-        return dataclasses.replace(e, gate_up=[gate_up(w) for w in e.gate_up], down=down)
+            return dataclasses.replace(e, router=router, gate_up=[], down=[])
+        return dataclasses.replace(
+            e,
+            router=router,
+            gate_up=[pack(w, glu=fuse) for w in e.gate_up],
+            down=[pack(w) for w in e.down],
+        )
 
     def layer(lw: LayerWeights) -> LayerWeights:
-        forms = {n: prepared(linear, getattr(lw, n)) for n in ("qkv", "o")}
+        forms = {n: pack(getattr(lw, n)) for n in ("qkv", "o")}
         if lw.moe is not None:
             forms["moe"] = moe(lw.moe)
         if lw.gate_up is not None:  # the dense MLP, or ERNIE's shared experts
-            forms["gate_up"] = gate_up(lw.gate_up)
-            forms["down"] = prepared(linear, lw.down)
+            forms["gate_up"] = pack(lw.gate_up, glu=fuse)
+            forms["down"] = pack(lw.down)
+        if panels is not None:
+            forms.update({n: _float32(getattr(lw, n)) for n in _VECTORS})
         return dataclasses.replace(lw, **forms)
 
     if getattr(linear, "prepare", None) is None and not fused_experts:
         return weights
-    lm_head = None if weights.lm_head is None else prepared(linear, weights.lm_head)
+    lm_head = None if weights.lm_head is None else pack(weights.lm_head, head=True)
     layers = [layer(lw) for lw in weights.layers]
-    return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
+    vectors = {}
+    if panels is not None:
+        vectors = {"norm": _float32(weights.norm), "lm_head_bias": _float32(weights.lm_head_bias)}
+    return dataclasses.replace(weights, layers=layers, lm_head=lm_head, **vectors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +199,9 @@ class NativeLlamaModel:
         attention: PagedAttention | None,
         shard: Shard | None = None,
         group: Group | None = None,
+        panels: Panels | None = None,
     ) -> None:
+        """``panels``: weights below float32 (``linear`` is then the packed GEMM)."""
         if attention is None:
             raise RuntimeError(
                 f"the C++ paged-attention kernel cannot run this model (head dim "
@@ -177,13 +219,15 @@ class NativeLlamaModel:
         self.experts_op = None if experts is None else FusedMoe.for_linear(experts)
         if config.is_moe:
             logger.info("routed experts: %s", self.experts_op or "one matmul pair per expert")
+        expert_dtype = None if panels is None else panels.linear
         self._packed_experts = {
-            i: self.experts_op.prepare(lw.moe.gate_up, lw.moe.down)
+            i: self.experts_op.prepare(lw.moe.gate_up, lw.moe.down, dtype=expert_dtype)
             for i, lw in enumerate(weights.layers)
             if lw.moe is not None and self.experts_op is not None
         }
         fused_experts = self.experts_op is not None
-        self.weights = _prepared_weights(weights, linear, self._fused_swiglu, fused_experts)
+        self.weights = _prepared_weights(weights, linear, self._fused_swiglu, fused_experts, panels)
+        self.panels = panels
         self.linear = linear
         self._fused_bias = isinstance(linear, PackedLinear)
         self.attention = attention
@@ -193,6 +237,10 @@ class NativeLlamaModel:
         if self.shard.world > 1 and (group is None or group.world != self.shard.world):
             raise ValueError(f"a shard of {self.shard.world} ranks needs a group of as many")
         self.group = group if self.shard.world > 1 else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds, in the layouts it computes from."""
+        return weights_nbytes(self.weights) + weights_nbytes(self._packed_experts)
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int
@@ -309,7 +357,7 @@ class NativeLlamaModel:
         w = self.weights
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
-        h = embedding(input_ids, w.embed)
+        h = self.embed(input_ids)
         x = fused.rms_norm(h, w.layers[0].input_norm, self.eps)
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):
@@ -334,6 +382,10 @@ class NativeLlamaModel:
             else:
                 h = h + mlp
         return self._head(h, logit_rows, hidden_rows)
+
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        """The tokens' embeddings in float32 (the table stays in the weights' dtype)."""
+        return _float32(embedding(input_ids, self.weights.embed))
 
     def _head(
         self, h: paddle.Tensor, logit_rows: paddle.Tensor, hidden_rows: paddle.Tensor | None

@@ -25,16 +25,24 @@ _INDEX = "model.safetensors.index.json"
 
 
 def load_weights(
-    path: Path, config: ModelConfig, dtype: str, shard: Shard | None = None
+    path: Path,
+    config: ModelConfig,
+    dtype: str,
+    shard: Shard | None = None,
+    small_dtype: str | None = None,
 ) -> ModelWeights:
     """The checkpoint's weights, or only ``shard``'s slices of them (tensor parallelism: each
-    rank reads its heads' and columns' slices from the files, never the whole matrices)."""
+    rank reads its heads' and columns' slices from the files, never the whole matrices).
+    ``small_dtype``: the dtype of the norms, biases and MoE routers (default ``dtype``): the CPU
+    reads them in float32 whatever its matrices' dtype, so bfloat16 rounds only the matrices."""
     with _Checkpoint(path, dtype) as checkpoint:
-        return _load(checkpoint, config, shard or whole(config))
+        return _load(checkpoint, config, shard or whole(config), small_dtype)
 
 
-def _load(checkpoint: _Checkpoint, config: ModelConfig, shard: Shard) -> ModelWeights:
-    loader = _Checked(checkpoint)
+def _load(
+    checkpoint: _Checkpoint, config: ModelConfig, shard: Shard, small: str | None = None
+) -> ModelWeights:
+    loader = _Checked(checkpoint, small)
     c, d = config, config.head_dim
     hidden = c.hidden_size
     q_rows = _times(shard.heads, d)
@@ -182,7 +190,7 @@ def _experts(loader: _Checked, c: ModelConfig, p: str, shard: Shard) -> MoeWeigh
     so: ``_keep_in_fp32_modules_strict``)."""
     hidden, inter, count = c.hidden_size, c.moe_intermediate_size, c.num_experts
     first, end = shard.experts
-    router_dtype = "float32" if c.moe_score_bias else None
+    router_dtype = "float32" if c.moe_score_bias else loader.small
     router = loader.get(p + "mlp.gate.weight", (count, hidden), dtype=router_dtype)
     router = router.T.contiguous()
     score_bias = _score_bias(loader, p, count) if c.moe_score_bias else None
@@ -221,8 +229,9 @@ class _Checked:
     """Hands out tensors (or row/column slices of them) by name, checking they exist and have
     the configured shape."""
 
-    def __init__(self, checkpoint: _Checkpoint) -> None:
+    def __init__(self, checkpoint: _Checkpoint, small: str | None = None) -> None:
         self.checkpoint = checkpoint
+        self.small = small  # the dtype of 1-D weights (norms, biases), None: the checkpoint's
         self.used: set[str] = set()
 
     def get(
@@ -233,8 +242,10 @@ class _Checked:
         cols: tuple[int, int] | None = None,
         dtype: str | None = None,
     ) -> paddle.Tensor:
-        """``dtype``: read in it, not in the compute dtype."""
+        """``dtype``: read in it, not in the compute dtype (a 1-D weight: in ``small``)."""
         path = self.checkpoint.path
+        if dtype is None and len(shape) == 1:
+            dtype = self.small
         if name not in self.checkpoint:
             raise ModelLoadError(f"{path}: weight {name!r} is missing from the checkpoint")
         found = self.checkpoint.shape(name)
@@ -321,7 +332,11 @@ class _Checkpoint:
             raise ModelLoadError(f"{file}: cannot read weight {name!r}: {exc}") from exc
         tensor = tensor.contiguous()
         target = self._target if dtype is None else _paddle_dtype(dtype)
-        return tensor if tensor.dtype == target else tensor.astype(dtype or self.dtype)
+        if tensor.dtype != target:
+            return tensor.astype(dtype or self.dtype)
+        # A tensor read as it is stored may view the file's memory map: a weight kept as read
+        # (the embedding) would keep the whole file mapped and resident after loading.
+        return tensor.clone()
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -121,6 +121,17 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         prefill_peers=PrefillPeers(config.pd_prefill_peers, config.pd_comm_port),
         reasoning_parser=reasoning_parser,
     )
+    state.metrics.set_model(
+        ready.dtype, ready.quantization, ready.kv_cache_dtype, ready.weight_bytes
+    )
+    logger.info(
+        "%s: %s weights%s, %.1f MiB in all; %s KV cache",
+        name,
+        ready.dtype,
+        " (int8 linear layers)" if ready.quantization == "int8" else "",
+        ready.weight_bytes / 2**20,
+        ready.kv_cache_dtype,
+    )
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)

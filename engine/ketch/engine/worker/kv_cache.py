@@ -4,6 +4,14 @@ GPU, device memory (``DeviceKVCache``).
 The buffer is a numpy array (later: shared memory another process maps), and each layer's key
 and value caches are ``from_dlpack`` views of it, so paddle's in-place slot writes land in the
 buffer itself. Layout per layer and K/V: ``[kv_heads, num_blocks, block_size, head_dim]``.
+
+A bfloat16 cache (``--kv-cache-dtype bfloat16``) is a numpy ``uint16`` buffer of the raw bits
+(numpy has no bfloat16; the cache manager copies the same words). Its layer views are paddle
+bfloat16 tensors on the same memory: numpy hands a uint16 array to DLPack as an unsigned
+integer, which paddle 3.3 imports as its legacy ``uint16`` dtype, and paddle registers neither
+kernels nor a dtype view for that one; an ``int16`` view of the same words imports as int16,
+which ``Tensor.view(paddle.bfloat16)`` reinterprets in place (same pointer, no copy). So the
+kernels take real bfloat16 tensors (``k_cache.dtype == paddle.bfloat16``, ``.astype`` works).
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ import paddle
 from ketch.engine.models.attention import LayerCache
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The CPU cache's numpy storage per KV dtype: bfloat16 as its raw bits.
+_HOST_DTYPES = {"float32": np.float32, "bfloat16": np.uint16}
 
 
 class KVCache:
@@ -33,17 +43,19 @@ class KVCache:
         """``buffer`` (e.g. a shared-memory segment's) backs the cache instead of private memory.
         ``heads``: the [begin, end) KV heads this tensor-parallel rank attends with (default
         all): its layers view only those, contiguous within each layer's K and V."""
-        if dtype != "float32":
-            raise ValueError(f"the CPU KV cache holds float32 only, not {dtype}")
+        if dtype not in _HOST_DTYPES:
+            raise ValueError(f"the CPU KV cache holds float32 or bfloat16, not {dtype}")
         shape = (num_layers, 2, kv_heads, num_blocks, block_size, head_dim)
         begin, end = heads or (0, kv_heads)
         if not 0 <= begin < end <= kv_heads:
             raise ValueError(f"KV heads {begin}..{end} are not within the cache's {kv_heads}")
+        storage = _HOST_DTYPES[dtype]
         if buffer is None:
-            self.array = np.zeros(shape, dtype=np.float32)
+            self.array = np.zeros(shape, dtype=storage)
         else:
-            self.array = np.ndarray(shape, dtype=np.float32, buffer=buffer)
-            self.array[:, :, begin:end].fill(0.0)  # another rank clears its own heads
+            self.array = np.ndarray(shape, dtype=storage, buffer=buffer)
+            self.array[:, :, begin:end].fill(0)  # another rank clears its own heads
+        self.dtype = dtype
         self.num_blocks = num_blocks
         self.layers = [self._layer(self.array[i, :, begin:end]) for i in range(num_layers)]
 
@@ -51,18 +63,23 @@ class KVCache:
     def _layer(kv: np.ndarray) -> LayerCache:
         head_dim = kv.shape[-1]
         return LayerCache(
-            k_blocks=paddle.from_dlpack(kv[0]),
-            v_blocks=paddle.from_dlpack(kv[1]),
-            k_slots=paddle.from_dlpack(kv[0].reshape(-1, head_dim)),
-            v_slots=paddle.from_dlpack(kv[1].reshape(-1, head_dim)),
+            k_blocks=_view(kv[0]),
+            v_blocks=_view(kv[1]),
+            k_slots=_view(kv[0].reshape(-1, head_dim)),
+            v_slots=_view(kv[1].reshape(-1, head_dim)),
         )
 
     @staticmethod
     def nbytes(
-        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
     ) -> int:
         return num_blocks * KVCache.bytes_per_block(
-            num_layers, block_size, kv_heads, head_dim, "float32"
+            num_layers, block_size, kv_heads, head_dim, dtype
         )
 
     @staticmethod
@@ -70,6 +87,21 @@ class KVCache:
         num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: str
     ) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * _BYTES[dtype]
+
+
+def _view(array: np.ndarray) -> paddle.Tensor:
+    """A paddle tensor on ``array``'s memory (C-contiguous): float32 as it is, uint16 words as
+    bfloat16 (see the module's docstring for why through int16)."""
+    if array.dtype == np.uint16:
+        # view_dtype is a stride kernel: registered only while paddle's stride kernels are on,
+        # which configure_paddle turns off for inference speed.
+        previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
+        paddle.set_flags({"FLAGS_use_stride_kernel": True})
+        try:
+            return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
+        finally:
+            paddle.set_flags(previous)
+    return paddle.from_dlpack(array)
 
 
 class DeviceKVCache:

@@ -18,6 +18,9 @@ request arrived, or whose compile failed, fails that request alone.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 import os
 import time
@@ -32,6 +35,7 @@ from ketch.engine.device import parse_device, rank_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.structured.compiler import (
@@ -70,7 +74,9 @@ class RunnerConfig:
     num_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights' (activations are float32 on the CPU)
+    kv_cache_dtype: str = "float32"
+    quantization: str = "none"  # or "int8": linear layers' weights (CPU, native backend)
     num_threads: int | None = None
     backend: str = "auto"
     tensor_parallel_size: int = 1
@@ -104,6 +110,23 @@ class RequestState:
     sampling: SamplingState
     next_prompt_logprob: int = 1  # the next prompt token to score (prompt_logprobs)
     pooler: Pooler | None = None  # an embedding request's (SamplingParams.pooling)
+
+
+def release_freed_memory() -> None:
+    """Returns the heap memory freed so far to the system (glibc's ``malloc_trim``): loading
+    reads each weight and packs a copy, and without this the freed originals stay resident
+    (measured: 185 MB of a 490 MB model). A no-op where the C library has no such call."""
+    gc.collect()
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def model_weight_bytes(model: object) -> int:
+    """Bytes of the weights ``model`` holds, in the layouts it computes from."""
+    measure = getattr(model, "weight_bytes", None)
+    if callable(measure):
+        return int(measure())
+    return weights_nbytes(getattr(model, "weights", None))
 
 
 def configure_paddle(num_threads: int | None) -> int:
@@ -140,23 +163,31 @@ class ModelRunner:
             self.model, self.kv_cache = gpu_model_and_cache(config, self.device, self.shard, group)
         else:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
+            release_freed_memory()  # what loading and packing freed: not resident from here on
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
+        self.weight_bytes = model_weight_bytes(self.model)
+        quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
-            "model runner ready: %s on the %s backend%s, %d KV blocks x %d tokens, %d threads%s",
+            "model runner ready: %s on the %s backend%s, weights %.1f MiB (%s%s), %d KV blocks x "
+            "%d tokens (%s), %d threads%s",
             mc.architecture,
             self.model.backend_name,
-            f" ({self.device}, {config.dtype})" if self.device.is_gpu else "",
+            f" ({self.device})" if self.device.is_gpu else "",
+            self.weight_bytes / 2**20,
+            config.dtype,
+            quantized,
             config.num_blocks,
             config.block_size,
+            config.kv_cache_dtype,
             threads,
             f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
         )
 
     def _cpu_model_and_cache(self, threads: int, kv_buffer: memoryview | None, group):
         config, mc = self.config, self.config.model_config
-        weights = load_weights(config.model_path, mc, config.dtype, self.shard)
+        weights = load_weights(config.model_path, mc, config.dtype, self.shard, "float32")
         model = build_model(
             config.backend,
             mc,
@@ -165,6 +196,8 @@ class ModelRunner:
             threads,
             shard=self.shard,
             group=group,
+            dtype=config.dtype,
+            quantization=config.quantization,
         )
         kv_cache = KVCache(
             mc.num_hidden_layers,
@@ -172,7 +205,7 @@ class ModelRunner:
             config.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            config.dtype,
+            config.kv_cache_dtype,
             buffer=kv_buffer,
             heads=self.shard.kv_heads,
         )

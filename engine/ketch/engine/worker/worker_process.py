@@ -106,7 +106,7 @@ def run_worker(
     answers = rank == 0
     if answers:
         status[0] = 1.0
-    socket.send(b"ready")
+    socket.send(b"ready %d" % runner.weight_bytes)  # the engine reports the instance's total
     while True:
         if answers:
             status[2] = time.monotonic()
@@ -138,6 +138,12 @@ def _group(world: int, rank: int, port: int, parent_pid: int, gpu: bool = False)
     group = ShmGroup(segment.buf, rank, world, parent_pid=parent_pid)
     group.segment = segment  # closing the mapping under the group's views would crash it
     return group
+
+
+def _ready_bytes(message: bytes) -> int:
+    """The weight bytes in a rank's ``ready <bytes>`` (0 if it sent none)."""
+    word = message.split(b" ", 1)[1:] if message.startswith(b"ready") else []
+    return int(word[0]) if word and word[0].isdigit() and len(word[0]) < 20 else 0
 
 
 def _execute(runner: ModelRunner, frames: list[bytes], refusals: BadMessages) -> ModelRunnerOutput:
@@ -181,6 +187,7 @@ class RemoteRunner:
             config.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
+            config.kv_cache_dtype,
         )
         reclaim_stale_segments()
         kv_name, status_name = shm_names(port)
@@ -204,8 +211,9 @@ class RemoteRunner:
             self.status[ENGINE_HEARTBEAT] = time.monotonic()
             self.status[PID_NAMESPACE] = pid_namespace()
             self._start(config, port, world)
+            self.weight_bytes = 0  # every rank's, as each reports it when ready
             for rank in range(world):
-                self._receive(start_timeout, what="start", rank=rank)
+                self.weight_bytes += _ready_bytes(self._receive(start_timeout, "start", rank))
         except BaseException:  # SIGTERM while loading included: leave nothing behind
             self.close()
             raise

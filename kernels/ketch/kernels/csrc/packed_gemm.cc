@@ -71,12 +71,7 @@ KETCH_INLINE float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 // A packed weight element as float: a float as it is, bfloat16 bits as the float's top half, an
 // int8 as its integer value (the column's scale comes in the epilogue).
 KETCH_INLINE float Widen(float v) { return v; }
-KETCH_INLINE float Widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+KETCH_INLINE float Widen(uint16_t v) { return Bf16ToFloat(v); }
 KETCH_INLINE float Widen(int8_t v) { return static_cast<float>(v); }
 
 // int8 panels: the dequantization scales of `panel`'s nr columns in panel order (its gate
@@ -135,10 +130,7 @@ KETCH_INLINE __m256 SiluAvx2(__m256 x) {
 // 8 packed weights at p as floats: bfloat16 bits zero-extended to 32 and shifted into the top;
 // int8 sign-extended to 32-bit integers and converted (exactly: |q| <= 127).
 KETCH_INLINE __m256 LoadAvx2(const float* p) { return _mm256_loadu_ps(p); }
-KETCH_INLINE __m256 LoadAvx2(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+KETCH_INLINE __m256 LoadAvx2(const uint16_t* p) { return VecAvx2::load(p); }
 KETCH_INLINE __m256 LoadAvx2(const int8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -258,11 +250,7 @@ KETCH_INLINE __m512 SiluAvx512(__m512 x) {
 
 // 16 packed weights at p as floats (bfloat16 bits and int8 widened as in LoadAvx2).
 KETCH_INLINE __m512 LoadAvx512(const float* p) { return _mm512_loadu_ps(p); }
-KETCH_INLINE __m512 LoadAvx512(const uint16_t* p) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+KETCH_INLINE __m512 LoadAvx512(const uint16_t* p) { return VecAvx512::load(p); }
 KETCH_INLINE __m512 LoadAvx512(const int8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -366,15 +354,6 @@ void RunTiles(const Gemm& g, Isa isa, int64_t row, int rows, int64_t first, int6
 }
 
 }  // namespace
-
-uint16_t RoundToBf16(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN: a quiet one, as torch
-  // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
-  // half is over 0x8000, or equal to it with an odd kept half: round to nearest, ties to even.
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 Isa ParseIsa(const std::string& isa) {
   if (isa == "avx512") return Isa::kAvx512;

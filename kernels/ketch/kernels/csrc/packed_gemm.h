@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "bf16.h"  // RoundToBf16: float -> bfloat16 bits, rounded to nearest even
+
 namespace ketch {
 
 enum class Isa { kGeneric, kAvx2, kAvx512 };
@@ -14,8 +16,6 @@ enum class Isa { kGeneric, kAvx2, kAvx512 };
 Isa ParseIsa(const std::string& isa);
 // Columns per packed panel: the layout a weight is packed in for this instruction set.
 int PanelWidth(Isa isa);
-// float -> bfloat16 bits, rounded to nearest even (as torch's cast); NaN -> the quiet 0x7fc0.
-uint16_t RoundToBf16(float v);
 
 // A panel's element type. Every kernel widens bfloat16 and int8 to float as it loads a panel.
 enum class Panel { kFloat32, kBfloat16, kInt8 };

@@ -1,7 +1,10 @@
 // Paged attention and the KV write over Ketch's block tables, as paddle CPU custom ops.
 //
 // KV cache layout (per layer, for keys and for values): [kv_heads, num_blocks, block_size,
-// head_dim], float32, contiguous: the worker's shared-memory buffer viewed through from_dlpack.
+// head_dim], float32 or bfloat16, contiguous: the worker's shared-memory buffer viewed through
+// from_dlpack. A bfloat16 cache is written rounded to nearest even (RoundToBf16, as the packed
+// GEMM's bfloat16 weights) and widened back to float32 as the kernels load its rows; queries,
+// scores, softmax and sums are float32 whatever the cache holds, and the output is float32.
 // A step's tokens are flattened: q [T, heads, head_dim], sequence b owns rows
 // [query_start[b], query_start[b + 1]) and has context_lens[b] tokens in all (cached prefix plus
 // these), so its i-th new token sits at position context_lens[b] - n + i and sees keys 0..that;
@@ -26,8 +29,8 @@ namespace ketch {
 struct AttentionArgs {
   const float* q;
   float* out;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;  // float, or bfloat16 bits (uint16_t) with bf16
+  const void* v_cache;
   const int32_t* block_tables;  // [num_seqs, max_blocks]
   const int32_t* query_start;   // [num_seqs + 1]
   const int32_t* context_lens;  // [num_seqs]
@@ -35,6 +38,7 @@ struct AttentionArgs {
   float scale;
   int num_threads;
   int64_t window;  // keys a query sees, its own included; 0: every earlier key
+  bool bf16;       // the caches hold bfloat16
 };
 
 // A tile of one sequence's new tokens [first, first + tokens) for one KV head.
@@ -75,13 +79,18 @@ struct TileShape {
   }
 };
 
-inline const float* key_block(const AttentionArgs& a, const TileShape& t, int64_t key) {
+// The first row of the block holding `key` in this tile's KV head, as the cache's element C.
+template <typename C>
+inline const C* key_block(const AttentionArgs& a, const TileShape& t, int64_t key) {
   const int64_t block = t.table[key / a.block_size];
-  return a.k_cache + (t.kv_head * a.num_blocks + block) * a.block_size * a.head_dim;
+  return static_cast<const C*>(a.k_cache) +
+         (t.kv_head * a.num_blocks + block) * a.block_size * a.head_dim;
 }
-inline const float* value_block(const AttentionArgs& a, const TileShape& t, int64_t key) {
+template <typename C>
+inline const C* value_block(const AttentionArgs& a, const TileShape& t, int64_t key) {
   const int64_t block = t.table[key / a.block_size];
-  return a.v_cache + (t.kv_head * a.num_blocks + block) * a.block_size * a.head_dim;
+  return static_cast<const C*>(a.v_cache) +
+         (t.kv_head * a.num_blocks + block) * a.block_size * a.head_dim;
 }
 
 struct Scratch {
@@ -155,6 +164,21 @@ void check_float(const paddle::Tensor& t, const char* name, size_t rank) {
            rank);
 }
 
+// A KV cache: float32 or bfloat16, contiguous, rank 4; true for bfloat16.
+bool check_cache(const paddle::Tensor& t, const char* name) {
+  const auto dtype = t.dtype();
+  PD_CHECK(t.is_cpu() &&
+               (dtype == paddle::DataType::FLOAT32 || dtype == paddle::DataType::BFLOAT16),
+           name, " must be float32 or bfloat16 on CPU");
+  PD_CHECK(t.shape().size() == 4 && t.is_contiguous(), name, " must be contiguous, rank 4");
+  return dtype == paddle::DataType::BFLOAT16;
+}
+
+const void* cache_data(const paddle::Tensor& t, bool bf16) {
+  return bf16 ? static_cast<const void*>(t.data<paddle::bfloat16>())
+              : static_cast<const void*>(t.data<float>());
+}
+
 void check_int(const paddle::Tensor& t, const char* name, size_t rank) {
   PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::INT32, name, " must be int32 on CPU");
   PD_CHECK(t.shape().size() == rank && t.is_contiguous(), name, " must be contiguous, rank ",
@@ -168,8 +192,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
                                            const paddle::Tensor& context_lens, float scale,
                                            int num_threads, const std::string& isa, int window) {
   check_float(q, "q", 3);
-  check_float(k_cache, "k_cache", 4);
-  check_float(v_cache, "v_cache", 4);
+  const bool bf16 = check_cache(k_cache, "k_cache");
+  PD_CHECK(check_cache(v_cache, "v_cache") == bf16, "k_cache and v_cache differ in dtype");
   check_int(block_tables, "block_tables", 2);
   check_int(query_start, "query_start", 1);
   check_int(context_lens, "context_lens", 1);
@@ -185,11 +209,11 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   PD_CHECK(qs[2] % width == 0, "head_dim ", qs[2], " is not a multiple of ", width);
   PD_CHECK(window >= 0, "window must be 0 (full attention) or positive, got ", window);
   auto out = paddle::empty(qs, paddle::DataType::FLOAT32, q.place());
-  const AttentionArgs a{q.data<float>(), out.data<float>(), k_cache.data<float>(),
-                        v_cache.data<float>(), block_tables.data<int32_t>(),
+  const AttentionArgs a{q.data<float>(), out.data<float>(), cache_data(k_cache, bf16),
+                        cache_data(v_cache, bf16), block_tables.data<int32_t>(),
                         query_start.data<int32_t>(), context_lens.data<int32_t>(),
                         block_tables.shape()[1], qs[1], cs[0], cs[3], cs[1], cs[2], scale,
-                        std::max(1, num_threads), window};
+                        std::max(1, num_threads), window, bf16};
   check_metadata(a, num_seqs, qs[0]);
   const std::vector<WorkItem> items = plan(a, num_seqs);
   if (isa == "avx512") {
@@ -214,13 +238,35 @@ std::vector<paddle::DataType> PagedAttentionDtype(paddle::DataType q, paddle::Da
   return {q};
 }
 
-// k, v: [T, kv_heads, head_dim]; slot_mapping[t] = block * block_size + offset, or -1 to skip.
+// One token's rows of one head into a cache row: copied, or rounded to bfloat16.
+inline void write_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+inline void write_row(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = RoundToBf16(src[i]);
+}
+
+template <typename C>
+void write_slots(const float* ksrc, const float* vsrc, C* kdst, C* vdst, const int64_t* slot,
+                 int64_t tokens, int64_t heads, int64_t dim, int64_t slots) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t src = (t * heads + h) * dim, dst = (h * slots + slot[t]) * dim;
+      write_row(ksrc + src, kdst + dst, dim);
+      write_row(vsrc + src, vdst + dst, dim);
+    }
+  }
+}
+
+// k, v: [T, kv_heads, head_dim] float32; slot_mapping[t] = block * block_size + offset, or -1 to
+// skip. A bfloat16 cache gets each value rounded to nearest even.
 void ReshapeAndCache(const paddle::Tensor& k, const paddle::Tensor& v, paddle::Tensor& k_cache,
                      paddle::Tensor& v_cache, const paddle::Tensor& slot_mapping) {
   check_float(k, "key", 3);
   check_float(v, "value", 3);
-  check_float(k_cache, "k_cache", 4);
-  check_float(v_cache, "v_cache", 4);
+  const bool bf16 = check_cache(k_cache, "k_cache");
+  PD_CHECK(check_cache(v_cache, "v_cache") == bf16, "k_cache and v_cache differ in dtype");
   PD_CHECK(slot_mapping.is_cpu() && slot_mapping.dtype() == paddle::DataType::INT64 &&
                slot_mapping.is_contiguous(),
            "slot_mapping must be contiguous int64 on CPU");
@@ -231,15 +277,14 @@ void ReshapeAndCache(const paddle::Tensor& k, const paddle::Tensor& v, paddle::T
   const int64_t tokens = ks[0], heads = ks[1], dim = ks[2], slots = cs[1] * cs[2];
   const int64_t* slot = slot_mapping.data<int64_t>();
   const float *ksrc = k.data<float>(), *vsrc = v.data<float>();
-  float *kdst = k_cache.data<float>(), *vdst = v_cache.data<float>();
   for (int64_t t = 0; t < tokens; ++t) PD_CHECK(slot[t] < slots, "slot ", slot[t], " out of range");
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slot[t] < 0) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t src = (t * heads + h) * dim, dst = (h * slots + slot[t]) * dim;
-      std::memcpy(kdst + dst, ksrc + src, dim * sizeof(float));
-      std::memcpy(vdst + dst, vsrc + src, dim * sizeof(float));
-    }
+  if (bf16) {
+    write_slots(ksrc, vsrc, reinterpret_cast<uint16_t*>(k_cache.data<paddle::bfloat16>()),
+                reinterpret_cast<uint16_t*>(v_cache.data<paddle::bfloat16>()), slot, tokens,
+                heads, dim, slots);
+  } else {
+    write_slots(ksrc, vsrc, k_cache.data<float>(), v_cache.data<float>(), slot, tokens, heads,
+                dim, slots);
   }
 }
 

@@ -9,7 +9,10 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+
+#include "bf16.h"
 
 // The vector primitives must melt into the kernels: a call per FMA would cost more than the FMA.
 #define KETCH_INLINE inline __attribute__((always_inline))
@@ -37,6 +40,7 @@ struct VecScalar {
   KETCH_INLINE static T zero() { return 0.0f; }
   KETCH_INLINE static T set1(float x) { return x; }
   KETCH_INLINE static T load(const float* p) { return *p; }
+  KETCH_INLINE static T load(const uint16_t* p) { return Bf16ToFloat(*p); }  // bfloat16 bits
   KETCH_INLINE static void store(float* p, T v) { *p = v; }
   KETCH_INLINE static T add(T a, T b) { return a + b; }
   KETCH_INLINE static T mul(T a, T b) { return a * b; }
@@ -72,6 +76,12 @@ struct VecAvx2 {
   KETCH_INLINE static T zero() { return _mm256_setzero_ps(); }
   KETCH_INLINE static T set1(float x) { return _mm256_set1_ps(x); }
   KETCH_INLINE static T load(const float* p) { return _mm256_loadu_ps(p); }
+  // 8 bfloat16s at p as floats: zero-extended to 32 bits and shifted into the top half.
+  KETCH_INLINE static T load(const uint16_t* p) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
   KETCH_INLINE static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
   KETCH_INLINE static T add(T a, T b) { return _mm256_add_ps(a, b); }
   KETCH_INLINE static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
@@ -125,6 +135,12 @@ struct VecAvx512 {
   KETCH_INLINE static T zero() { return _mm512_setzero_ps(); }
   KETCH_INLINE static T set1(float x) { return _mm512_set1_ps(x); }
   KETCH_INLINE static T load(const float* p) { return _mm512_loadu_ps(p); }
+  // 16 bfloat16s at p as floats (widened as VecAvx2's).
+  KETCH_INLINE static T load(const uint16_t* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
   KETCH_INLINE static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
   KETCH_INLINE static T add(T a, T b) { return _mm512_add_ps(a, b); }
   KETCH_INLINE static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
