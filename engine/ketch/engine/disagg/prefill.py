@@ -4,8 +4,8 @@ A decode engine sends ``PrefillRequest``: the prompt, the sampling settings and 
 the KV goes. This side checks that the two instances can share KV at all (protocol version,
 model, KV cache dtype, KV layout), runs the prompt as a one-token request that keeps its
 blocks when it finishes, has its cache manager push the blocks into the decode instance's cache,
-and only then hands the first token over (``PrefillDone``). Any failure answers ``PrefillFailed`` and frees
-the blocks; nothing is left behind when a decode peer disappears.
+and only then hands the first token over (``PrefillDone``). Any failure answers
+``PrefillFailed`` and frees the blocks; nothing is left behind when a decode peer disappears.
 
 The request's deadline (``PrefillRequest.expires_at``, the decode side's wall clock) holds at
 every stage here: a request that arrives late is refused, one still waiting or computing when
