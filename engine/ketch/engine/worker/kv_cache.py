@@ -91,20 +91,17 @@ class KVCache:
 
 def _view(array: np.ndarray) -> paddle.Tensor:
     """A paddle tensor on ``array``'s memory (C-contiguous): float32 as it is, uint16 words as
-    bfloat16 (see the module's docstring for why through int16). paddle registers its dtype
-    view (``view_dtype``) among the stride kernels only, which the worker turns off
-    (``FLAGS_use_stride_kernel``): they are on for that one call. The result is an ordinary
-    contiguous tensor on the same memory."""
-    if array.dtype != np.uint16:
-        return paddle.from_dlpack(array)
-    words = paddle.from_dlpack(array.view(np.int16))
-    flag = "FLAGS_use_stride_kernel"
-    was = paddle.get_flags([flag])[flag]
-    paddle.set_flags({flag: True})
-    try:
-        return words.view(paddle.bfloat16)
-    finally:
-        paddle.set_flags({flag: was})
+    bfloat16 (see the module's docstring for why through int16)."""
+    if array.dtype == np.uint16:
+        # view_dtype is a stride kernel: registered only while paddle's stride kernels are on,
+        # which configure_paddle turns off for inference speed.
+        previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
+        paddle.set_flags({"FLAGS_use_stride_kernel": True})
+        try:
+            return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
+        finally:
+            paddle.set_flags(previous)
+    return paddle.from_dlpack(array)
 
 
 class DeviceKVCache:
