@@ -5,7 +5,8 @@ The bfloat16 cache rounds every key and value as it is written, so logits move a
 hundred tokens (the float32 engine's own greedy continuations), the top-1 token at each
 position agrees with the float32-KV engine's at 99% of the positions or more, the bfloat16
 engine's greedy continuations are (almost everywhere) what the float32 engine would pick after
-the same tokens. (``ketch serve --kv-cache-dtype bfloat16``: serving/test_serve_kv_bf16.py.)
+the same tokens, and two tensor-parallel ranks sharing one bfloat16 segment give the one-rank
+text. (``ketch serve --kv-cache-dtype bfloat16``: serving/test_serve_kv_bf16.py.)
 """
 
 from __future__ import annotations
@@ -89,3 +90,19 @@ def test_greedy_generation_picks_what_the_float32_cache_would(engines) -> None:
     ]
     assert len(picks) == NEW_TOKENS * len(PROMPTS)
     assert sum(picks) / len(picks) >= AGREEMENT
+
+
+def test_tensor_parallel_ranks_share_one_bfloat16_segment(engines) -> None:
+    """Two ranks, each viewing its KV heads of one bfloat16 /dev/shm segment: the one-rank
+    engine's greedy text."""
+    _, b16 = engines
+    params = SamplingParams(temperature=0, max_tokens=40)
+    two = LLM(
+        "tiny", block_size=16, kv_cache_memory="64MiB", kv_cache_dtype="bfloat16",
+        max_num_batched_tokens=48, tensor_parallel_size=2,
+    )  # fmt: skip
+    try:
+        want = [o.outputs[0].text for o in b16.generate(PROMPTS, params)]
+        assert [o.outputs[0].text for o in two.generate(PROMPTS, params)] == want
+    finally:
+        two.engine.close()
