@@ -135,7 +135,7 @@ class PrefillSide:
                 f"model mismatch: the decode instance serves {message.model}, this prefill "
                 f"instance {engine.model_fingerprint}"
             )
-        kv_dtype = engine.runner_config.kv_cache_dtype
+        kv_dtype = engine.kv_layout.dtype
         if message.kv_cache_dtype != kv_dtype:
             return (
                 f"KV cache dtype mismatch: the decode instance's KV cache holds "
