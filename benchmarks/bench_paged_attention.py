@@ -12,8 +12,10 @@ every round, each call after a 256 MB read that evicts the caches (``--warm`` sk
 "reference" is ``paged_attention_reference`` (the spec, a Python loop over sequences); "eager"
 is ``ketch.engine.models.attention.paged_attention`` (the eager backend's: block gathers into
 padded tensors, dense masks; its KV write included, since it cannot be separated); "C++ <isa>
-xN" is the kernel on N OpenMP threads (the KV write included in "+write"). Ratios are reference
-or eager time ÷ kernel time. Instruction sets the CPU lacks are left out.
+xN" is the kernel on N OpenMP threads (the KV write included in "+write"); "bf16" rows run it
+over a bfloat16 copy of the same cache (``--kv-cache-dtype bfloat16``: half the bytes to stream,
+each row widened to float32 as it is loaded). Ratios are reference or eager time ÷ kernel time.
+Instruction sets the CPU lacks are left out.
 
 Usage: benchmarks/bench_paged_attention.py [--repeats 30] [--threads 1 2] [--warm]
 """
@@ -79,6 +81,8 @@ class Case:
         block_ids = [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(seqs))]
         shape = (2, KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
         self.kv = rng.standard_normal(shape).astype(np.float32)
+        # The same keys and values in a bfloat16 cache (rounded to nearest even).
+        self.k16, self.v16 = (paddle.to_tensor(self.kv[i]).astype("bfloat16") for i in range(2))
         self.cache = LayerCache(
             k_blocks=paddle.from_dlpack(self.kv[0]),
             v_blocks=paddle.from_dlpack(self.kv[1]),
@@ -115,6 +119,14 @@ def functions(case: Case, kernels: dict[str, PagedAttention]) -> dict[str, Calla
         return first(c.q, c.cache.k_blocks, c.cache.v_blocks, c.meta, scale)
 
     fns[f"{next(iter(kernels))} +write"] = with_write
+    for name, kernel in kernels.items():
+        fns[f"{name} bf16"] = lambda k=kernel: k(c.q, c.k16, c.v16, c.meta, scale)
+
+    def with_write_bf16() -> object:
+        first.write_kv(c.k, c.v, c.k16, c.v16, c.meta)
+        return first(c.q, c.k16, c.v16, c.meta, scale)
+
+    fns[f"{next(iter(kernels))} bf16 +write"] = with_write_bf16
     return fns
 
 
@@ -145,10 +157,10 @@ def main() -> None:
         times = timed(functions(case, kernels), args.repeats, flush)
         ref, eager = times["reference"], times["eager (+write)"]
         print(f"\n{label}  ({len(seqs)} sequences, {case.q.shape[0]} query tokens)")
-        print(f"| {'path':<18} | {'ms':>8} | {'ref ÷ this':>10} | {'eager ÷ this':>12} |")
-        print(f"|{'-' * 20}|{'-' * 10}|{'-' * 12}|{'-' * 14}|")
+        print(f"| {'path':<23} | {'ms':>8} | {'ref ÷ this':>10} | {'eager ÷ this':>12} |")
+        print(f"|{'-' * 25}|{'-' * 10}|{'-' * 12}|{'-' * 14}|")
         for name, t in times.items():
-            print(f"| {name:<18} | {t * 1e3:8.3f} | {ref / t:10.2f} | {eager / t:12.2f} |")
+            print(f"| {name:<23} | {t * 1e3:8.3f} | {ref / t:10.2f} | {eager / t:12.2f} |")
 
 
 if __name__ == "__main__":

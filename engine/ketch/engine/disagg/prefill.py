@@ -2,10 +2,10 @@
 
 A decode engine sends ``PrefillRequest``: the prompt, the sampling settings and seed, and where
 the KV goes. This side checks that the two instances can share KV at all (protocol version,
-model, KV cache dtype, KV layout), runs the prompt as a one-token request that keeps its blocks when it
-finishes, has its cache manager push the blocks into the decode instance's cache, and only then
-hands the first token over (``PrefillDone``). Any failure answers ``PrefillFailed`` and frees
-the blocks; nothing is left behind when a decode peer disappears.
+model, KV cache dtype, KV layout), runs the prompt as a one-token request that keeps its
+blocks when it finishes, has its cache manager push the blocks into the decode instance's cache,
+and only then hands the first token over (``PrefillDone``). Any failure answers
+``PrefillFailed`` and frees the blocks; nothing is left behind when a decode peer disappears.
 
 The request's deadline (``PrefillRequest.expires_at``, the decode side's wall clock) holds at
 every stage here: a request that arrives late is refused, one still waiting or computing when
@@ -135,7 +135,7 @@ class PrefillSide:
                 f"model mismatch: the decode instance serves {message.model}, this prefill "
                 f"instance {engine.model_fingerprint}"
             )
-        kv_dtype = engine.runner_config.kv_cache_dtype
+        kv_dtype = engine.kv_layout.dtype
         if message.kv_cache_dtype != kv_dtype:
             return (
                 f"KV cache dtype mismatch: the decode instance's KV cache holds "
