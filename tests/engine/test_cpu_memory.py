@@ -137,14 +137,15 @@ def test_cpu_memory_adds_weights_kv_cache_and_headroom():
     assert plan.kv_cache == kv_cache_bytes(config, TINY) and plan.kv_cache_dtype == "bfloat16"
     activations = cpu_activation_bytes(TINY, whole(TINY), 2048, 64)
     assert activations == (2 * 2048 * (4 * 128 + 256 + 3 * 384) + 64 * 1024) * 4
-    assert plan.headroom == 2 * CPU_PROCESS_BYTES + activations and plan.processes == 2
+    # the API server, the engine and one worker
+    assert plan.headroom == 3 * CPU_PROCESS_BYTES + activations and plan.processes == 3
     assert plan.total == plan.weights + plan.kv_cache + plan.headroom
     text = str(plan)
     assert "weights 1333504 bytes (bfloat16, int8 linear layers)" in text
     assert f"KV cache {plan.kv_cache} bytes (bfloat16)" in text
     assert text.endswith(f"= {plan.total} bytes")
     tp2 = cpu_memory(EngineConfig(tensor_parallel_size=2), TINY)
-    assert tp2.processes == 3 and tp2.weight_dtype == "float32"
+    assert tp2.processes == 4 and tp2.weight_dtype == "float32"
     assert tp2.weights == sum(
         dev.cpu_weight_bytes(TINY, Shard.of(TINY, r, 2), "float32") for r in range(2)
     )

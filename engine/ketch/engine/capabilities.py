@@ -272,17 +272,19 @@ def kv_cache_bytes(config: EngineConfig, model: ModelConfig, probe: Probe | None
     return blocks * dev.kv_block_bytes(model, shard, config.block_size, dtype)
 
 
-# What every process of a CPU instance takes beyond weights, KV cache and activations: paddle,
-# Ketch and the Python runtime (a worker measured ~300 MiB resident after its imports), its
-# allocator's slack and the tokenizer. An allowance, not a measurement of a loaded model.
-CPU_PROCESS_BYTES = 512 << 20
+# What each process of a CPU instance takes beyond weights, KV cache and activations: paddle,
+# Ketch and the Python runtime, its allocator's slack, the tokenizer. Under ``ketch serve`` there
+# are 2 + tensor_parallel_size of them (the API server, the engine, one worker per rank). An
+# allowance: the tiny model's three measured ~530 MB in all (each one's anonymous memory, plus
+# the shared libraries' pages, which the container is charged for once).
+CPU_PROCESS_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
 class CpuMemory:
     """What a CPU instance under ``ketch serve`` holds in memory (bytes): every rank's weights,
     the KV cache (one segment in /dev/shm, memory-backed: it counts against the container's
-    memory) and a headroom: ``CPU_PROCESS_BYTES`` for each process (the API server and engine,
+    memory) and a headroom: ``CPU_PROCESS_BYTES`` for each process (the API server, the engine,
     one worker per rank) and one step's float32 activations on each rank."""
 
     weights: int
@@ -324,11 +326,11 @@ def cpu_memory(config: EngineConfig, model: ModelConfig) -> CpuMemory:
     return CpuMemory(
         weights=weights,
         kv_cache=kv_cache_bytes(config, model),
-        headroom=(1 + tp) * CPU_PROCESS_BYTES + activations,
+        headroom=(2 + tp) * CPU_PROCESS_BYTES + activations,
         weight_dtype=weights_dtype,
         kv_cache_dtype=kv_cache_dtype(config, model=model),
         quantization=config.quantization,
-        processes=1 + tp,
+        processes=2 + tp,
     )
 
 
