@@ -231,8 +231,8 @@ def test_the_memory_limit_must_hold_weights_kv_cache_and_headroom():
     plan = cpu_memory(EngineConfig(num_kv_blocks=8000), known_model("tiny"))
     assert problem == (
         f"spec.roles.mixed.resources.memory: 1600Mi: the engine container needs {plan}, more "
-        f"than its memory limit ({1600 << 20} bytes): it would be OOM-killed as it loads the weights or "
-        "fills the KV cache (its /dev/shm segment counts against the limit); raise "
+        f"than its memory limit ({1600 << 20} bytes): it would be OOM-killed as it loads the "
+        "weights or fills the KV cache (its /dev/shm segment counts against the limit); raise "
         "spec.roles.mixed.resources.memory, or lower spec.engine.numKvBlocks, or store the "
         "weights in bfloat16 (spec.engine.dtype), or quantize the linear layers to int8 "
         "(spec.engine.quantization), or hold the KV cache in bfloat16 (spec.engine.kvCacheDtype)"
