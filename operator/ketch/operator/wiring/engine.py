@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ketch.engine import device as dev
-from ketch.engine.capabilities import cpu_dtypes
+from ketch.engine.capabilities import cpu_dtypes, refusals
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.errors import ModelLoadError
@@ -119,43 +119,43 @@ def check_kv_pair(pods: list[Pod], model_dir: Path | None = None) -> list[str]:
                     ends[role].append(proc)
     if not ends["prefill"] or not ends["decode"]:
         return []
-    model = None
-    if model_dir is not None:
-        try:
-            model = ModelConfig.from_dir(model_dir)
-        except ModelLoadError:
-            return []  # reported by check_engine, for every engine
     for saved in (None, "bfloat16"):
         found = {}
         for role, procs in ends.items():
             for proc in procs:
-                kv = _kv_dtype(proc, model, saved)
+                kv = _kv_dtype(proc, model_dir, saved)
                 if kv is not None:
                     found.setdefault(role, (proc, kv))
                     if kv != found[role][1]:
-                        return [_kv_mismatch(found[role], (proc, kv), role, role, model, saved)]
+                        return [_kv_mismatch(found[role], (proc, kv), role, role, model_dir, saved)]
         if len(found) == 2 and found["prefill"][1] != found["decode"][1]:
             return [
-                _kv_mismatch(found["prefill"], found["decode"], "prefill", "decode", model, saved)
+                _kv_mismatch(
+                    found["prefill"], found["decode"], "prefill", "decode", model_dir, saved
+                )
             ]
     return []
 
 
-def _kv_dtype(proc: Process, model: ModelConfig | None, saved: str | None) -> str | None:
+def _kv_dtype(proc: Process, model_dir: Path | None, saved: str | None) -> str | None:
     """The KV dtype ``proc``'s engine would use for a checkpoint saved in ``saved`` (the known
-    model's own dtype when there is one); None on a GPU or with a dtype the CPU refuses (both
-    reported by check_engine)."""
+    model's own dtype when there is one); None on a GPU, or for settings or a checkpoint the
+    engine refuses (an engine that never starts pairs with nothing; check_engine reports it)."""
     config = proc.config(EngineConfig)
     if dev.parse_device(config.device).is_gpu:
         return None
-    model = model or runnable.known_model(config.model)
-    try:
-        return cpu_dtypes(config, model.torch_dtype if model is not None else saved)[1]
-    except ValueError:
+    model = runnable.known_model(config.model)
+    if model_dir is not None:
+        try:
+            model = ModelConfig.from_dir(model_dir, context_len=config.max_model_len)
+        except ModelLoadError:
+            return None
+    if refusals(config, model=model):
         return None
+    return cpu_dtypes(config, model.torch_dtype if model is not None else saved)[1]
 
 
-def _kv_mismatch(one, other, role_one: str, role_other: str, model, saved) -> str:
+def _kv_mismatch(one, other, role_one: str, role_other: str, model_dir, saved) -> str:
     def how(proc: Process, role: str, kv: str) -> str:
         config = proc.config(EngineConfig)
 
@@ -171,7 +171,7 @@ def _kv_mismatch(one, other, role_one: str, role_other: str, model, saved) -> st
 
     (p1, kv1), (p2, kv2) = one, other
     checkpoint = ""
-    if model is None and runnable.known_model(p1.config(EngineConfig).model) is None:
+    if model_dir is None and runnable.known_model(p1.config(EngineConfig).model) is None:
         checkpoint = f" with a checkpoint saved in {saved or 'float32'}"
     return (
         f"{p1.where} and {p2.where}: the KV caches of prefill and decode differ{checkpoint}: "
