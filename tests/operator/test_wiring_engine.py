@@ -356,3 +356,64 @@ def test_the_memory_limit_holds_the_checkpoints_weights_at_their_precision(tmp_p
     assert check_wiring(children, model_dir) == []
     del engine(children, "qwen-pd-decode")["resources"]["limits"]["memory"]  # no limit, no check
     assert check_wiring(children, model_dir) == []
+
+
+LLAMA_8B = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, the fields the engine reads
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _docs_precision_example() -> dict:
+    text = (EXAMPLES.parent / "docs" / "operator.md").read_text()
+    section = text[text.index("### Precision on the CPU") :]
+    snippet = section[section.index("```yaml\n") + 8 : section.index("```\n", 8)]
+    spec = yaml.safe_load(snippet)["spec"]
+    from ketch.operator import crd
+
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": "llama-bf16", "namespace": "default"},
+        "spec": spec,
+    }
+
+
+def test_the_docs_bf16_int8_example_fits_its_memory_and_float32_would_not(tmp_path, capsys):
+    """docs/operator.md's bfloat16 + int8 CPU role, checked with the 8B model's config.json as
+    ``check-wiring --model-config`` does; its float32 twin overflows the same 20Gi."""
+    from ketch.operator.cli import main as operator_main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    doc = _docs_precision_example()
+    assert doc["spec"]["roles"]["mixed"]["resources"]["memory"] == "20Gi"
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert operator_main(["check-wiring", str(path), "--model-config", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("wiring OK: 1 InferenceService(s)")
+    for field in ("dtype", "quantization", "kvCacheDtype"):
+        del doc["spec"]["engine"][field]
+    doc["spec"]["engine"]["dtype"] = "float32"
+    path.write_text(yaml.safe_dump(doc))
+    assert operator_main(["check-wiring", str(path), "--model-config", str(tmp_path)]) == 1
+    [problem] = capsys.readouterr().out.splitlines()
+    assert "spec.roles.mixed.resources.memory: 20Gi: the engine container needs weights " in problem
+    assert "bytes (float32) + KV cache 8589934592 bytes (float32) + headroom " in problem
