@@ -311,7 +311,7 @@ def test_a_moe_checkpoint_on_a_backend_without_experts_is_refused(tmp_path):
 
 def test_the_memory_limit_holds_the_checkpoints_weights_at_their_precision(tmp_path):
     """With --model-config the weights are known: 16 layers of hidden 1024 and MLP 4096, a
-    32000 vocabulary. At float32 they, the KV cache and the headroom overflow a 2700Mi limit;
+    32000 vocabulary. At float32 they, the KV cache and the headroom overflow a 2400Mi limit;
     bfloat16 with int8 linear layers fit it."""
     from ketch.engine import device as dev
     from ketch.engine.capabilities import cpu_memory
@@ -332,17 +332,17 @@ def test_the_memory_limit_holds_the_checkpoints_weights_at_their_precision(tmp_p
     children = render("disaggregated")
     for role in ("prefill", "decode"):
         edit_role_file(children, "qwen-pd-config", f"{role}.yaml", kv_cache_memory="512MiB")
-        engine(children, f"qwen-pd-{role}")["resources"]["limits"]["memory"] = "2700Mi"
+        engine(children, f"qwen-pd-{role}")["resources"]["limits"]["memory"] = "2400Mi"
     problems = check_wiring(children, model_dir)
     fp32 = dev.cpu_weight_bytes(model, whole(model), "float32")
     values = yaml.safe_load(get(children, "ConfigMap", "qwen-pd-config")["data"]["decode.yaml"])
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     plan = cpu_memory(EngineConfig(**{k: v for k, v in values.items() if k in names}), model)
-    assert plan.weights == fp32 and plan.total > 2700 << 20
+    assert plan.weights == fp32 and plan.total > 2400 << 20
     assert problems == [
         f"deployment qwen-pd-{role}, container engine: spec.roles.{role}.resources.memory: "
-        f"2700Mi: the engine container needs {plan}, more than its memory limit "
-        f"({2700 << 20} bytes): it would be OOM-killed as it loads the weights or fills the KV "
+        f"2400Mi: the engine container needs {plan}, more than its memory limit "
+        f"({2400 << 20} bytes): it would be OOM-killed as it loads the weights or fills the KV "
         "cache (its /dev/shm segment counts against the limit); raise "
         f"spec.roles.{role}.resources.memory, or lower spec.engine.kvCacheMemory, or store the "
         "weights in bfloat16 (spec.engine.dtype), or quantize the linear layers to int8 "

@@ -275,9 +275,10 @@ def kv_cache_bytes(config: EngineConfig, model: ModelConfig, probe: Probe | None
 # What each process of a CPU instance takes beyond weights, KV cache and activations: paddle,
 # Ketch and the Python runtime, its allocator's slack, the tokenizer. Under ``ketch serve`` there
 # are 2 + tensor_parallel_size of them (the API server, the engine, one worker per rank). An
-# allowance: the tiny model's three measured ~530 MB in all (each one's anonymous memory, plus
-# the shared libraries' pages, which the container is charged for once).
-CPU_PROCESS_BYTES = 256 << 20
+# allowance: the tiny model's three measured ~505 MiB in all (each one's anonymous memory, plus
+# the shared libraries' pages, which the container is charged for once), and its pods run in
+# 1Gi beside a 256MiB KV cache (tests/operator/test_hpa_real.py).
+CPU_PROCESS_BYTES = 192 << 20
 
 
 @dataclass(frozen=True)
