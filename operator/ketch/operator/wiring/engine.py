@@ -105,8 +105,8 @@ def shm_size_limit(container: Obj, pod: Pod) -> str | None:
 
 
 def check_kv_pair(pods: list[Pod], model_dir: Path | None = None) -> list[str]:
-    """Prefill engines send their KV blocks to decode engines as they are (the receiving cache
-    manager refuses another layout, the transfer's dtype included): every prefill and decode
+    """Prefill engines send their KV blocks to decode engines as they are, never converted (the
+    prefill instance refuses a decode instance of another KV dtype): every prefill and decode
     ``ketch serve`` must resolve its KV cache to the same dtype. ``kv_cache_dtype`` ``auto``
     follows the weight dtype, whose ``auto`` follows the checkpoint (bfloat16 for one saved in
     bfloat16 on the native backend): with the checkpoint unknown both cases are checked."""
@@ -176,7 +176,8 @@ def _kv_mismatch(one, other, role_one: str, role_other: str, model_dir, saved) -
     return (
         f"{p1.where} and {p2.where}: the KV caches of prefill and decode differ{checkpoint}: "
         f"{how(p1, role_one, kv1)}, {how(p2, role_other, kv2)}: prefill sends its KV blocks to "
-        "decode as they are, and the receiving cache manager refuses blocks of another dtype; "
+        "decode as they are, never converted, so every request would be refused with a KV "
+        "cache dtype mismatch; "
         "set spec.engine.kvCacheDtype (one value, which every role's file takes) and leave "
         "--kv-cache-dtype and --dtype out of the containers' args"
     )
