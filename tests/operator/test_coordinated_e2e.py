@@ -174,9 +174,12 @@ def _delete_what_the_test_made(cluster) -> Iterator[None]:  # noqa: F811
 
 
 def ketch_role(**autoscaling: Any) -> dict[str, Any]:
-    """A role of fake engine pods (small requests: the node has 16 CPUs for every test)."""
+    """A role of fake engine pods (small CPU requests: the node has 16 CPUs for every test). The
+    memory is what the operator wants for the real engine the spec names (the tiny model, the
+    example's 256MiB KV cache and the processes' headroom: ``runnable._memory_problems``); the
+    node agent does not hold the fake pods to it."""
     return {
-        "resources": {"gpus": 0, "cpu": "100m", "memory": "128Mi"},
+        "resources": {"gpus": 0, "cpu": "100m", "memory": "1Gi"},
         "autoscaling": {"mode": "ketch", **autoscaling},
     }
 

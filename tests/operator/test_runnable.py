@@ -90,7 +90,12 @@ def test_crd_describes_what_runs_and_what_has_not():
     tp = engine["tensorParallelSize"]["description"]
     assert "CPU worker processes is what has been run and tested" in tp
     assert "GPU workers have not been run anywhere" in tp
-    assert "float32 on the CPU" in engine["dtype"]["description"]
+    assert "float16 is refused on the CPU" in engine["dtype"]["description"]
+    assert engine["kvCacheDtype"]["enum"] == ["auto", "float32", "bfloat16"]
+    assert engine["quantization"]["enum"] == ["none", "int8"]
+    assert (
+        "prefill and a decode instance must use the same" in engine["kvCacheDtype"]["description"]
+    )
 
 
 # Specs the schema and CEL rules accept but the engine would refuse: (id, spec, field, words).
@@ -105,8 +110,18 @@ REFUSED = [
         "(spec.engine.tensorParallelSize) need at least 2 CPUs, one per worker process",
     ),
     ("gpus", mixed(resources={"gpus": 1}), "spec.roles.mixed.resources.gpus: 1: "),
-    ("bfloat16", mixed({"dtype": "bfloat16"}), "spec.engine.dtype: bfloat16: "),
-    ("float16", mixed({"dtype": "float16"}), "spec.engine.dtype: float16: "),
+    (
+        "float16",
+        mixed({"dtype": "float16"}),
+        "spec.engine.dtype: float16: float16 is not a CPU weight dtype",
+    ),
+    (
+        "float16 beside a bfloat16 KV cache and int8",
+        mixed({"dtype": "float16", "kvCacheDtype": "bfloat16", "quantization": "int8"}),
+        "spec.engine.dtype: float16: ",
+    ),
+    ("kv cache dtype float16", mixed({"kvCacheDtype": "float16"}), "spec.engine.kvCacheDtype: "),
+    ("quantization int4", mixed({"quantization": "int4"}), "spec.engine.quantization: "),
     (
         "max model len past the tiny model's",
         mixed({"maxModelLen": 4096}),
@@ -163,15 +178,90 @@ def test_tensor_parallel_ranks_need_their_collectives_segment_in_shm_too():
 
 def test_the_message_is_the_engines_own():
     """Same words as ketch.engine.capabilities, which LLMEngine raises at start-up."""
-    [problem] = problems(mixed({"dtype": "bfloat16"}))
-    [refusal] = refusals(EngineConfig(dtype="bfloat16"))
-    assert problem == f"spec.engine.dtype: bfloat16: {refusal.reason}"
+    [problem] = problems(mixed({"dtype": "float16"}))
+    [refusal] = refusals(EngineConfig(dtype="float16"))
+    assert problem == f"spec.engine.dtype: float16: {refusal.reason}"
+
+
+PRECISION = {"dtype": "bfloat16", "kvCacheDtype": "bfloat16", "quantization": "int8"}
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"dtype": "bfloat16"}, {"kvCacheDtype": "bfloat16"}, {"quantization": "int8"}, PRECISION],
+    ids=["bf16 weights", "bf16 kv cache", "int8", "all three"],
+)
+def test_cpu_roles_run_bfloat16_and_int8(engine):
+    """The native backend (the CPU's auto) runs bfloat16 weights, a bfloat16 KV cache and int8
+    linear layers: accepted, rendered into the role file, and the rendered pods check clean."""
+    obj = mixed(engine, {"cpu": "2", "memory": "2Gi"})
+    svc = parse(obj)
+    settings = svc.engine_settings("mixed")
+    for field, key in (("dtype", "dtype"), ("kvCacheDtype", "kv_cache_dtype"),
+                       ("quantization", "quantization")):  # fmt: skip
+        assert settings[key] == engine.get(field, svc.spec["engine"][field])
+    assert check_wiring(render_object(obj)) == []
+
+
+def test_a_bfloat16_kv_cache_of_the_same_memory_has_twice_the_blocks_in_the_same_bytes():
+    """/dev/shm holds the KV cache's bytes at its dtype: kvCacheMemory is bytes, so it fits
+    (or not) the same at either dtype; a fixed numKvBlocks takes half the bytes at bfloat16."""
+    too_big = {"kvCacheMemory": "4GiB", "shmSize": "2Gi"}
+    found = [problems(mixed({**too_big, "kvCacheDtype": kv})) for kv in ("float32", "bfloat16")]
+    assert found[0] == found[1]
+    assert "the KV cache (4294967296 bytes)" in found[0][0]
+    # the tiny model's block: 2 (K, V) x 4 layers x 64 tokens x 2 KV heads x 32 x 4 bytes
+    block = 2 * 4 * 64 * 2 * 32 * 4
+    blocks = {"numKvBlocks": 600, "shmSize": "64Mi"}  # 75 MiB at float32, 37.5 at bfloat16
+    [problem] = problems(mixed(blocks))
+    assert f"spec.engine.numKvBlocks: 600: the KV cache ({600 * block} bytes)" in problem
+    parse(mixed({**blocks, "kvCacheDtype": "bfloat16"}))
+    parse(mixed({**blocks, "dtype": "bfloat16"}))  # auto: the weights' dtype
+
+
+def test_the_memory_limit_must_hold_weights_kv_cache_and_headroom():
+    """With the model's facts known (tiny), resources.memory must hold the weights at their
+    precision + the KV cache (in memory-backed /dev/shm) + the headroom: the problem names
+    each number. 8000 blocks are 1000 MiB at float32, 500 MiB at bfloat16."""
+    from ketch.engine.capabilities import cpu_memory
+    from ketch.operator.runnable import known_model
+
+    engine = {"numKvBlocks": 8000, "shmSize": "1Gi"}
+    [problem] = problems(mixed(engine, {"memory": "1500Mi"}))
+    plan = cpu_memory(EngineConfig(num_kv_blocks=8000), known_model("tiny"))
+    assert problem == (
+        f"spec.roles.mixed.resources.memory: 1500Mi: the engine container needs {plan}, more "
+        f"than its memory limit ({1500 << 20} bytes): it would be OOM-killed as it loads the "
+        "weights or fills the KV cache (its /dev/shm segment counts against the limit); raise "
+        "spec.roles.mixed.resources.memory, or lower spec.engine.numKvBlocks, or store the "
+        "weights in bfloat16 (spec.engine.dtype), or quantize the linear layers to int8 "
+        "(spec.engine.quantization), or hold the KV cache in bfloat16 (spec.engine.kvCacheDtype)"
+    )
+    assert f"KV cache {8000 * 131072} bytes (float32)" in problem
+    assert "weights 4198912 bytes (float32)" in problem and plan.total > 1500 << 20
+    parse(mixed({**engine, "kvCacheDtype": "bfloat16"}, {"memory": "1500Mi"}))
+    parse(mixed(engine, {"memory": "2Gi"}))
+    parse(mixed(engine))  # no memory limit: nothing to check
+    # what the end-to-end tests run for real: the tiny model, a 256MiB KV cache, in 1Gi
+    parse(mixed({"kvCacheMemory": "256MiB"}, {"cpu": "500m", "memory": "1Gi"}))
+    # a checkpoint's facts are unknown to spec validation: its memory is not checked here
+    parse(mixed(engine, {"memory": "1500Mi"}, model={"uri": "hf://org/m"}))
+
+
+def test_the_memory_problem_counts_every_rank():
+    from ketch.kernels.collective import ShmGroup
+
+    engine = {"numKvBlocks": 8000, "shmSize": "1100Mi", "tensorParallelSize": 2}
+    [problem] = problems(mixed(engine, {"cpu": "4", "memory": "1500Mi"}))
+    assert "(4 processes at 192 MiB and one step's activations)" in problem
+    assert f"+ the 2 ranks' collectives segment {ShmGroup.nbytes(2)} bytes = " in problem
+    assert "weights 4727808 bytes (float32)" in problem  # embedding and norms on each rank
 
 
 def test_disaggregated_names_each_roles_gpus_and_the_shared_field_once():
     spec = {
         "model": {"uri": "hf://org/m"},
-        "engine": {"dtype": "bfloat16"},
+        "engine": {"dtype": "float16"},
         "roles": {"prefill": {"resources": {"gpus": 1}}, "decode": {"resources": {"gpus": 1}}},
         "auth": PEER_KEY,
     }

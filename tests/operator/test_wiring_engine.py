@@ -8,6 +8,7 @@ rendered stands on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
+from ketch.engine.serving.config import ServerConfig
 from ketch.operator.cli import render_object
 from ketch.operator.runnable import known_model
 from ketch.operator.wiring import check_wiring
@@ -80,12 +82,151 @@ def test_gpus_of_another_vendor_count_too():
 
 def test_a_dtype_flag_in_the_args_is_named_as_the_flag():
     children = render("disaggregated")
-    engine(children, "qwen-pd-decode")["args"] += ["--dtype", "bfloat16"]
+    engine(children, "qwen-pd-decode")["args"] += ["--dtype", "float16"]
     [problem] = check_wiring(children)
     assert problem.startswith(
-        "deployment qwen-pd-decode, container engine: --dtype (container args): bfloat16: the "
-        "engine computes in float32 on the CPU only"
+        "deployment qwen-pd-decode, container engine: --dtype (container args): float16: "
+        "float16 is not a CPU weight dtype: use auto, float32 or bfloat16"
     )
+
+
+def test_bfloat16_and_int8_in_every_role_file_check_clean():
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(
+            children,
+            "qwen-pd-config",
+            f"{role}.yaml",
+            dtype="bfloat16",
+            kv_cache_dtype="bfloat16",
+            quantization="int8",
+        )
+    assert check_wiring(children) == []
+
+
+def test_int8_on_a_backend_without_it_is_named_by_the_precision_field():
+    """The spec cannot set the backend (the CPU's auto runs int8): a hand-set one is named
+    where it came from, and the refusal by the field the spec sets."""
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(children, "qwen-pd-config", f"{role}.yaml", quantization="int8")
+    engine(children, "qwen-pd-decode")["args"] += ["--backend", "eager"]
+    [refusal] = refusals(EngineConfig(quantization="int8", backend="eager"))
+    assert check_wiring(children) == [
+        f"deployment qwen-pd-decode, container engine: spec.engine.quantization: int8: "
+        f"{refusal.reason} (the backend, eager, is set by --backend (container args))"
+    ]
+    assert refusal.reason.startswith("quantization=int8 runs on the native backend only")
+    children = render("disaggregated")
+    edit_role_file(
+        children, "qwen-pd-config", "prefill.yaml", backend="predictor", kv_cache_dtype="bfloat16"
+    )
+    found = check_wiring(children)
+    assert found[0].startswith(
+        "deployment qwen-pd-prefill, container engine: spec.engine.kvCacheDtype: bfloat16: "
+        "kv_cache_dtype=bfloat16 runs on the native backend only"
+    )
+    assert found[0].endswith(
+        "(the backend, predictor, is set by backend (ConfigMap qwen-pd-config key prefill.yaml))"
+    )
+
+
+PAIR = (
+    "deployment qwen-pd-prefill, container engine and deployment qwen-pd-decode, container engine"
+)
+
+
+def test_prefill_and_decode_must_hold_one_kv_cache_dtype():
+    """Prefill's KV blocks go to decode as they are: a rendered pair whose KV dtypes differ is
+    reported, naming both dtypes and what set each."""
+    children = render("disaggregated")
+    engine(children, "qwen-pd-decode")["args"] += ["--kv-cache-dtype", "bfloat16"]
+    [problem] = check_wiring(children)
+    assert problem.startswith(
+        f"{PAIR}: the KV caches of prefill and decode differ with a checkpoint saved in float32: "
+        "float32 on prefill (spec.engine.kvCacheDtype (ConfigMap qwen-pd-config key "
+        "prefill.yaml): auto, the weights' dtype: spec.engine.dtype (ConfigMap qwen-pd-config "
+        "key prefill.yaml): auto), bfloat16 on decode (--kv-cache-dtype (container args): "
+        "bfloat16): prefill sends its KV blocks to decode as they are"
+    )
+    assert "set spec.engine.kvCacheDtype (one value, which every role's file takes)" in problem
+    # auto follows the weights: bfloat16 weights on decode alone split them too
+    children = render("disaggregated")
+    engine(children, "qwen-pd-decode")["args"] += ["--dtype", "bfloat16"]
+    [problem] = check_wiring(children)
+    assert "float32 on prefill" in problem and "bfloat16 on decode (" in problem
+    assert "the weights' dtype: --dtype (container args): bfloat16)" in problem
+    # the same dtype reached two ways is one dtype
+    children = render("disaggregated")
+    engine(children, "qwen-pd-decode")["args"] += ["--kv-cache-dtype", "bfloat16"]
+    edit_role_file(children, "qwen-pd-config", "prefill.yaml", dtype="bfloat16")
+    assert check_wiring(children) == []
+
+
+def test_a_mixed_kv_pair_in_the_role_files_is_reported_for_the_tiny_model():
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(children, "qwen-pd-config", f"{role}.yaml", model="tiny", max_model_len=512)
+    edit_role_file(children, "qwen-pd-config", "prefill.yaml", kv_cache_dtype="bfloat16")
+    [problem] = check_wiring(children)
+    assert problem.startswith(f"{PAIR}: the KV caches of prefill and decode differ: bfloat16 on")
+    assert "float32 on decode" in problem
+
+
+def test_auto_follows_the_checkpoint_so_an_unknown_one_is_checked_both_ways(tmp_path):
+    """dtype auto is bfloat16 for a bfloat16 checkpoint on the native backend, float32 on eager:
+    a prefill on eager and a decode on auto differ only for such a checkpoint."""
+    children = render("disaggregated")
+    edit_role_file(children, "qwen-pd-config", "prefill.yaml", backend="eager")
+    [problem] = check_wiring(children)
+    assert problem.startswith(
+        f"{PAIR}: the KV caches of prefill and decode differ with a checkpoint saved in "
+        "bfloat16: float32 on prefill"
+    )
+    assert "bfloat16 on decode" in problem
+    assert check_wiring(children, _checkpoint_config(tmp_path, torch_dtype="float32")) == []
+    found = check_wiring(children, _checkpoint_config(tmp_path, torch_dtype="bfloat16"))
+    assert [p.split(": the KV caches")[0] for p in found] == [PAIR]
+    assert "differ: float32 on prefill" in found[0]  # the checkpoint is known: no "with ..."
+
+
+def test_both_roles_take_the_one_spec_engine():
+    """Roles cannot override engine settings: the CRD's roles have no engine field, and both
+    roles' rendered engines resolve the same dtype, KV dtype and quantization."""
+    from ketch.operator import crd
+    from ketch.operator.wiring.pods import read_pods
+
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for role in ("mixed", "prefill", "decode"):
+        assert "engine" not in schema["properties"]["roles"]["properties"][role]["properties"]
+    doc = yaml.safe_load((EXAMPLES / "disaggregated.yaml").read_text())
+    doc["spec"]["engine"].update(dtype="bfloat16", kvCacheDtype="bfloat16", quantization="int8")
+    children = render_object(doc)
+    assert check_wiring(children) == []
+    found: list[str] = []
+    configs = {
+        proc.config(ServerConfig).role: proc.config(EngineConfig)
+        for pod in read_pods(children, found)
+        for proc in pod.processes
+        if proc.command == "serve"
+    }
+    assert found == [] and sorted(configs) == ["decode", "prefill"]
+    for config in configs.values():
+        assert (config.dtype, config.kv_cache_dtype, config.quantization) == (
+            "bfloat16",
+            "bfloat16",
+            "int8",
+        )
+    for role in ("prefill", "decode"):
+        file = yaml.safe_load(get(children, "ConfigMap", "qwen-pd-config")["data"][f"{role}.yaml"])
+        assert (file["dtype"], file["kv_cache_dtype"], file["quantization"]) == (
+            "bfloat16",
+            "bfloat16",
+            "int8",
+        )
+        assert not {"--dtype", "--kv-cache-dtype", "--quantization"} & set(
+            engine(children, f"qwen-pd-{role}")["args"]
+        )
 
 
 def test_tiny_model_facts_are_checked():
@@ -166,3 +307,113 @@ def test_a_moe_checkpoint_on_a_backend_without_experts_is_refused(tmp_path):
     )
     problems = check_wiring(children, moe)
     assert len(problems) == 2 and all("--backend predictor" in p for p in problems), problems
+
+
+def test_the_memory_limit_holds_the_checkpoints_weights_at_their_precision(tmp_path):
+    """With --model-config the weights are known: 16 layers of hidden 1024 and MLP 4096, a
+    32000 vocabulary. At float32 they, the KV cache and the headroom overflow a 2400Mi limit;
+    bfloat16 with int8 linear layers fit it."""
+    from ketch.engine import device as dev
+    from ketch.engine.capabilities import cpu_memory
+    from ketch.engine.models.config import ModelConfig
+    from ketch.engine.models.sharding import whole
+
+    model_dir = _checkpoint_config(
+        tmp_path,
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
+    model = ModelConfig.from_dir(model_dir)
+    children = render("disaggregated")
+    for role in ("prefill", "decode"):
+        edit_role_file(children, "qwen-pd-config", f"{role}.yaml", kv_cache_memory="512MiB")
+        engine(children, f"qwen-pd-{role}")["resources"]["limits"]["memory"] = "2400Mi"
+    problems = check_wiring(children, model_dir)
+    fp32 = dev.cpu_weight_bytes(model, whole(model), "float32")
+    values = yaml.safe_load(get(children, "ConfigMap", "qwen-pd-config")["data"]["decode.yaml"])
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    plan = cpu_memory(EngineConfig(**{k: v for k, v in values.items() if k in names}), model)
+    assert plan.weights == fp32 and plan.total > 2400 << 20
+    assert problems == [
+        f"deployment qwen-pd-{role}, container engine: spec.roles.{role}.resources.memory: "
+        f"2400Mi: the engine container needs {plan}, more than its memory limit "
+        f"({2400 << 20} bytes): it would be OOM-killed as it loads the weights or fills the KV "
+        "cache (its /dev/shm segment counts against the limit); raise "
+        f"spec.roles.{role}.resources.memory, or lower spec.engine.kvCacheMemory, or store the "
+        "weights in bfloat16 (spec.engine.dtype), or quantize the linear layers to int8 "
+        "(spec.engine.quantization)"
+        for role in ("prefill", "decode")
+    ]
+    for role in ("prefill", "decode"):
+        edit_role_file(
+            children, "qwen-pd-config", f"{role}.yaml", dtype="bfloat16", quantization="int8"
+        )
+    assert check_wiring(children, model_dir) == []
+    del engine(children, "qwen-pd-decode")["resources"]["limits"]["memory"]  # no limit, no check
+    assert check_wiring(children, model_dir) == []
+
+
+LLAMA_8B = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, the fields the engine reads
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _docs_precision_example() -> dict:
+    text = (EXAMPLES.parent / "docs" / "operator.md").read_text()
+    section = text[text.index("### Precision on the CPU") :]
+    snippet = section[section.index("```yaml\n") + 8 : section.index("```\n", 8)]
+    spec = yaml.safe_load(snippet)["spec"]
+    from ketch.operator import crd
+
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": {"name": "llama-bf16", "namespace": "default"},
+        "spec": spec,
+    }
+
+
+def test_the_docs_bf16_int8_example_fits_its_memory_and_float32_would_not(tmp_path, capsys):
+    """docs/operator.md's bfloat16 + int8 CPU role, checked with the 8B model's config.json as
+    ``check-wiring --model-config`` does; its float32 twin overflows the same 20Gi."""
+    from ketch.operator.cli import main as operator_main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    doc = _docs_precision_example()
+    assert doc["spec"]["roles"]["mixed"]["resources"]["memory"] == "20Gi"
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert operator_main(["check-wiring", str(path), "--model-config", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("wiring OK: 1 InferenceService(s)")
+    for field in ("dtype", "quantization", "kvCacheDtype"):
+        del doc["spec"]["engine"][field]
+    doc["spec"]["engine"]["dtype"] = "float32"
+    path.write_text(yaml.safe_dump(doc))
+    assert operator_main(["check-wiring", str(path), "--model-config", str(tmp_path)]) == 1
+    [problem] = capsys.readouterr().out.splitlines()
+    assert "spec.roles.mixed.resources.memory: 20Gi: the engine container needs weights " in problem
+    assert "bytes (float32) + KV cache 8589934592 bytes (float32) + headroom " in problem

@@ -162,10 +162,51 @@ def precision_line(config: EngineConfig, weights: str, kv: str) -> str:
 
 def _cpu_dtype(config: EngineConfig, model: ModelConfig | None) -> str:
     """``auto`` on the CPU: bfloat16 for a bfloat16 checkpoint where the backend runs it."""
+    return cpu_dtypes(config, model.torch_dtype if model is not None else None)[0]
+
+
+def cpu_dtypes(config: EngineConfig, checkpoint_dtype: str | None = None) -> tuple[str, str]:
+    """(weight dtype, KV-cache dtype) on the CPU for a checkpoint saved in ``checkpoint_dtype``
+    (config.json's ``torch_dtype``; None: not known, taken as float32). ValueError for a dtype
+    the CPU refuses."""
     if config.dtype == "auto" and config.backend not in LOW_PRECISION_BACKENDS:
-        return "float32"  # eager and predictor compute from float32 weights
-    checkpoint = model.torch_dtype if model is not None else None
-    return dev.resolve_dtype(dev.CPU, config.dtype, checkpoint_dtype=checkpoint)
+        weights = "float32"  # eager and predictor compute from float32 weights
+    else:
+        weights = dev.resolve_dtype(dev.CPU, config.dtype, checkpoint_dtype=checkpoint_dtype)
+    return weights, weights if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+
+
+def below_float32(config: EngineConfig, model: ModelConfig | None = None) -> list[tuple[str, str]]:
+    """The CPU precision settings of ``config`` below float32, as (field, value): the weight
+    dtype as resolved, ``kv_cache_dtype`` and ``quantization`` as set."""
+    return [
+        (name, value)
+        for name, value in (
+            ("dtype", _cpu_dtype(config, model)),
+            ("kv_cache_dtype", config.kv_cache_dtype),
+            ("quantization", config.quantization),
+        )
+        if value not in ("float32", "auto", "none")
+    ]
+
+
+def precision_backend_refusal(
+    config: EngineConfig, model: ModelConfig | None = None
+) -> Refusal | None:
+    """The CPU backend's refusal of ``config``'s below-float32 settings (None: it runs them,
+    or there are none). ``config.dtype`` must be a CPU dtype."""
+    if config.backend in LOW_PRECISION_BACKENDS:
+        return None
+    below = [f"{name}={value}" for name, value in below_float32(config, model)]
+    if not below:
+        return None
+    return Refusal(
+        "backend",
+        config.backend,
+        f"{', '.join(below)} runs on the native backend only (the packed GEMM and the "
+        f"paged-attention kernel; {config.backend} computes from float32 tensors): use "
+        "auto or native",
+    )
 
 
 def _precision_refusals(
@@ -196,28 +237,8 @@ def _precision_refusals(
                 )
             )
         return out
-    if config.backend in LOW_PRECISION_BACKENDS:
-        return out
-    below = [
-        f"{name}={value}"
-        for name, value in (
-            ("dtype", _cpu_dtype(config, model)),
-            ("kv_cache_dtype", config.kv_cache_dtype),
-            ("quantization", config.quantization),
-        )
-        if value not in ("float32", "auto", "none")
-    ]
-    if below:
-        out.append(
-            Refusal(
-                "backend",
-                config.backend,
-                f"{', '.join(below)} runs on the native backend only (the packed GEMM and the "
-                f"paged-attention kernel; {config.backend} computes from float32 tensors): use "
-                "auto or native",
-            )
-        )
-    return out
+    refusal = precision_backend_refusal(config, model)
+    return out if refusal is None else [*out, refusal]
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -249,6 +270,86 @@ def kv_cache_bytes(config: EngineConfig, model: ModelConfig, probe: Probe | None
     dtype = kv_cache_dtype(config, probe, model)
     shard = Shard.of(model, 0, config.tensor_parallel_size)
     return blocks * dev.kv_block_bytes(model, shard, config.block_size, dtype)
+
+
+# What each process of a CPU instance takes beyond weights, KV cache and activations: paddle,
+# Ketch and the Python runtime, its allocator's slack, the tokenizer. Under ``ketch serve`` there
+# are 2 + tensor_parallel_size of them (the API server, the engine, one worker per rank). An
+# allowance: the tiny model's three measured ~505 MiB in all (each one's anonymous memory, plus
+# the shared libraries' pages, which the container is charged for once), and its pods run in
+# 1Gi beside a 256MiB KV cache (tests/operator/test_hpa_real.py).
+CPU_PROCESS_BYTES = 192 << 20
+
+
+@dataclass(frozen=True)
+class CpuMemory:
+    """What a CPU instance under ``ketch serve`` holds in memory (bytes): every rank's weights,
+    the KV cache (one segment in /dev/shm, memory-backed: it counts against the container's
+    memory) and a headroom: ``CPU_PROCESS_BYTES`` for each process (the API server, the engine,
+    one worker per rank) and one step's float32 activations on each rank."""
+
+    weights: int
+    kv_cache: int
+    headroom: int
+    weight_dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    processes: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.headroom
+
+    def __str__(self) -> str:
+        quantized = ", int8 linear layers" if self.quantization == "int8" else ""
+        return (
+            f"weights {self.weights} bytes ({self.weight_dtype}{quantized}) + KV cache "
+            f"{self.kv_cache} bytes ({self.kv_cache_dtype}) + headroom {self.headroom} bytes "
+            f"({self.processes} processes at {CPU_PROCESS_BYTES >> 20} MiB and one step's "
+            f"activations) = {self.total} bytes"
+        )
+
+
+def cpu_memory(config: EngineConfig, model: ModelConfig) -> CpuMemory:
+    """The memory a CPU instance of ``config`` takes (``config`` having no refusals for
+    ``model``): weights at the chosen precision (``device.cpu_weight_bytes``, every rank's),
+    the KV cache at its dtype, and the headroom (``CpuMemory``)."""
+    weights_dtype = _cpu_dtype(config, model)
+    tp = config.tensor_parallel_size
+    shards = [Shard.of(model, rank, tp) for rank in range(tp)]
+    weights = sum(
+        dev.cpu_weight_bytes(model, shard, weights_dtype, config.quantization) for shard in shards
+    )
+    activations = sum(
+        cpu_activation_bytes(model, shard, config.max_num_batched_tokens, config.max_num_seqs)
+        for shard in shards
+    )
+    return CpuMemory(
+        weights=weights,
+        kv_cache=kv_cache_bytes(config, model),
+        headroom=(2 + tp) * CPU_PROCESS_BYTES + activations,
+        weight_dtype=weights_dtype,
+        kv_cache_dtype=kv_cache_dtype(config, model=model),
+        quantization=config.quantization,
+        processes=2 + tp,
+    )
+
+
+def cpu_activation_bytes(
+    model: ModelConfig, shard: Shard, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """One step's float32 activations on a CPU rank (an estimate from the shapes): the layer's
+    inputs and outputs at the step's token budget, twice (``device.activation_reserve``'s dense
+    term, at the widest MLP the rank holds), and on rank 0 a float32 logits row per sequence."""
+    hidden, d = model.hidden_size, model.head_dim
+    widest = max(
+        shard.intermediate[1] - shard.intermediate[0],
+        shard.shared[1] - shard.shared[0],
+        model.moe_intermediate_size * model.num_experts_per_tok,
+    )
+    width = 4 * hidden + (shard.num_heads + 2 * shard.num_kv_heads) * d + 3 * widest
+    logits = min(max_num_seqs, max_num_batched_tokens) * model.vocab_size if shard.first else 0
+    return (2 * max_num_batched_tokens * width + logits) * 4
 
 
 def _layout(config: EngineConfig, model: ModelConfig) -> KVLayout:

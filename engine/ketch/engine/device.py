@@ -203,6 +203,79 @@ def weight_bytes(model: ModelConfig, shard: Shard, dtype: str, max_len: int) -> 
     return elements * DTYPE_BYTES[dtype] + 2 * max_len * d * 4
 
 
+QUANTIZATIONS = ("none", "int8")
+INT8_SCALE_BYTES = 4  # int8 weights: one float32 scale per output channel (symmetric)
+
+
+def cpu_weight_bytes(
+    model: ModelConfig, shard: Shard, dtype: str, quantization: str = "none"
+) -> int:
+    """The rank's weights as the CPU loader lays them out, at ``dtype`` (``float32`` or
+    ``bfloat16``; the checkpoint's tensors are converted to it as they load).
+
+    With ``quantization`` ``int8`` every linear layer the packed GEMM runs (q/k/v, o, the MLP's
+    gate/up and down, each routed expert's, ERNIE's shared experts') holds 1 byte per weight
+    plus a float32 scale per output channel; the embedding, the lm_head (an lm_head tied to the
+    embeddings is still its own transposed copy, on rank 0), the norms, the biases and a MoE
+    layer's router (computed in paddle ops; ERNIE's in float32, with its float32 score bias)
+    stay at ``dtype``. Not counted: the rotary tables (float32, ``2 * max_len * head_dim``
+    values) and the packed GEMM's panel padding: the caller's headroom covers them."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    size = DTYPE_BYTES[dtype]
+    linear = cpu_linear_shapes(model, shard)
+    if quantization == "int8":
+        linear_bytes = sum(n_in * n_out + INT8_SCALE_BYTES * n_out for n_in, n_out in linear)
+    else:
+        linear_bytes = sum(n_in * n_out for n_in, n_out in linear) * size
+    hidden = model.hidden_size
+    norms = 2 + (2 if model.gemma is not None else 0)
+    per_layer = norms * hidden + (2 * model.head_dim if model.qk_norm else 0)
+    qkv = (shard.num_heads + 2 * shard.num_kv_heads) * model.head_dim
+    if model.qkv_bias:
+        per_layer += qkv
+    if model.o_bias:
+        per_layer += hidden
+    other = model.num_hidden_layers * per_layer + model.vocab_size * hidden + hidden
+    router = 0
+    for i in range(model.num_hidden_layers):
+        moe = i in model.moe_layers
+        inter = _width(shard.shared if moe else shard.intermediate)
+        if model.mlp_bias and inter:
+            other += 2 * inter + hidden
+        if moe:
+            router += hidden * model.num_experts * (4 if model.moe_score_bias else size)
+            router += model.num_experts * 4 if model.moe_score_bias else 0
+    if shard.first:
+        other += model.vocab_size * hidden + (model.vocab_size if model.lm_head_bias else 0)
+    return linear_bytes + other * size + router
+
+
+def cpu_linear_shapes(model: ModelConfig, shard: Shard) -> list[tuple[int, int]]:
+    """(input features, output channels) of every linear layer the rank's packed GEMM runs,
+    layer by layer: q/k/v fused, o, then the dense MLP's gate/up fused and down, or in a MoE
+    layer each held expert's and the shared experts'."""
+    hidden, d = model.hidden_size, model.head_dim
+    out = []
+    for i in range(model.num_hidden_layers):
+        out.append((hidden, (shard.num_heads + 2 * shard.num_kv_heads) * d))
+        out.append((shard.num_heads * d, hidden))
+        moe = i in model.moe_layers
+        inter = _width(shard.shared if moe else shard.intermediate)
+        if inter:
+            out += [(hidden, 2 * inter), (inter, hidden)]
+        if moe:
+            e = model.moe_intermediate_size
+            out += [(hidden, 2 * e), (e, hidden)] * _width(shard.experts)
+    return out
+
+
+def _width(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
 def activation_reserve(
     model: ModelConfig, shard: Shard, dtype: str, max_num_batched_tokens: int, max_len: int
 ) -> int:

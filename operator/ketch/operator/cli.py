@@ -118,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--config file from the rendered ConfigMap) and checks that declared ports, probes, "
         "Services and the router's settings match what the processes listen on, and that each "
         "engine's configuration, GPUs and /dev/shm are what this engine build runs (what it "
-        "would refuse at start-up, named by the spec field). With --model-config, the "
-        "checkpoint's config.json too: its architecture (this build serves "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}) and every field the engine would refuse at "
-        "load, at each role's context length and backend. Prints each problem and exits 1, or "
-        "prints one OK line and exits 0.",
+        "would refuse at start-up, named by the spec field), and that prefill and decode hold "
+        "their KV caches in one dtype. With --model-config, the checkpoint's config.json too: "
+        f"its architecture (this build serves {', '.join(SUPPORTED_ARCHITECTURES)}), every "
+        "field the engine would refuse at load, at each role's context length and backend, and "
+        "the engine container's memory limit against its weights at their precision, the KV "
+        "cache and a headroom. Prints each problem and exits 1, or prints one OK line and "
+        "exits 0.",
     )
     check.add_argument(
         "files", nargs="+", metavar="FILE", help="InferenceService YAML ('-' = stdin)"

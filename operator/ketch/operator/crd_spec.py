@@ -63,7 +63,10 @@ def _resources() -> dict[str, Any]:
                 maxLength=QUANTITY_MAX_LENGTH,
             ),
             "memory": string(
-                "Memory request and limit of the engine container, e.g. '64Gi'.",
+                "Memory request and limit of the engine container, e.g. '64Gi'. It must hold "
+                "the weights at their precision (engine.dtype, engine.quantization), the KV "
+                "cache (its /dev/shm segment is memory-backed) and a headroom: checked for the "
+                "built-in tiny model, and by 'ketch-operator check-wiring --model-config'.",
                 pattern=QUANTITY_PATTERN,
                 maxLength=QUANTITY_MAX_LENGTH,
             ),

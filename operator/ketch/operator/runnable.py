@@ -1,14 +1,18 @@
 """Whether this engine build can run what an InferenceService asks, in the spec's own words.
 
 The engine refuses some settings only at start-up (``ketch.engine.capabilities``): a dtype or a
-tensor-parallel size it does not run, GPUs it cannot use, and, for a model whose facts are known
-without its checkpoint (the built-in ``tiny``), a ``max_model_len``, KV cache or
-tensor-parallel size it cannot honour. The rest are the pod's: the KV cache is a segment in the
-pod's memory-backed ``/dev/shm``, so it must fit ``engine.shmSize``; a GPU pod holds one GPU per
-tensor-parallel rank; the worker processes of a CPU pod need a CPU each. A pod with any of these
-would crash-loop or stall, so the operator refuses the spec (``spec.parse``: ``InvalidSpec``,
-then ``Degraded``) and ``check-wiring`` reports the rendered pod; both go through ``problems``,
-so they say the same thing.
+tensor-parallel size it does not run (float16 on the CPU; bfloat16, a bfloat16 KV cache or int8
+weights on a backend without them), GPUs it cannot use, and, for a model whose facts are known
+without its checkpoint (the built-in ``tiny``, or a config.json given to ``check-wiring
+--model-config``), a ``max_model_len``, KV cache or tensor-parallel size it cannot honour. The
+rest are the pod's: the KV cache is a segment in the pod's memory-backed ``/dev/shm``, so it must
+fit ``engine.shmSize`` (its bytes at its dtype); where the model's facts are known, the engine
+container's memory limit must hold the weights at the chosen precision, that KV cache and a
+headroom (``capabilities.cpu_memory``); a GPU pod holds one GPU per tensor-parallel rank; the
+worker processes of a CPU pod need a CPU each. A pod with any of these would crash-loop or
+stall, so the operator refuses the spec (``spec.parse``: ``InvalidSpec``, then ``Degraded``) and
+``check-wiring`` reports the rendered pod; both go through ``problems``, so they say the same
+thing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ import functools
 import re
 from collections.abc import Callable
 
-from ketch.engine.capabilities import kv_cache_bytes, refusals
+from ketch.engine import device as dev
+from ketch.engine.capabilities import (
+    cpu_memory,
+    kv_cache_bytes,
+    precision_backend_refusal,
+    refusals,
+)
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.models.config import ModelConfig
@@ -54,7 +64,7 @@ def known_model(model: str) -> ModelConfig | None:
 
 def spec_field(setting: str, role: str) -> str:
     """The InferenceService field that sets ``setting`` for ``role``'s pods."""
-    if setting in ("gpus", "cpu"):
+    if setting in ("gpus", "cpu", "memory"):
         return f"spec.roles.{role}.resources.{setting}"
     if setting == "shm_size":
         return "spec.engine.shmSize"
@@ -76,26 +86,49 @@ def problems(
     gpus: int,
     shm_size: str | None,
     cpu: str | None = None,
+    memory: str | None = None,
     named: Callable[[str], str] | None = None,
     model: ModelConfig | None = None,
 ) -> list[str]:
     """``"<field>: <value>: <why>"`` for each reason ``role``'s pods could not run ``config``.
 
     ``gpus``: the GPUs each pod gets; ``shm_size``: the sizeLimit of its ``/dev/shm`` (None:
-    unlimited); ``cpu``: the engine container's CPU limit (None: none). ``named(setting)`` names
-    where a setting came from (default: the spec field). ``model``: the checkpoint's facts when
-    the caller has read them (default: the built-in tiny model's, else none)."""
+    unlimited); ``cpu``: the engine container's CPU limit (None: none); ``memory``: its memory
+    limit (None: none). ``named(setting)`` names where a setting came from (default: the spec
+    field). ``model``: the checkpoint's facts when the caller has read them (default: the
+    built-in tiny model's, else none)."""
     name = named or (lambda setting: spec_field(setting, role))
     model = model or known_model(config.model)
-    out = [
-        f"{name(r.setting)}: {r.value}: {r.reason}"
-        for r in refusals(config, model=model, gpus=gpus)
-    ]
-    out += _rank_problems(config, gpus, cpu, name)
+    found = refusals(config, model=model, gpus=gpus)
+    out = [problem for r in found for problem in _refusal_problems(config, model, r, name)]
+    ranks = _rank_problems(config, gpus, cpu, name)
+    out += ranks
     limit = quantity_bytes(shm_size) if shm_size is not None else None
     if limit is not None:
         out += _shm_problems(config, model, shm_size, limit, name)
+    runs = not found and not ranks and gpus == 0
+    if runs and memory is not None and model is not None:
+        out += _memory_problems(config, model, memory, name)
     return out
+
+
+def _refusal_problems(
+    config: EngineConfig, model: ModelConfig | None, refusal, name: Callable[[str], str]
+) -> list[str]:
+    """The engine's refusal as the spec's problems. A backend that cannot run the precision
+    settings is named by each of those settings (the fields one sets in a spec; the backend is
+    not one), with where the backend came from; every other refusal by its own setting."""
+    if refusal.setting == "backend" and refusal == precision_backend_refusal(config, model):
+        fields = [
+            f for f in ("dtype", "kv_cache_dtype", "quantization")
+            if getattr(config, f) not in ("auto", "float32", "none")
+        ] or ["dtype"]  # fmt: skip
+        return [
+            f"{name(f)}: {getattr(config, f)}: {refusal.reason} (the backend, "
+            f"{config.backend}, is set by {name('backend')})"
+            for f in fields
+        ]
+    return [f"{name(refusal.setting)}: {refusal.value}: {refusal.reason}"]
 
 
 def cpu_count(cpu: str | None) -> float | None:
@@ -163,4 +196,40 @@ def _shm_problems(
         f"in the pod's /dev/shm{beside}, which {name('shm_size')} {shm_size} ({limit} bytes) "
         "cannot hold: the engine would fail as it fills it at start-up; raise the one or lower "
         "the other"
+    ]
+
+
+def _memory_problems(
+    config: EngineConfig, model: ModelConfig, memory: str, name: Callable[[str], str]
+) -> list[str]:
+    """The engine container's memory limit must hold the weights at the chosen precision, the
+    KV cache at its dtype (its /dev/shm segment is memory-backed: the kernel charges it to the
+    container that writes it), the ranks' collectives segment and a headroom
+    (``ketch.engine.capabilities.cpu_memory``), or the pod is OOM-killed as it loads or fills
+    the cache."""
+    limit = quantity_bytes(memory)
+    if limit is None or dev.parse_device(config.device).is_gpu:
+        return []
+    plan = cpu_memory(config, model)
+    tp = config.tensor_parallel_size
+    group = ShmGroup.nbytes(tp) if tp > 1 else 0
+    needed = plan.total + group
+    if needed <= limit:
+        return []
+    beside = (
+        f" + the {tp} ranks' collectives segment {group} bytes = {needed} bytes" if group else ""
+    )
+    kv = "kv_cache_memory" if config.num_kv_blocks is None else "num_kv_blocks"
+    lower = [f"lower {name(kv)}"]
+    if plan.weight_dtype == "float32":
+        lower.append(f"store the weights in bfloat16 ({name('dtype')})")
+    if config.quantization == "none":
+        lower.append(f"quantize the linear layers to int8 ({name('quantization')})")
+    if plan.kv_cache_dtype == "float32" and config.num_kv_blocks is not None:
+        lower.append(f"hold the KV cache in bfloat16 ({name('kv_cache_dtype')})")
+    return [
+        f"{name('memory')}: {memory}: the engine container needs {plan}{beside}, more than "
+        f"its memory limit ({limit} bytes): it would be OOM-killed as it loads the weights or "
+        f"fills the KV cache (its /dev/shm segment counts against the limit); raise "
+        f"{name('memory')}, or {', or '.join(lower)}"
     ]

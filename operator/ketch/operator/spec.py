@@ -276,7 +276,12 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
             raise InvalidSpec([f"spec.engine: {exc}"]) from exc
         res, shm = service.role(role)["resources"], spec["engine"]["shmSize"]
         found = runnable.problems(
-            engine, role=role, gpus=res["gpus"], shm_size=shm, cpu=res.get("cpu")
+            engine,
+            role=role,
+            gpus=res["gpus"],
+            shm_size=shm,
+            cpu=res.get("cpu"),
+            memory=res.get("memory"),
         )
         for problem in found:
             if problem not in problems:  # spec.engine fields apply to every role

@@ -6,7 +6,8 @@ would (``pods``): their command and args through the real ``ketch`` argument par
 dataclasses. It compares what each process listens on with the containers' declared ports,
 probes and Services (``ports``) and the router's settings (``router``), and checks each engine's
 configuration against what this engine build runs (``engine``: what ``ketch serve`` would
-refuse at start-up, named by the InferenceService field it was rendered from). No paddle: only
+refuse at start-up, named by the InferenceService field it was rendered from; and that prefill
+and decode hold their KV caches in one dtype, ``check_kv_pair``). No paddle: only
 ``ketch`` config and argparse-level modules are imported.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ketch.operator.wiring.engine import check_engine
+from ketch.operator.wiring.engine import check_engine, check_kv_pair
 from ketch.operator.wiring.pods import Obj, WiringError, read_pods
 from ketch.operator.wiring.ports import check_pod, check_ports, check_service
 from ketch.operator.wiring.router import check_router
@@ -34,6 +35,7 @@ def check_wiring(children: list[Obj], model_dir: Path | None = None) -> list[str
             if proc.command == "serve" and not proc.init:
                 problems += check_engine(proc, pod, model_dir)
         problems += check_pod(pod)
+    problems += check_kv_pair(pods, model_dir)
     for svc in services:
         problems += check_service(svc, pods)
     for pod in pods:

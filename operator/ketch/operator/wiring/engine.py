@@ -4,13 +4,17 @@ The configuration is the one the process would build (its role file from the Con
 flags); the pod gives the rest: the GPUs and CPUs in the container's resources and the sizeLimit
 of the ``/dev/shm`` volume it mounts. ``ketch.operator.runnable`` says what the engine would refuse,
 naming each value by the InferenceService field it was rendered from, or by the flag in the
-container's args when a flag set it.
+container's args when a flag set it. ``check_kv_pair``: a disaggregated InferenceService's
+prefill and decode engines hold their KV caches in one dtype (prefill's blocks go to decode as
+they are).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ketch.engine import device as dev
+from ketch.engine.capabilities import cpu_dtypes, refusals
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.errors import ModelLoadError
@@ -43,7 +47,9 @@ def check_engine(proc: Process, pod: Pod, model_dir: Path | None = None) -> list
             return "the runtime's default /dev/shm (no volume mounted there)"
         if getattr(proc.args, setting, None) is not None:
             return f"{flag_name(setting)} (container args)"
-        return runnable.spec_field(setting, role)
+        field = runnable.spec_field(setting, role)
+        # a setting no spec field sets (backend): the role file's, which a hand edit set
+        return field if field.startswith("spec.") else f"{setting} ({proc.source})"
 
     found = runnable.problems(
         config,
@@ -51,6 +57,7 @@ def check_engine(proc: Process, pod: Pod, model_dir: Path | None = None) -> list
         gpus=gpu_count(proc.container),
         shm_size=shm,
         cpu=cpu_limit(proc.container),
+        memory=memory_limit(proc.container),
         named=named,
         model=model,
     )
@@ -79,6 +86,12 @@ def cpu_limit(container: Obj) -> str | None:
     return None
 
 
+def memory_limit(container: Obj) -> str | None:
+    """The container's memory limit (what it is OOM-killed above; a request alone is not)."""
+    value = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+    return None if value is None else str(value)
+
+
 def shm_size_limit(container: Obj, pod: Pod) -> str | None:
     """What the container's /dev/shm holds: the sizeLimit of the emptyDir mounted there (None:
     unlimited, or not an emptyDir), or the runtime's 64Mi when nothing is mounted there."""
@@ -89,3 +102,82 @@ def shm_size_limit(container: Obj, pod: Pod) -> str | None:
     empty_dir = (volumes.get(mount["name"]) or {}).get("emptyDir") or {}
     limit = empty_dir.get("sizeLimit")
     return None if limit is None else str(limit)
+
+
+def check_kv_pair(pods: list[Pod], model_dir: Path | None = None) -> list[str]:
+    """Prefill engines send their KV blocks to decode engines as they are, never converted (the
+    prefill instance refuses a decode instance of another KV dtype): every prefill and decode
+    ``ketch serve`` must resolve its KV cache to the same dtype. ``kv_cache_dtype`` ``auto``
+    follows the weight dtype, whose ``auto`` follows the checkpoint (bfloat16 for one saved in
+    bfloat16 on the native backend): with the checkpoint unknown both cases are checked."""
+    ends: dict[str, list[Process]] = {"prefill": [], "decode": []}
+    for pod in pods:
+        for proc in pod.processes:
+            if proc.command == "serve" and not proc.init:
+                role = proc.config(ServerConfig).role
+                if role in ends:
+                    ends[role].append(proc)
+    if not ends["prefill"] or not ends["decode"]:
+        return []
+    for saved in (None, "bfloat16"):
+        found = {}
+        for role, procs in ends.items():
+            for proc in procs:
+                kv = _kv_dtype(proc, model_dir, saved)
+                if kv is not None:
+                    found.setdefault(role, (proc, kv))
+                    if kv != found[role][1]:
+                        return [_kv_mismatch(found[role], (proc, kv), role, role, model_dir, saved)]
+        if len(found) == 2 and found["prefill"][1] != found["decode"][1]:
+            return [
+                _kv_mismatch(
+                    found["prefill"], found["decode"], "prefill", "decode", model_dir, saved
+                )
+            ]
+    return []
+
+
+def _kv_dtype(proc: Process, model_dir: Path | None, saved: str | None) -> str | None:
+    """The KV dtype ``proc``'s engine would use for a checkpoint saved in ``saved`` (the known
+    model's own dtype when there is one); None on a GPU, or for settings or a checkpoint the
+    engine refuses (an engine that never starts pairs with nothing; check_engine reports it)."""
+    config = proc.config(EngineConfig)
+    if dev.parse_device(config.device).is_gpu:
+        return None
+    model = runnable.known_model(config.model)
+    if model_dir is not None:
+        try:
+            model = ModelConfig.from_dir(model_dir, context_len=config.max_model_len)
+        except ModelLoadError:
+            return None
+    if refusals(config, model=model):
+        return None
+    return cpu_dtypes(config, model.torch_dtype if model is not None else saved)[1]
+
+
+def _kv_mismatch(one, other, role_one: str, role_other: str, model_dir, saved) -> str:
+    def how(proc: Process, role: str, kv: str) -> str:
+        config = proc.config(EngineConfig)
+
+        def source(setting: str) -> str:
+            if getattr(proc.args, setting, None) is not None:
+                return f"{flag_name(setting)} (container args)"
+            return f"{runnable.spec_field(setting, role)} ({proc.source})"
+
+        why = f"{source('kv_cache_dtype')}: {config.kv_cache_dtype}"
+        if config.kv_cache_dtype == "auto":
+            why += f", the weights' dtype: {source('dtype')}: {config.dtype}"
+        return f"{kv} on {role} ({why})"
+
+    (p1, kv1), (p2, kv2) = one, other
+    checkpoint = ""
+    if model_dir is None and runnable.known_model(p1.config(EngineConfig).model) is None:
+        checkpoint = f" with a checkpoint saved in {saved or 'float32'}"
+    return (
+        f"{p1.where} and {p2.where}: the KV caches of prefill and decode differ{checkpoint}: "
+        f"{how(p1, role_one, kv1)}, {how(p2, role_other, kv2)}: prefill sends its KV blocks to "
+        "decode as they are, never converted, so every request would be refused with a KV "
+        "cache dtype mismatch; "
+        "set spec.engine.kvCacheDtype (one value, which every role's file takes) and leave "
+        "--kv-cache-dtype and --dtype out of the containers' args"
+    )
