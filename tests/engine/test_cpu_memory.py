@@ -42,15 +42,18 @@ def test_tiny_model_by_hand():
     shard = whole(TINY)
     fp32 = (TINY_LINEAR + TINY_NORMS + TINY_TABLES) * 4
     assert dev.cpu_weight_bytes(TINY, shard, "float32") == fp32 == 4198912
-    assert dev.cpu_weight_bytes(TINY, shard, "bfloat16") == fp32 // 2
+    # bfloat16: the matrices; the norms stay float32 (the CPU loader reads them so). What a
+    # bfloat16 `ketch serve` of the tiny model reports in /metrics, to the byte.
+    bf16 = (TINY_LINEAR + TINY_TABLES) * 2 + TINY_NORMS * 4
+    assert dev.cpu_weight_bytes(TINY, shard, "bfloat16") == bf16 == 2101760
     int8 = TINY_LINEAR + 4 * TINY_CHANNELS  # a byte per weight, a float32 scale per channel
     assert dev.cpu_weight_bytes(TINY, shard, "float32", "int8") == int8 + 4 * (
         TINY_NORMS + TINY_TABLES
     )
     assert (
         dev.cpu_weight_bytes(TINY, shard, "bfloat16", "int8")
-        == 1333504
-        == int8 + 2 * (TINY_NORMS + TINY_TABLES)
+        == 1335808
+        == int8 + 2 * TINY_TABLES + 4 * TINY_NORMS
     )
 
 
@@ -98,7 +101,7 @@ def _moe(tmp_path) -> ModelConfig:
 
 def test_a_moe_model_by_hand(tmp_path):
     """Layer 0 holds 4 routed experts and a router; layer 1 (mlp_only_layers) a dense MLP.
-    Qwen3's per-head q/k norms count; the router stays at dtype under int8."""
+    Qwen3's per-head q/k norms count; the norms and the router are float32 at any dtype."""
     moe = _moe(tmp_path)
     assert moe.moe_layers == (0,) and moe.qk_norm
     attention = 64 * 128 + 64 * 64  # q/k/v [64 -> (4 + 4) * 16], o [64 -> 64]
@@ -117,8 +120,8 @@ def test_a_moe_model_by_hand(tmp_path):
     )
     assert (
         dev.cpu_weight_bytes(moe, shard, "bfloat16", "int8")
-        == (linear + 4 * channels + 2 * (norms + router + tables))
-        == 161792
+        == (linear + 4 * channels + 4 * (norms + router) + 2 * tables)
+        == 163072
     )
     # two ranks: two experts each; the attention, dense MLP split; the router replicated
     ranks = [dev.cpu_weight_bytes(moe, Shard.of(moe, r, 2), "float32") for r in range(2)]
@@ -133,7 +136,7 @@ def test_unknown_quantization_is_refused():
 def test_cpu_memory_adds_weights_kv_cache_and_headroom():
     config = EngineConfig(dtype="bfloat16", quantization="int8", kv_cache_memory="64MiB")
     plan = cpu_memory(config, TINY)
-    assert plan.weights == 1333504
+    assert plan.weights == 1335808
     assert plan.kv_cache == kv_cache_bytes(config, TINY) and plan.kv_cache_dtype == "bfloat16"
     activations = cpu_activation_bytes(TINY, whole(TINY), 2048, 64)
     assert activations == (2 * 2048 * (4 * 128 + 256 + 3 * 384) + 64 * 1024) * 4
@@ -141,7 +144,7 @@ def test_cpu_memory_adds_weights_kv_cache_and_headroom():
     assert plan.headroom == 3 * CPU_PROCESS_BYTES + activations and plan.processes == 3
     assert plan.total == plan.weights + plan.kv_cache + plan.headroom
     text = str(plan)
-    assert "weights 1333504 bytes (bfloat16, int8 linear layers)" in text
+    assert "weights 1335808 bytes (bfloat16, int8 linear layers)" in text
     assert f"KV cache {plan.kv_cache} bytes (bfloat16)" in text
     assert text.endswith(f"= {plan.total} bytes")
     tp2 = cpu_memory(EngineConfig(tensor_parallel_size=2), TINY)

@@ -215,11 +215,12 @@ def cpu_weight_bytes(
 
     With ``quantization`` ``int8`` every linear layer the packed GEMM runs (q/k/v, o, the MLP's
     gate/up and down, each routed expert's, ERNIE's shared experts') holds 1 byte per weight
-    plus a float32 scale per output channel; the embedding, the lm_head (an lm_head tied to the
-    embeddings is still its own transposed copy, on rank 0), the norms, the biases and a MoE
-    layer's router (computed in paddle ops; ERNIE's in float32, with its float32 score bias)
-    stay at ``dtype``. Not counted: the rotary tables (float32, ``2 * max_len * head_dim``
-    values) and the packed GEMM's panel padding: the caller's headroom covers them."""
+    plus a float32 scale per output channel; the embedding and the lm_head (an lm_head tied to
+    the embeddings is still its own transposed copy, on rank 0) stay at ``dtype``; the norms,
+    biases and MoE routers (and ERNIE's score bias) are float32 whatever ``dtype`` is (the CPU
+    loader reads them so: ``load_weights(small_dtype="float32")``). Not counted: the rotary
+    tables (float32, ``2 * max_len * head_dim`` values) and the packed GEMM's panel padding: the
+    caller's headroom covers them."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
@@ -238,19 +239,22 @@ def cpu_weight_bytes(
         per_layer += qkv
     if model.o_bias:
         per_layer += hidden
-    other = model.num_hidden_layers * per_layer + model.vocab_size * hidden + hidden
+    vectors = model.num_hidden_layers * per_layer + hidden  # float32 on the CPU (the loader)
     router = 0
     for i in range(model.num_hidden_layers):
         moe = i in model.moe_layers
         inter = _width(shard.shared if moe else shard.intermediate)
         if model.mlp_bias and inter:
-            other += 2 * inter + hidden
+            vectors += 2 * inter + hidden
         if moe:
-            router += hidden * model.num_experts * (4 if model.moe_score_bias else size)
-            router += model.num_experts * 4 if model.moe_score_bias else 0
+            router += hidden * model.num_experts + (
+                model.num_experts if model.moe_score_bias else 0
+            )
+    tables = model.vocab_size * hidden
     if shard.first:
-        other += model.vocab_size * hidden + (model.vocab_size if model.lm_head_bias else 0)
-    return linear_bytes + other * size + router
+        tables += model.vocab_size * hidden
+        vectors += model.vocab_size if model.lm_head_bias else 0
+    return linear_bytes + tables * size + (vectors + router) * 4
 
 
 def cpu_linear_shapes(model: ModelConfig, shard: Shard) -> list[tuple[int, int]]:
