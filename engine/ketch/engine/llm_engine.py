@@ -9,6 +9,7 @@ from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.capabilities import (
     check_runnable,
     compute_dtype,
+    cpu_memory,
     kv_cache_dtype,
     max_model_len,
     num_kv_blocks,
@@ -20,6 +21,7 @@ from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.core.scheduler_output import ModelRunnerOutput
 from ketch.engine.detokenizer import IncrementalDetokenizer
+from ketch.engine.device import parse_device
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.outputs import RequestDelta, TokenLogprob
@@ -99,6 +101,12 @@ class LLMEngine:
             config.block_size,
             precision_line(config, runner_config.dtype, runner_config.kv_cache_dtype),
         )
+        if not self.device_is_gpu and config.runner == "model":
+            logger.info("memory (expected): %s", cpu_memory(config, self.model_config))
+
+    @property
+    def device_is_gpu(self) -> bool:
+        return parse_device(self.config.device).is_gpu
 
     @property
     def weight_bytes(self) -> int:
