@@ -431,7 +431,7 @@ def environment(args: argparse.Namespace, vllm: str, cores: list[int]) -> str:
     return "\n".join([
         f"date {time.strftime('%Y-%m-%d %H:%M %Z')}; CPU {cpu} ({isa}); {os.cpu_count()} cores; "
         f"load average {load1:.2f} / {load5:.2f} (1 / 5 min)",
-        ketch_version(args), vllm, llama_version(args.llama_server),
+        *filter(None, [ketch_version(args), vllm, llama_version(args.llama_server)]),
         f"compute threads: Ketch --num-threads {args.threads}; vLLM VLLM_CPU_OMP_THREADS_BIND="
         f"{','.join(map(str, cores))}; llama-server -t {args.threads} -tb {args.threads}",
     ])  # fmt: skip
@@ -465,10 +465,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("/root/peers/ckpt"))
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: c=1 and 8, 2 and 8 requests, one round")  # fmt: skip
+                        help="smoke test: c=1 and 4, 2 and 4 requests, one round")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
-        args.concurrency, args.requests, args.rounds = "1,8", "2,8", 1
+        args.concurrency, args.requests, args.rounds = "1,4", "2,4", 1
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
