@@ -311,6 +311,7 @@ def measure(config: str, spec: ServerSpec, sets: dict[int, list[list[int]]],
         max(outcome.rss, sampler.peak_rss),
         max(outcome.pss, sampler.peak_pss),
     )
+    print(f"    peak RSS {outcome.rss / GIB:.2f} GiB, PSS {outcome.pss / GIB:.2f} GiB", flush=True)
     if spec.name == "ketch" and not outcome.error:
         outcome.note = ketch_worker(log)
 
@@ -500,15 +501,21 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-low-precision-"))
     print(f"checkpoint {ckpt}\nserver logs: {logs}\n", flush=True)
     t0, loads = time.perf_counter(), []
-    for round_ in range(args.rounds):
-        for config in configs if round_ % 2 == 0 else configs[::-1]:
-            out = outcomes[config]
-            if out.error:
-                continue
-            print(f"  round {round_ + 1}: {config} ({time.perf_counter() - t0:.0f} s)", flush=True)
-            loads.append(os.getloadavg()[0])
-            spec = server_spec(config, ckpt, files.get(config), args, cores, levels)
-            measure(config, spec, sets, warm, args, logs / f"{config}-{round_ + 1}.log", out)
+    try:
+        for round_ in range(args.rounds):
+            for config in configs if round_ % 2 == 0 else configs[::-1]:
+                out = outcomes[config]
+                if out.error:
+                    continue
+                print(f"  round {round_ + 1}: {config} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)  # fmt: skip
+                loads.append(os.getloadavg()[0])
+                spec = server_spec(config, ckpt, files.get(config), args, cores, levels)
+                measure(config, spec, sets, warm, args, logs / f"{config}-{round_ + 1}.log", out)
+    except KeyboardInterrupt:  # the server was stopped on the way out; report what was measured
+        print("\n! interrupted: the table has what was measured before", flush=True)
+        for out in outcomes.values():
+            out.error = out.error or "interrupted"
     loads.append(os.getloadavg()[0])
     print(f"\n{header}\nfinished in {time.perf_counter() - t0:.0f} s; 1-min load average at "
           f"each server start and the end: {min(loads, default=0):.2f}-"
