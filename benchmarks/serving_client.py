@@ -73,15 +73,16 @@ async def one_request(
                         message = json.loads(data)
                         if "error" in message:
                             result.error = str(message["error"])[:200]
-                        elif message.get("choices"):
+                            continue
+                        if message.get("usage"):
+                            result.output_tokens = int(message["usage"]["completion_tokens"])
+                        if message.get("choices") and not summary(message):
                             if chunks == 0:
                                 result.ttft = now - start
                             else:
                                 result.itl.append(now - last)
                             last = now
                             chunks += 1
-                        elif message.get("usage"):
-                            result.output_tokens = int(message["usage"]["completion_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.ok = False
@@ -91,6 +92,12 @@ async def one_request(
     if result.ok and result.output_tokens == 0:
         result.output_tokens = chunks  # no usage chunk: one token per chunk
     return result
+
+
+def summary(message: dict[str, Any]) -> bool:
+    """The stream's closing usage chunk: vLLM and Ketch send it with no choices, llama.cpp's
+    llama-server with one choice of empty text (its finish_reason) -- not a token either way."""
+    return bool(message.get("usage")) and all(not c.get("text") for c in message["choices"])
 
 
 @dataclass
