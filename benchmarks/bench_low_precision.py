@@ -45,7 +45,10 @@ one compute thread (``--threads``); the other core is left to API servers and th
       nice -n 19 cmake --build /root/peers/llama.cpp-build --target llama-server -j2
   Its OpenAI ``/v1/completions`` takes a list of token ids as the prompt and honours
   ``ignore_eos`` (it adds a -inf logit bias on every end-of-generation token) and
-  ``stream_options.include_usage``.
+  ``stream_options.include_usage`` (its closing usage chunk carries one choice of empty text,
+  which ``serving_client`` does not count as a token). A token-id prompt gets no BOS added, as
+  in the other two servers. llama-cpp-python's own server (``python -m llama_cpp.server``) is
+  not used: it serves one request at a time and ignores ``ignore_eos``.
 
 Client: ``serving_client.py`` (streaming ``/v1/completions``), prompts of 64-256 random word
 ids (the same lists to every server, a fresh set per concurrency level), 64 output tokens,
@@ -60,6 +63,13 @@ Usage:
         [--concurrency 1,32] [--requests 8,64] [--rounds 1] [--quick]
         [--vllm-bin /root/venvs/vllm/bin] [--llama-server /root/peers/llama.cpp-build/bin/...]
         [--ketch-python PY] [--ketch-pythonpath DIR:DIR:...]
+e.g. Ketch alone, from main's checkout, once its flags land (the peers' rows are in the doc):
+    /work/main/.venv/bin/python benchmarks/bench_low_precision.py \
+        --configs ketch-fp32,ketch-bf16,ketch-int8 --ketch-pythonpath \
+        /work/main/engine:/work/main/kernels:/work/main/operator
+Time: on 2 shared cores the 0.68B model is slow: ~7 min per server at c=1 (4 requests) and
+c=32 (32 requests) for Ketch fp32 and vLLM fp32; vLLM bf16 (AVX2, no AVX-512 BF16) takes
+~10 min to start (torch.compile warm-up) and ~20 at c=32; llama-server starts in seconds.
 
 Results: ``docs/vs-vllm.md``, "Below fp32: bf16 and int8 against vLLM-CPU and llama.cpp".
 """
