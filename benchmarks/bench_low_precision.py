@@ -301,9 +301,11 @@ def measure(config: str, spec: ServerSpec, sets: dict[int, list[list[int]]],
     sampler = MemorySampler()
     try:
         with running(spec, log, args.start_timeout, on_start=sampler.start) as url:
-            load(url, f"{config} warm-up", warm, 8, concurrency=len(warm))
+            load(url, f"{config} warm-up", warm, 8, concurrency=len(warm),
+                 read_timeout=args.read_timeout)  # fmt: skip
             for c, prompts in sets.items():
-                result = load(url, f"{config} c={c}", prompts, args.max_tokens, concurrency=c)
+                result = load(url, f"{config} c={c}", prompts, args.max_tokens, concurrency=c,
+                              read_timeout=args.read_timeout)  # fmt: skip
                 p = point(result, args.max_tokens)
                 outcome.points.setdefault(c, []).append(p)
                 print(f"    c={c}: {p.tok_s:.1f} tok/s, TTFT p50 {p.ttft:.0f} ms, TPOT p50 "
@@ -475,6 +477,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("/root/peers/ckpt"))
     parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=3600.0,
+        help="s a request may wait for its next byte (vLLM bf16 on AVX2 queues c=32 prompts "
+        "for over 600 s)",
+    )
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: c=1 and 4, 2 and 4 requests, one round")  # fmt: skip
     args = parser.parse_args()

@@ -143,11 +143,13 @@ async def run_load(
     concurrency: int | None = None,
     rate: float | None = None,
     seed: int = 0,
+    read_timeout: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
-    """Sends every prompt once: at most ``concurrency`` at a time, or Poisson at ``rate``/s."""
+    """Sends every prompt once: at most ``concurrency`` at a time, or Poisson at ``rate``/s.
+    A request fails when nothing arrives for ``read_timeout`` s (a slow server's queue)."""
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    timeout = httpx.Timeout(600.0, connect=10.0)
+    timeout = httpx.Timeout(read_timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
         if concurrency is not None:
