@@ -37,7 +37,18 @@ class RequestResult:
 async def one_request(
     client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
 ) -> RequestResult:
-    """One streamed completion; SSE parsed by hand (``data: ...`` events split on blank lines)."""
+    """One streamed completion; SSE parsed by hand (``data: ...`` events split on blank lines).
+    Sent once more, timed afresh, when the server closed the connection before any response
+    (a kept-alive connection it had just closed: seen with llama.cpp's llama-server)."""
+    result = await _one_request(client, url, prompt, max_tokens)
+    if result.error.startswith("no response: "):
+        result = await _one_request(client, url, prompt, max_tokens)
+    return result
+
+
+async def _one_request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+) -> RequestResult:
     payload = {
         "model": SERVED_MODEL,
         "prompt": prompt,
@@ -51,8 +62,10 @@ async def one_request(
     start = time.perf_counter()
     last = start
     chunks = 0
+    responded = False
     try:
         async with client.stream("POST", url, json=payload) as response:
+            responded = True
             if response.status_code != 200:
                 body = await response.aread()
                 result.error = f"HTTP {response.status_code}: {body[:200]!r}"
@@ -85,6 +98,8 @@ async def one_request(
                             chunks += 1
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, httpx.RemoteProtocolError) and not responded:
+            result.error = "no response: " + result.error
         result.ok = False
     result.latency = time.perf_counter() - start
     if result.error:
