@@ -37,7 +37,18 @@ class RequestResult:
 async def one_request(
     client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
 ) -> RequestResult:
-    """One streamed completion; SSE parsed by hand (``data: ...`` events split on blank lines)."""
+    """One streamed completion; SSE parsed by hand (``data: ...`` events split on blank lines).
+    Sent once more, timed afresh, when the server closed the connection before any response
+    (a kept-alive connection it had just closed: seen with llama.cpp's llama-server)."""
+    result = await _one_request(client, url, prompt, max_tokens)
+    if result.error.startswith("no response: "):
+        result = await _one_request(client, url, prompt, max_tokens)
+    return result
+
+
+async def _one_request(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+) -> RequestResult:
     payload = {
         "model": SERVED_MODEL,
         "prompt": prompt,
@@ -51,8 +62,10 @@ async def one_request(
     start = time.perf_counter()
     last = start
     chunks = 0
+    responded = False
     try:
         async with client.stream("POST", url, json=payload) as response:
+            responded = True
             if response.status_code != 200:
                 body = await response.aread()
                 result.error = f"HTTP {response.status_code}: {body[:200]!r}"
@@ -73,17 +86,20 @@ async def one_request(
                         message = json.loads(data)
                         if "error" in message:
                             result.error = str(message["error"])[:200]
-                        elif message.get("choices"):
+                            continue
+                        if message.get("usage"):
+                            result.output_tokens = int(message["usage"]["completion_tokens"])
+                        if message.get("choices") and not summary(message):
                             if chunks == 0:
                                 result.ttft = now - start
                             else:
                                 result.itl.append(now - last)
                             last = now
                             chunks += 1
-                        elif message.get("usage"):
-                            result.output_tokens = int(message["usage"]["completion_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, httpx.RemoteProtocolError) and not responded:
+            result.error = "no response: " + result.error
         result.ok = False
     result.latency = time.perf_counter() - start
     if result.error:
@@ -91,6 +107,12 @@ async def one_request(
     if result.ok and result.output_tokens == 0:
         result.output_tokens = chunks  # no usage chunk: one token per chunk
     return result
+
+
+def summary(message: dict[str, Any]) -> bool:
+    """The stream's closing usage chunk: vLLM and Ketch send it with no choices, llama.cpp's
+    llama-server with one choice of empty text (its finish_reason) -- not a token either way."""
+    return bool(message.get("usage")) and all(not c.get("text") for c in message["choices"])
 
 
 @dataclass
@@ -136,11 +158,13 @@ async def run_load(
     concurrency: int | None = None,
     rate: float | None = None,
     seed: int = 0,
+    read_timeout: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
-    """Sends every prompt once: at most ``concurrency`` at a time, or Poisson at ``rate``/s."""
+    """Sends every prompt once: at most ``concurrency`` at a time, or Poisson at ``rate``/s.
+    A request fails when nothing arrives for ``read_timeout`` s (a slow server's queue)."""
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    timeout = httpx.Timeout(600.0, connect=10.0)
+    timeout = httpx.Timeout(read_timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
         if concurrency is not None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,26 +57,36 @@ class ServerSpec:
     shm_names: str  # a regex matching the /dev/shm names this server creates
 
 
-def ketch_spec(ckpt: Path, threads: int, tensor_parallel: int = 1) -> ServerSpec:
-    """``threads`` per worker process; ``tensor_parallel`` worker processes (ranks)."""
+def ketch_spec(
+    ckpt: Path,
+    threads: int,
+    tensor_parallel: int = 1,
+    *,
+    extra: Sequence[str] = (),
+    launcher: Sequence[str] = (KETCH,),
+    env: Mapping[str, str] | None = None,
+) -> ServerSpec:
+    """``threads`` per worker process; ``tensor_parallel`` worker processes (ranks). ``extra``
+    flags go last (``--dtype bfloat16``); ``launcher`` is what runs the CLI (the venv's
+    ``ketch``, or ``[python, "-m", "ketch.engine.cli"]`` with ``env`` giving its PYTHONPATH)."""
     port, worker, cache, pd = free_ports(4)
     command = [
-        KETCH, "serve", "--model", str(ckpt), "--served-model-name", SERVED_MODEL,
+        *launcher, "serve", "--model", str(ckpt), "--served-model-name", SERVED_MODEL,
         "--host", HOST, "--port", str(port), "--engine-worker-queue-port", str(worker),
         "--cache-queue-port", str(cache), "--pd-comm-port", str(pd),
         "--max-num-seqs", "128", "--kv-cache-memory", f"{KV_GIB}GiB",
         "--num-threads", str(threads), "--tensor-parallel-size", str(tensor_parallel),
-        "--log-level", "INFO",
+        "--log-level", "INFO", *extra,
     ]  # fmt: skip
-    return ServerSpec("ketch", command, port, {}, rf"ketch-(kv|status|tp)-{worker}")
+    return ServerSpec("ketch", command, port, dict(env or {}), rf"ketch-(kv|status|tp)-{worker}")
 
 
-def vllm_spec(ckpt: Path, vllm_bin: Path, cores: list[int]) -> ServerSpec:
+def vllm_spec(ckpt: Path, vllm_bin: Path, cores: list[int], dtype: str = "float32") -> ServerSpec:
     (port,) = free_ports(1)
     command = [
         str(vllm_bin / "python"), "-c", VLLM_SHIM, "serve", str(ckpt),
         "--served-model-name", SERVED_MODEL, "--host", HOST, "--port", str(port),
-        "--dtype", "float32", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048",
+        "--dtype", dtype, "--max-num-seqs", "128", "--max-num-batched-tokens", "2048",
         "--enable-prefix-caching", "--enable-chunked-prefill", "--disable-uvicorn-access-log",
     ]  # fmt: skip
     env = {
@@ -89,10 +99,33 @@ def vllm_spec(ckpt: Path, vllm_bin: Path, cores: list[int]) -> ServerSpec:
     return ServerSpec("vllm", command, port, env, r"(psm_|sem\.mp-).*")
 
 
+def llama_server_spec(
+    gguf: Path, server_bin: Path, threads: int, slots: int, ctx_per_slot: int
+) -> ServerSpec:
+    """llama.cpp's own ``llama-server`` (continuous batching over ``slots`` sequences, each
+    ``ctx_per_slot`` tokens of a ``-c slots*ctx_per_slot`` KV cache), ``threads`` compute
+    threads for decode and for prompt batches alike; no host-RAM prompt cache (``--cache-ram
+    0``: the others keep cached prefixes only in their KV pool), no web UI."""
+    (port,) = free_ports(1)
+    command = [
+        str(server_bin), "--model", str(gguf), "--alias", SERVED_MODEL, "--host", HOST,
+        "--port", str(port), "--threads", str(threads), "--threads-batch", str(threads),
+        "--parallel", str(slots), "--ctx-size", str(slots * ctx_per_slot), "--cont-batching",
+        "--cache-ram", "0", "--no-webui",
+    ]  # fmt: skip
+    return ServerSpec("llama-server", command, port, {}, r"$^")
+
+
 @contextlib.contextmanager
-def running(spec: ServerSpec, log: Path, start_timeout: float) -> Iterator[str]:
-    """Starts ``spec`` in a session of its own, yields its URL once /health answers 200; then
-    SIGTERM, up to 60 s, SIGKILL to the session, and a report of any new /dev/shm entries."""
+def running(
+    spec: ServerSpec,
+    log: Path,
+    start_timeout: float,
+    on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+) -> Iterator[str]:
+    """Starts ``spec`` in a session of its own, yields its URL once /health answers 200 (after
+    ``on_start(process)`` where given); then SIGTERM, up to 60 s, SIGKILL to the session, and a
+    report of any new /dev/shm entries."""
     shm_before = set(os.listdir("/dev/shm"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KETCH_API", "VLLM_"))}
     with log.open("ab") as out:
@@ -113,6 +146,8 @@ def running(spec: ServerSpec, log: Path, start_timeout: float) -> Iterator[str]:
                 raise RuntimeError(f"{spec.name} not healthy in {start_timeout:.0f} s; see {log}")
             time.sleep(0.5)
         print(f"    {spec.name} up in {time.monotonic() - started:.0f} s", flush=True)
+        if on_start is not None:
+            on_start(proc)
         yield url
     finally:
         stop(proc, spec.name)

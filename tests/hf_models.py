@@ -51,10 +51,12 @@ def make_checkpoint(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
+    dtype: str | None = None,
     **overrides: Any,
 ) -> Path:
     """Writes a randomly initialised Llama, Qwen2, Qwen3 or Qwen3-MoE checkpoint with GQA to
-    ``out``."""
+    ``out``; ``dtype`` (a torch dtype name, e.g. "bfloat16") casts the weights before saving
+    (float32 otherwise)."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -87,7 +89,7 @@ def make_checkpoint(
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
-    return _save_random(model_cls(config_cls(**settings)), out, max_shard_size)
+    return _save_random(model_cls(config_cls(**settings)), out, max_shard_size, dtype)
 
 
 SMALL: dict[str, Any] = dict(
@@ -145,9 +147,11 @@ def shape_cache(
     return get
 
 
-def _save_random(model: Any, out: Path, max_shard_size: str | None = None) -> Path:
+def _save_random(
+    model: Any, out: Path, max_shard_size: str | None = None, dtype: str | None = None
+) -> Path:
     """Random init is near-degenerate (std 0.02): widened so logits have real structure; then
-    saved with a tokenizer."""
+    cast to ``dtype`` where given and saved with a tokenizer."""
     import torch
 
     model.eval()
@@ -157,6 +161,8 @@ def _save_random(model: Any, out: Path, max_shard_size: str | None = None) -> Pa
                 param.normal_(0.0, 0.15)
             else:  # norm weights (ones) and biases (zeros) get noise too
                 param.add_(torch.randn_like(param) * 0.1)
+    if dtype is not None:
+        model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
