@@ -19,6 +19,7 @@ from ketch.kernels.paged_attention import (
     PagedAttention,
     PagedAttentionMetadata,
     paged_attention_reference,
+    reinterpret,
     write_kv_reference,
 )
 
@@ -34,7 +35,7 @@ def rne_bits(x: np.ndarray) -> np.ndarray:
 
 
 def bits_of(t: paddle.Tensor) -> np.ndarray:
-    return t.view(paddle.int16).numpy().view(np.uint16)
+    return reinterpret(t, paddle.int16).numpy().view(np.uint16)
 
 
 def to_bf16(batch: Batch) -> Batch:

@@ -208,12 +208,24 @@ def write_kv_reference(
             # paddle's cast rounds to nearest even (a NaN to 0x7fff: the kernel's is torch's
             # quiet 0x7fc0); its scatter has no bfloat16 kernel, so the bits travel as int32
             # (int16 -> int32 -> int16 is exact).
-            bits = cache.view(paddle.int16).astype("int32").reshape([-1, head_dim])
-            rounded = new.astype("bfloat16").view(paddle.int16).astype("int32")
+            bits = reinterpret(cache, paddle.int16).astype("int32").reshape([-1, head_dim])
+            rounded = reinterpret(new.astype("bfloat16"), paddle.int16).astype("int32")
             new = paddle.where(paddle.isnan(new), paddle.full_like(rounded, 0x7FC0), rounded)
             flat = paddle.scatter(bits, index, new, overwrite=True)
-            flat = flat.astype("int16").view(paddle.bfloat16)
+            flat = reinterpret(flat.astype("int16"), paddle.bfloat16)
         else:
             flat = paddle.scatter(cache.reshape([-1, head_dim]), index, new, overwrite=True)
         written.append(flat.reshape(cache.shape))
     return written[0], written[1]
+
+
+def reinterpret(t: paddle.Tensor, dtype) -> paddle.Tensor:
+    """``t``'s memory as ``dtype`` of the same width (bfloat16 <-> int16), no copy. paddle's
+    ``view_dtype`` is a stride kernel, registered only while its stride kernels are on, which
+    inference turns off (``configure_paddle``): on for this one call."""
+    previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
+    paddle.set_flags({"FLAGS_use_stride_kernel": True})
+    try:
+        return t.view(dtype)
+    finally:
+        paddle.set_flags(previous)

@@ -20,6 +20,7 @@ import numpy as np
 import paddle
 
 from ketch.engine.models.attention import LayerCache
+from ketch.kernels.paged_attention import reinterpret
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The CPU cache's numpy storage per KV dtype: bfloat16 as its raw bits.
@@ -93,14 +94,7 @@ def _view(array: np.ndarray) -> paddle.Tensor:
     """A paddle tensor on ``array``'s memory (C-contiguous): float32 as it is, uint16 words as
     bfloat16 (see the module's docstring for why through int16)."""
     if array.dtype == np.uint16:
-        # view_dtype is a stride kernel: registered only while paddle's stride kernels are on,
-        # which configure_paddle turns off for inference speed.
-        previous = paddle.get_flags(["FLAGS_use_stride_kernel"])
-        paddle.set_flags({"FLAGS_use_stride_kernel": True})
-        try:
-            return paddle.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
-        finally:
-            paddle.set_flags(previous)
+        return reinterpret(paddle.from_dlpack(array.view(np.int16)), paddle.bfloat16)
     return paddle.from_dlpack(array)
 
 
