@@ -6,7 +6,9 @@ anything, and the operator (its spec validation and ``ketch-operator check-wirin
 ``refusals`` on the configuration it renders for each pod, so an InferenceService never renders
 pods that would exit at start-up. Widen what the engine runs here, and both follow.
 
-Runs today: the CPU, float32, tensor parallelism across CPU worker processes (1 to
+Runs today: the CPU with float32 or bfloat16 weights, int8 linear layers and a float32 or
+bfloat16 KV cache (below float32 on the native backend only: docs/precision.md), tensor
+parallelism across CPU worker processes (1 to
 ``MAX_TENSOR_PARALLEL_SIZE`` ranks, on models whose heads and MLP split evenly:
 ``ketch.engine.models.sharding``). Written but never run (issue 17): ``--device gpu`` (bfloat16 /
 float16 / float32 on GPUs, KV blocks from ``gpu_memory_utilization``: ``ketch.engine.device``).
