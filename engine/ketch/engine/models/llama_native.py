@@ -95,7 +95,12 @@ def _prepared_weights(
     has no ``prepare``; ``fuse``: gate/up with the SwiGLU epilogue); with ``fused_experts``, no
     routed experts' lists (the fused op holds its own copy). ``panels``: the packed GEMM's
     element types below float32 (``linear`` is then a ``PackedLinear``); norms, biases and the
-    router become float32 and the embedding stays as loaded."""
+    router become float32 and the embedding stays as loaded.
+
+    Below float32 (``panels``) ``weights`` itself is changed, layer by layer, so that each
+    layer's loaded matrices are freed as soon as they are packed: loading then peaks near the
+    model's size, not twice it. (float32 keeps ``weights`` intact: ``auto`` may still fall back
+    to another backend that reads them.)"""
 
     def pack(w: paddle.Tensor, glu: bool = False, head: bool = False):
         if panels is not None:
@@ -126,12 +131,17 @@ def _prepared_weights(
 
     if getattr(linear, "prepare", None) is None and not fused_experts:
         return weights
-    lm_head = None if weights.lm_head is None else pack(weights.lm_head, head=True)
-    layers = [layer(lw) for lw in weights.layers]
-    vectors = {}
-    if panels is not None:
-        vectors = {"norm": _float32(weights.norm), "lm_head_bias": _float32(weights.lm_head_bias)}
-    return dataclasses.replace(weights, layers=layers, lm_head=lm_head, **vectors)
+    if panels is None:
+        lm_head = None if weights.lm_head is None else pack(weights.lm_head, head=True)
+        layers = [layer(lw) for lw in weights.layers]
+        return dataclasses.replace(weights, layers=layers, lm_head=lm_head)
+    for i, lw in enumerate(weights.layers):
+        weights.layers[i] = layer(lw)  # the last reference to lw's matrices goes here
+    if weights.lm_head is not None:
+        weights.lm_head = pack(weights.lm_head, head=True)
+    weights.norm = _float32(weights.norm)
+    weights.lm_head_bias = _float32(weights.lm_head_bias)
+    return weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,11 +230,16 @@ class NativeLlamaModel:
         if config.is_moe:
             logger.info("routed experts: %s", self.experts_op or "one matmul pair per expert")
         expert_dtype = None if panels is None else panels.linear
-        self._packed_experts = {
-            i: self.experts_op.prepare(lw.moe.gate_up, lw.moe.down, dtype=expert_dtype)
-            for i, lw in enumerate(weights.layers)
-            if lw.moe is not None and self.experts_op is not None
-        }
+        self._packed_experts = {}
+        for i, lw in enumerate(weights.layers):
+            if lw.moe is not None and self.experts_op is not None:
+                moe = lw.moe
+                self._packed_experts[i] = self.experts_op.prepare(
+                    moe.gate_up, moe.down, dtype=expert_dtype
+                )
+                if panels is not None:  # no fallback below float32: the originals can go now
+                    moe.gate_up.clear()
+                    moe.down.clear()
         fused_experts = self.experts_op is not None
         self.weights = _prepared_weights(weights, linear, self._fused_swiglu, fused_experts, panels)
         self.panels = panels
