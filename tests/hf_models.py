@@ -181,9 +181,13 @@ def hf_model(path: Path):
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference greedy continuations from transformers' ``generate``, one prompt at a time
     (no padding, so nothing but the model itself decides the tokens); EOS is ignored."""
+    return greedy_of(hf_model(path), prompts, max_new_tokens)
+
+
+def greedy_of(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """``hf_greedy`` for a transformers model already loaded (and perhaps changed)."""
     import torch
 
-    model = hf_model(path)
     results = []
     with torch.no_grad():
         for prompt in prompts:

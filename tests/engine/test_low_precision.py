@@ -32,9 +32,10 @@ import numpy as np
 import paddle
 import pytest
 import torch
+from test_qwen3_moe import make_qwen3_moe_checkpoint
 from tp_harness import BLOCK, chunked_logits, num_blocks_for
 
-from hf_models import hf_model, make_small_checkpoint, shape_cache
+from hf_models import greedy_of, hf_model, make_small_checkpoint, shape_cache
 from ketch.engine.llm import LLM
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
@@ -141,18 +142,6 @@ def test_perplexity_on_held_back_text(perplexity, precision, within):
 # ------------------------------------------------------------------- random checkpoints
 
 
-def _moe(out: Path, seed: int) -> Path:
-    settings = dict(
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    return make_small_checkpoint(out, "Qwen3MoeConfig", seed, **settings)
-
-
 CHECKPOINTS: dict[str, Callable[[Path, int], Path]] = {
     "llama": lambda out, seed: make_small_checkpoint(
         out, "LlamaConfig", seed, num_key_value_heads=2, hidden_size=128, intermediate_size=256
@@ -160,7 +149,7 @@ CHECKPOINTS: dict[str, Callable[[Path, int], Path]] = {
     "qwen3": lambda out, seed: make_small_checkpoint(
         out, "Qwen3Config", seed, num_key_value_heads=2, head_dim=32
     ),
-    "qwen3-moe": _moe,
+    "qwen3-moe": lambda out, seed: make_qwen3_moe_checkpoint(out, seed),
     "gemma3": lambda out, seed: make_small_checkpoint(
         out,
         "Gemma3TextConfig",
@@ -261,24 +250,6 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
-def hf_greedy_of(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            made = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(made[0, len(prompt) :].tolist())
-    return out
-
-
 @pytest.mark.parametrize(("precision", "dtype", "quantization"), [
     ("bfloat16", "bfloat16", "none"), ("int8", "float32", "int8"),
 ])  # fmt: skip
@@ -290,7 +261,7 @@ def test_greedy_equals_transformers_on_the_same_weights(precision, dtype, quanti
         tokenizer.encode("“Why, Mary Ann, what are you doing out here?"),
         tokenizer.encode("The Rabbit"),
     ]
-    reference = hf_greedy_of(_as_ketch_multiplies(hf_model(TINY_MODEL_DIR), precision), prompts, 48)
+    reference = greedy_of(_as_ketch_multiplies(hf_model(TINY_MODEL_DIR), precision), prompts, 48)
     llm = LLM(
         "tiny",
         dtype=dtype,
