@@ -54,8 +54,11 @@ class KVCache:
         if buffer is None:
             self.array = np.zeros(shape, dtype=storage)
         else:
+            # Not cleared: a block is always written before attention reads it (reads stop at
+            # each sequence's context), and clearing would make every page of the segment
+            # resident at start-up, where an untouched page of a fresh segment costs nothing
+            # until a request first writes it.
             self.array = np.ndarray(shape, dtype=storage, buffer=buffer)
-            self.array[:, :, begin:end].fill(0)  # another rank clears its own heads
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.layers = [self._layer(self.array[i, :, begin:end]) for i in range(num_layers)]
