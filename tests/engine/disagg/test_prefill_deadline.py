@@ -49,7 +49,6 @@ def _request(engine, request_id: str, expires_in: float) -> PrefillRequest:
         params=SamplingParams(max_tokens=8, temperature=0),
         seed=7,
         model=engine.model_fingerprint,
-        kv_cache_dtype=engine.runner_config.kv_cache_dtype,
         layout=engine.kv_layout,
         kv_dest="127.0.0.1:1",
         dest_blocks=[4, 5, 6],

@@ -244,7 +244,6 @@ class DecodeSide:
                 params=request.sampling_params,
                 seed=request.seed,
                 model=self.engine.model_fingerprint,
-                kv_cache_dtype=self.engine.kv_layout.dtype,
                 layout=self.engine.kv_layout,
                 kv_dest=remote.kv_dest,
                 dest_blocks=dest_blocks,

@@ -21,7 +21,7 @@ from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.outputs import TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
 
-PD_PROTOCOL_VERSION = 4  # 3: logprobs travel as TokenLogprob; 4: PrefillRequest.kv_cache_dtype
+PD_PROTOCOL_VERSION = 3  # 3: logprobs travel as TokenLogprob
 # A PrefillRequest carries one prompt: a million tokens is ~8 MB of JSON.
 MAX_PD_MESSAGE_BYTES = 16 << 20
 MAX_PD_PROMPT_SCORES = 250_000
@@ -51,9 +51,8 @@ class PrefillRequest:
     params: SamplingParams
     seed: int
     model: str  # the decode engine's model fingerprint; the prefill engine must match it
-    # The decode engine's KV cache dtype ("float32", "bfloat16"): blocks are copied as they
-    # are, so the prefill engine's must be the same.
-    kv_cache_dtype: str
+    # The decode engine's KV layout, its dtype included: blocks are copied as they are, so the
+    # prefill engine's must be the same.
     layout: KVLayout
     kv_dest: str  # "host:port" of the decode instance's cache manager KV transfer endpoint
     dest_blocks: list[int]  # decode blocks for prompt blocks start_block, start_block + 1, ...

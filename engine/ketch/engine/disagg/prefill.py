@@ -135,12 +135,12 @@ class PrefillSide:
                 f"model mismatch: the decode instance serves {message.model}, this prefill "
                 f"instance {engine.model_fingerprint}"
             )
-        kv_dtype = engine.kv_layout.dtype
-        if message.kv_cache_dtype != kv_dtype:
+        theirs, kv_dtype = message.layout.dtype, engine.kv_layout.dtype
+        if theirs != kv_dtype:  # said in the flag's words before the layout's field-by-field check
             return (
-                f"KV cache dtype mismatch: the decode instance's KV cache holds "
-                f"{message.kv_cache_dtype}, this prefill instance's {kv_dtype}; start both with "
-                "the same --kv-cache-dtype (KV blocks are copied as they are)"
+                f"KV cache dtype mismatch: the decode instance's KV cache holds {theirs}, this "
+                f"prefill instance's {kv_dtype}; start both with the same --kv-cache-dtype (KV "
+                "blocks are copied as they are)"
             )
         mismatch = engine.kv_layout.mismatch(message.layout, "the decode instance")
         if mismatch is not None:
