@@ -155,10 +155,10 @@ def kv_cache_dtype(
     return compute_dtype(config, probe, model)
 
 
-def precision_line(config: EngineConfig, weights: str, kv: str) -> str:
-    """How the instance computes, for the start-up log: 'bfloat16 weights (int8 linear layers),
+def precision_line(weights: str, quantization: str, kv: str) -> str:
+    """How the instance computes, for the start-up logs: 'bfloat16 weights (int8 linear layers),
     bfloat16 KV cache, float32 activations'."""
-    quantized = " (int8 linear layers)" if config.quantization == "int8" else ""
+    quantized = " (int8 linear layers)" if quantization == "int8" else ""
     return f"{weights} weights{quantized}, {kv} KV cache, float32 activations"
 
 

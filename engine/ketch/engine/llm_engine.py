@@ -93,13 +93,14 @@ class LLMEngine:
         self.failures: list[tuple[str, str]] = []  # requests that failed alone (take_failures)
         self._last_batch_size = 0
         self._num_seeded = 0
+        rc = runner_config
         logger.info(
             "engine ready: model %s, max_model_len %d, %d KV blocks of %d tokens; %s",
             path,
             self.max_model_len,
             num_blocks,
             config.block_size,
-            precision_line(config, runner_config.dtype, runner_config.kv_cache_dtype),
+            precision_line(rc.dtype, rc.quantization, rc.kv_cache_dtype),
         )
         if not self.device_is_gpu and config.runner == "model":
             logger.info("memory (expected): %s", cpu_memory(config, self.model_config))

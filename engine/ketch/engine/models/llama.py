@@ -68,7 +68,7 @@ def weights_nbytes(tree: object) -> int:
         return 0
     if isinstance(tree, paddle.Tensor):
         return int(tree.numel()) * tree.element_size()
-    if hasattr(tree, "nbytes") and not isinstance(tree, int | float):
+    if hasattr(tree, "nbytes"):  # a packed weight or packed experts
         return int(tree.nbytes)
     if dataclasses.is_dataclass(tree):
         return sum(weights_nbytes(getattr(tree, f.name)) for f in dataclasses.fields(tree))

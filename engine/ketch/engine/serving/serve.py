@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from ketch.engine.capabilities import precision_line
 from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
@@ -124,14 +125,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     state.metrics.set_model(
         ready.dtype, ready.quantization, ready.kv_cache_dtype, ready.weight_bytes
     )
-    logger.info(
-        "%s: %s weights%s, %.1f MiB in all; %s KV cache",
-        name,
-        ready.dtype,
-        " (int8 linear layers)" if ready.quantization == "int8" else "",
-        ready.weight_bytes / 2**20,
-        ready.kv_cache_dtype,
-    )
+    precision = precision_line(ready.dtype, ready.quantization, ready.kv_cache_dtype)
+    logger.info("%s: %s; %.1f MiB of weights in all", name, precision, ready.weight_bytes / 2**20)
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
