@@ -113,3 +113,14 @@ def test_a_clean_close_prints_no_resource_tracker_traceback() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resource_tracker" not in out.stderr and "KeyError" not in out.stderr, out.stderr
     assert not any((Path("/dev/shm") / name).exists() for name in shm_names(port))
+
+
+def test_ready_message_weight_bytes_are_read_defensively():
+    """A rank's ``ready <bytes>``: the count when it is a plain non-negative integer of sane
+    length, else 0 (a worker of another version, or a garbled frame, never breaks start-up)."""
+    from ketch.engine.worker.worker_process import _ready_bytes
+
+    assert _ready_bytes(b"ready 1367119872") == 1367119872
+    for junk in (b"ready", b"ready ", b"ready -5", b"ready 1e9", b"ready " + b"9" * 40,
+                 b"ready \xff\xfe", b"steady 12", b"", b"ready 12 34"):  # fmt: skip
+        assert _ready_bytes(junk) == 0, junk
