@@ -34,7 +34,7 @@ def _frame(kind: str, body: dict, literal: str | None = None) -> bytes:
 
 def _prefill_request(expires_at) -> dict:
     request = pd.PrefillRequest(
-        1, "r", [1, 2], SamplingParams(), 0, "m", "float32", pd.KVLayout(**KV), "h:1", [3], 0
+        1, "r", [1, 2], SamplingParams(), 0, "m", pd.KVLayout(**KV), "h:1", [3], 0
     )
     body = json.loads(pd.encode(request))["body"]
     body["expires_at"] = expires_at

@@ -57,9 +57,7 @@ def test_steps_and_results_round_trip() -> None:
 
 def test_pd_and_cache_manager_messages_round_trip() -> None:
     for message in [
-        pd.PrefillRequest(
-            1, "r", [1, 2], PARAMS, 2**63, "m", "bfloat16", LAYOUT, "h:1", [3, 4], 0, "e"
-        ),
+        pd.PrefillRequest(1, "r", [1, 2], PARAMS, 2**63, "m", LAYOUT, "h:1", [3, 4], 0, "e"),
         pd.PrefillDone("r", 5, TokenLogprob(5, -0.1, [(5, -0.1)]), 16, 1024, 0.5, 1.7e9),
         pd.PrefillDone("r", 5, prompt_logprobs=[TokenLogprob(2, -3.5, [(7, -0.2)])]),
         pd.PrefillFailed("r", "no", 503),
@@ -80,7 +78,7 @@ def test_encode_writes_what_asdict_would() -> None:
         ),
         ModelRunnerOutput(["a"], [5], [(-0.5, [(5, -0.5)])], {"a": [(-1.0, [(2, -0.1)])]}),
         pd.PrefillRequest(
-            1, "r", [1, 2], PARAMS, 2**63, "m", "bfloat16", LAYOUT, "h:1", [3, 4], 0, "e"
+            1, "r", [1, 2], PARAMS, 2**63, "m", LAYOUT, "h:1", [3, 4], 0, "e"
         ),
         pd.PrefillDone("r", 5, TokenLogprob(5, -0.1, [(5, -0.1)]), 16),
         cm.Swap(3, [(1, 2)], [(3, 4)]),
@@ -149,7 +147,7 @@ def test_bad_frames_are_message_errors_naming_the_problem(data: bytes, words: st
 
 def test_sampling_params_ranges_are_checked_on_decode() -> None:
     body = json.loads(pd.encode(
-        pd.PrefillRequest(1, "r", [1], PARAMS, 1, "m", "float32", LAYOUT, "h:1", [1], 0)
+        pd.PrefillRequest(1, "r", [1], PARAMS, 1, "m", LAYOUT, "h:1", [1], 0)
     ))["body"]  # fmt: skip
     for field, value in [("seed", 2**64), ("top_p", 5), ("n", 0), ("stop_token_ids", [-1])]:
         broken = {**body, "params": {**body["params"], field: value}}

@@ -70,7 +70,7 @@ def _prefill_request() -> m.PrefillRequest:
     layout = KVLayout(**SMALL)
     return m.PrefillRequest(
         m.PD_PROTOCOL_VERSION, "forged", [5, 6, 7], SamplingParams(max_tokens=2), 0, "tiny",
-        "float32", layout, "127.0.0.1:1", [1], 0,
+        layout, "127.0.0.1:1", [1], 0,
     )  # fmt: skip
 
 
