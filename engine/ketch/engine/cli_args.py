@@ -44,11 +44,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> N
         choices = f.metadata.get("choices")
         group.add_argument(
             flag_name(f.name),
-            type=kind,
+            type=f.metadata.get("parse", kind),
             default=None,
             choices=choices,
             help=help_text,
-            metavar=None if choices else f.name.upper(),
+            metavar=None if choices else f.metadata.get("metavar", f.name.upper()),
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ketch.engine.device import parse_device
+from ketch.engine.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {
     "": 1,
@@ -159,6 +160,23 @@ class EngineConfig:
         choices=("auto", "native", "predictor", "eager"),
         crd=False,
     )
+    speculative_config: SpeculativeConfig | None = _opt(
+        None,
+        "Speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft\" | \"mtp\", "
+        "\"num_speculative_tokens\": k, ...}. Each decode step the method proposes up to k "
+        "tokens per request and the model checks them all in that one step (greedy keeps the "
+        "longest prefix it agrees with plus its own next token; sampling keeps a proposed token "
+        "exactly when it is the token sampled there, so outputs are those without speculation). "
+        "ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
+        "last prompt_lookup_max..prompt_lookup_min tokens (defaults 4..2); draft: \"model\": "
+        "a smaller checkpoint with the same tokenizer, run by the worker with its own KV cache; "
+        "mtp: the checkpoint's multi-token-prediction layer (num_nextn_predict_layers). "
+        "disable_by_batch_size (default 8; 0: never): no speculation in a step with more "
+        "running requests than that (docs/speculative.md).",
+        parse=SpeculativeConfig.parse,
+        metavar="JSON",
+        crd=False,  # engine.speculativeConfig: an object schema (operator, issue 31)
+    )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(
         None,
@@ -183,6 +201,9 @@ class EngineConfig:
                     f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
         parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         parse_device(self.device)
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float):

@@ -1,0 +1,116 @@
+"""``--speculative-config``: which proposer drafts tokens and how many (no paddle here).
+
+Given as JSON on the command line, a mapping in a config file or ``LLM(...)``, or the CRD's
+``engine.speculativeConfig`` object; the same checks run on every path, each naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+"""Most tokens proposed per step: past that even a perfect proposer's rows cost more than the
+weight pass they share (and a bad one's are pure waste)."""
+MAX_LOOKUP = 64
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+"""Default ``disable_by_batch_size``: measured (docs/speculative.md): above about this many
+running requests a step's weight pass is already shared by the batch, and the rows drafts add
+cost more than the tokens they win back."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One engine's speculative decoding: ``method`` proposes up to ``num_speculative_tokens``
+    tokens per request per decode step; the model verifies them all in that step."""
+
+    method: str
+    num_speculative_tokens: int
+    # ngram (prompt lookup): the longest and shortest suffix n-grams looked up.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # draft: a smaller checkpoint with the target's tokenizer (a local directory or 'tiny').
+    model: str | None = None
+    # A step with more running requests than this does not speculate (0: never turn it off).
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}"
+            )
+        _int_in(self, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        _int_in(self, "prompt_lookup_max", 1, MAX_LOOKUP)
+        _int_in(self, "prompt_lookup_min", 1, self.prompt_lookup_max)
+        _int_in(self, "disable_by_batch_size", 0, 1 << 20)
+        if self.method == "draft":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    "speculative_config.model is required for method 'draft': the path of a "
+                    "smaller checkpoint with the same tokenizer"
+                )
+        elif self.model is not None:
+            raise ValueError(
+                f"speculative_config.model is for method 'draft' only (method is {self.method!r})"
+            )
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A ``SpeculativeConfig`` from itself, a mapping or JSON text (``None``, ``""`` and
+        ``"null"``: no speculation). Unknown keys and wrong types are errors naming the key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip() or value.strip() == "null":
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(
+                'speculative_config must be a JSON object such as {"method": "ngram", '
+                '"num_speculative_tokens": 4}'
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown[:5]}; known: {sorted(known)}"
+            )
+        for required in ("method", "num_speculative_tokens"):
+            if required not in value:
+                raise ValueError(f"speculative_config.{required} is required")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        """The compact JSON ``parse`` reads back (what the operator renders as the flag)."""
+        body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True)
+
+    def describe(self) -> str:
+        """For the start-up log: the method, k and the method's own settings."""
+        extra = {
+            "ngram": f", n-grams {self.prompt_lookup_max}..{self.prompt_lookup_min}",
+            "draft": f", draft model {self.model}",
+            "mtp": ", the checkpoint's multi-token-prediction layer",
+        }[self.method]
+        off = (
+            f"; off in steps with more than {self.disable_by_batch_size} running requests"
+            if self.disable_by_batch_size
+            else ""
+        )
+        return f"{self.method}, k={self.num_speculative_tokens}{extra}{off}"
+
+
+def _int_in(config: SpeculativeConfig, name: str, low: int, high: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(
+            f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}"
+        )
