@@ -162,13 +162,13 @@ class EngineConfig:
     )
     speculative_config: SpeculativeConfig | None = _opt(
         None,
-        "Speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft\" | \"mtp\", "
-        "\"num_speculative_tokens\": k, ...}. Each decode step the method proposes up to k "
+        'Speculative decoding, as JSON: {"method": "ngram" | "draft" | "mtp", '
+        '"num_speculative_tokens": k, ...}. Each decode step the method proposes up to k '
         "tokens per request and the model checks them all in that one step (greedy keeps the "
         "longest prefix it agrees with plus its own next token; sampling keeps a proposed token "
         "exactly when it is the token sampled there, so outputs are those without speculation). "
         "ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
-        "last prompt_lookup_max..prompt_lookup_min tokens (defaults 4..2); draft: \"model\": "
+        'last prompt_lookup_max..prompt_lookup_min tokens (defaults 4..2); draft: "model": '
         "a smaller checkpoint with the same tokenizer, run by the worker with its own KV cache; "
         "mtp: the checkpoint's multi-token-prediction layer (num_nextn_predict_layers). "
         "disable_by_batch_size (default 8; 0: never): no speculation in a step with more "

@@ -71,6 +71,7 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             device=config.device,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            speculative=config.speculative_config,
         )
         self.runner_config = runner_config
         if config.runner == "null":
@@ -85,8 +86,15 @@ class LLMEngine:
         else:  # offline tensor parallelism: ranks fed over a queue named after a free port
             self.runner = RemoteRunner(runner_config, worker_port or free_tcp_port())
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        spec = config.speculative_config
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                num_lookahead_tokens=0 if spec is None else spec.num_speculative_tokens,
+                speculate_max_batch=0 if spec is None else spec.disable_by_batch_size,
+            ),
             self.kv_cache,
         )
         self._tracked: dict[str, Tracked] = {}
@@ -104,6 +112,8 @@ class LLMEngine:
         )
         if not self.device_is_gpu and config.runner == "model":
             logger.info("memory (expected): %s", cpu_memory(config, self.model_config))
+        if spec is not None:
+            logger.info("speculative decoding: %s", spec.describe())
 
     @property
     def device_is_gpu(self) -> bool:
@@ -309,6 +319,7 @@ class LLMEngine:
             tracked = self._tracked.get(request_id)
             if logprob is not None and tracked is not None and tracked.logprobs is not None:
                 tracked.logprobs.append(logprob)
+                tracked.logprobs += out.extra_logprobs.get(request_id, ())
 
     def _take_prompt_logprobs(self, scored: dict[str, list[TokenLogprob]]) -> None:
         """Appends what a step scored of each prompt (the tokens after those scored before)."""
@@ -339,10 +350,9 @@ class LLMEngine:
             return embedding_delta(request, tracked)
         if tracked.first_token_time is None:
             tracked.first_token_time = time.monotonic()
-        token_id = request.token_ids[-1]
         detokenizer = tracked.detokenizer
         deferred = tracked.final_only and not detokenizer.has_stop_strings
-        if not deferred and detokenizer.add_token(token_id):
+        if not deferred and self._stop_string(request, tracked):
             if not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             request.status = RequestStatus.FINISHED_STOPPED  # the text was cut: not "length"
@@ -360,6 +370,24 @@ class LLMEngine:
         if finished:
             del self._tracked[request.request_id]
         return delta
+
+    @staticmethod
+    def _stop_string(request: Request, tracked: Tracked) -> bool:
+        """Passes the request's new tokens (one, or several with speculative decoding) to its
+        detokenizer; True when a stop string ended the text. Tokens after the one that
+        completed it are dropped, as if the request had stopped there (and their logprobs)."""
+        token_ids = request.token_ids
+        begin = request.num_prompt_tokens + tracked.detokenized
+        for i in range(begin, len(token_ids)):
+            tracked.detokenized += 1
+            if tracked.detokenizer.add_token(token_ids[i]):
+                dropped = len(token_ids) - i - 1
+                if dropped:
+                    del token_ids[i + 1 :]
+                    if tracked.logprobs:
+                        del tracked.logprobs[len(tracked.logprobs) - dropped :]
+                return True
+        return False
 
     def _make_delta(self, request: Request, tracked: Tracked, finished: bool) -> RequestDelta:
         """What is new since the request's last delta; nothing the engine keeps is copied."""

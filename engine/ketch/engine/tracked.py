@@ -27,6 +27,7 @@ class Tracked:
     final_only: bool = False
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
     emitted_tokens: int = 0
+    detokenized: int = 0  # output tokens passed to the detokenizer (stop strings)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     token_ids: list[int] = field(default_factory=list)

@@ -109,6 +109,12 @@ class Request:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def speculates(self) -> bool:
+        """Whether its decode steps may take proposed tokens (not an embedding, nor a prefill
+        that ends after its first token to hand its KV to a peer)."""
+        return self.sampling_params.pooling is None and not self.keep_blocks
+
+    @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 

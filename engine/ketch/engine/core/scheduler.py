@@ -29,6 +29,10 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Speculative decoding: room for this many proposed tokens per decode request, in steps
+    # with at most ``speculate_max_batch`` running requests (0: any number).
+    num_lookahead_tokens: int = 0
+    speculate_max_batch: int = 0
 
 
 @dataclass
@@ -39,6 +43,14 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_steps: int = 0
+    # Speculative decoding: tokens proposed, proposed tokens kept, tokens emitted by the
+    # request-steps that had proposals (kept ones plus the model's own after them), and steps
+    # that did not speculate because the batch was larger than ``speculate_max_batch``.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_drafted_steps: int = 0
+    num_steps_speculation_off: int = 0
 
 
 class Scheduler:
@@ -78,7 +90,8 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
-        budget = self._schedule_running(budget, scheduled, cached, preempted)
+        lookahead: dict[str, int] = {}
+        budget = self._schedule_running(budget, scheduled, cached, preempted, lookahead)
         new_requests: list[NewRequestData] = []
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, cached, new_requests)
@@ -88,10 +101,22 @@ class Scheduler:
             new_requests=new_requests,
             cached_requests=cached,
             num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens
+            - budget
+            - sum(lookahead.values()),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
+            num_lookahead_tokens=lookahead,
         )
+
+    def _lookahead(self) -> int:
+        """How many proposed tokens a decode request may have this step."""
+        k = self.config.num_lookahead_tokens
+        limit = self.config.speculate_max_batch
+        if k and limit and len(self.running) > limit:
+            self.stats.num_steps_speculation_off += 1
+            return 0
+        return k
 
     def _schedule_running(
         self,
@@ -99,12 +124,14 @@ class Scheduler:
         scheduled: dict[str, int],
         cached: CachedRequestData,
         preempted: list[Request],
+        lookahead: dict[str, int],
     ) -> int:
         running = self.running
         kv_cache = self.kv_cache
         bs = self.block_size
         ids, new_blocks = cached.request_ids, cached.new_block_ids
         resumed, computed = cached.resumed, cached.num_computed_tokens
+        k = self._lookahead() if running else 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -113,7 +140,18 @@ class Scheduler:
             if n > budget:
                 n = budget
             num_blocks = len(request.block_ids)
-            if computed_before + n > num_blocks * bs:
+            extra = 0
+            if (
+                k and n == 1 and request.speculates
+            ):  # a decode: room for proposed tokens, if blocks are free for them
+                extra = min(k, request.max_len - len(request.token_ids) - 1, budget - 1)
+                if extra > 0 and computed_before + 1 + extra > num_blocks * bs:
+                    if not kv_cache.allocate_slots(request, 1 + extra):
+                        extra = 0  # never preempts for speculation: decode without it
+                if extra > 0:
+                    lookahead[request.request_id] = extra
+                    budget -= extra
+            if computed_before + n > num_blocks * bs or len(request.block_ids) > num_blocks:
                 while not kv_cache.allocate_slots(request, n):
                     victim = running.pop()
                     self._preempt(victim)
@@ -202,6 +240,7 @@ class Scheduler:
         kv_cache = self.kv_cache
         bs = self.block_size
         deferred = set(runner_output.deferred) if runner_output.deferred else None
+        extra = self._extra_tokens(scheduler_output, runner_output)
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None:
@@ -230,8 +269,51 @@ class Scheduler:
                 token_id in request.stop_ids or len(token_ids) >= request.max_len
             ) and request.finish_on(token_id):
                 self._release(request)
+            elif extra and request_id in extra:
+                self._append_extra(request, extra[request_id])
             updated.append(request)
         return updated
+
+    def _append_extra(self, request: Request, tokens: list[int]) -> None:
+        """Appends the tokens a request emitted after its first, up to the first that ends it;
+        the positions of those kept before the last were computed (their KV is the step's), so
+        the blocks they fill join the prefix cache, as if decoded one by one."""
+        token_ids = request.token_ids
+        finished = False
+        for token_id in tokens:
+            token_ids.append(token_id)
+            if (
+                token_id in request.stop_ids or len(token_ids) >= request.max_len
+            ) and request.finish_on(token_id):
+                finished = True
+                break
+        request.num_computed_tokens = len(token_ids) - 1
+        if request.num_computed_tokens >= (request.num_registered_blocks + 1) * self.block_size:
+            self.kv_cache.cache_full_blocks(request)
+        if finished:
+            self._release(request)
+
+    def _extra_tokens(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[str, list[int]]:
+        """The tokens each request emitted after its first (speculative decoding), no more than
+        its lookahead allowed; counts the proposals and what was kept of them."""
+        drafted = runner_output.num_draft_tokens
+        if not drafted:
+            return {}
+        room = scheduler_output.num_lookahead_tokens
+        stats = self.stats
+        extra = {}
+        for request_id, num_drafts in drafted.items():
+            allowed = room.get(request_id, 0)
+            tokens = runner_output.extra_token_ids.get(request_id, [])[:allowed]
+            stats.num_draft_tokens += min(num_drafts, allowed)
+            stats.num_accepted_tokens += len(tokens)
+            stats.num_emitted_tokens += len(tokens) + 1
+            stats.num_drafted_steps += 1
+            if tokens:
+                extra[request_id] = tokens
+        return extra
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends requests from outside the step (stop strings, aborts)."""

@@ -52,10 +52,15 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: decode requests that may compute up to this many proposed tokens
+    # after their scheduled one (their blocks have room for them; the budget counts them).
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.total_num_scheduled_tokens != sum(self.num_scheduled_tokens.values()):
             raise ValueError("total_num_scheduled_tokens is not the sum of num_scheduled_tokens")
+        if any(n < 0 for n in self.num_lookahead_tokens.values()):
+            raise ValueError("num_lookahead_tokens must not be negative")
 
     @property
     def is_empty(self) -> bool:
@@ -84,3 +89,9 @@ class ModelRunnerOutput:
     deferred: list[str] = field(default_factory=list)
     # The whole step was refused (a frame the worker could not decode): why. Nothing was applied.
     refused: str | None = None
+    # Speculative decoding, per request that was given drafts this step: how many, and the
+    # tokens it emitted after its first (one per draft the model agreed with: the drafts kept
+    # and the model's token after the last of them), with their logprobs when asked for.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)

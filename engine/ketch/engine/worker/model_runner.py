@@ -38,6 +38,9 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
+from ketch.engine.spec_decode.config import SpeculativeConfig
+from ketch.engine.spec_decode.proposer import Proposer
+from ketch.engine.spec_decode.verify import drafts_wanted, grammar_prefix, verify
 from ketch.engine.structured.compiler import (
     PENDING,
     UNUSABLE,
@@ -85,6 +88,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # bounds a GPU step's attention gathers
     # A request whose grammar has not compiled this long after it arrived fails (alone).
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -101,6 +105,10 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
     hidden: HiddenRows = field(default_factory=HiddenRows)  # embedding requests'
+    # Speculative decoding: per request, its drafts and the index in ``spec_rows`` of the row
+    # scoring the first (each draft's position has a row: it scores the token after it).
+    drafts: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    spec_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +175,12 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
+        # Speculative decoding: rank 0 proposes (the other ranks take its drafts).
+        self.proposer: Proposer | None = None
+        if config.speculative is not None and self.shard.first:
+            from ketch.engine.spec_decode.factory import make_proposer
+
+            self.proposer = make_proposer(config, self.model)
         self.weight_bytes = model_weight_bytes(self.model)
         quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
@@ -219,10 +233,11 @@ class ModelRunner:
             failed = self.sync.agree_failed(failed, self._forget)
         if sched.is_empty or all(r in failed for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
-        batch = self._prepare_inputs(sched, failed)
+        drafts = self._propose(sched, failed) if sched.num_lookahead_tokens else {}
+        batch = self._prepare_inputs(sched, failed, drafts)
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
         # one throwaway logits row.
-        rows = batch.logit_rows + batch.prompt_rows
+        rows = batch.logit_rows + batch.prompt_rows + batch.spec_rows
         logits, hidden = self._forward(batch, rows or [0])
         if logits is None:  # a tensor-parallel rank other than 0
             return self._follow(failed)
@@ -246,10 +261,36 @@ class ModelRunner:
             self._forget(request_id)
         return pooled
 
+    def _propose(self, sched: SchedulerOutput, failed: dict[str, str]) -> dict[str, list[int]]:
+        """Drafts for the decode requests the scheduler left room for (rank 0 proposes; with
+        tensor parallelism every rank takes rank 0's, so their batches agree)."""
+        drafts: dict[str, list[int]] = {}
+        if self.proposer is not None:
+            cfg = self.config
+            wants = drafts_wanted(
+                sched, self.requests, failed, cfg.speculative, cfg.block_size, cfg.max_model_len
+            )
+            if wants:
+                vocab = cfg.model_config.vocab_size
+                for request_id, tokens in self.proposer.propose(list(wants.values())).items():
+                    state = self.requests[request_id].sampling
+                    tokens = [t for t in tokens[: wants[request_id].max_tokens] if 0 <= t < vocab]
+                    if state.grammar is not None:  # only what the grammar accepts is proposed
+                        tokens = grammar_prefix(state.grammar, tokens)
+                    if tokens:
+                        drafts[request_id] = tokens
+        if self.sync is not None:
+            drafts = self.sync.share_drafts(drafts)
+        return drafts
+
     def _follow(self, failed: dict[str, str]) -> ModelRunnerOutput:
-        ids, tokens, dropped, deferred = self.sync.follow()
+        ids, tokens, dropped, deferred, extra = self.sync.follow()
         for request_id, token in zip(ids, tokens, strict=True):
-            self.requests[request_id].sampling.accept(token)
+            state = self.requests[request_id]
+            state.sampling.accept(token)
+            for token in extra.get(request_id, ()):  # drafts rank 0 kept, and the next token
+                state.sampling.accept(token)
+                state.num_computed_tokens += 1
         for request_id in dropped:
             self.requests.pop(request_id, None)
             failed[request_id] = "failed on rank 0"
@@ -272,8 +313,7 @@ class ModelRunner:
         tokens, logprobs = sample(rows, states)
         for state, token in zip(states, tokens, strict=True):
             state.accept(token)
-        self._advanced = [s.grammar for s in states if s.grammar is not None]
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             request_ids=ids,
             sampled_token_ids=tokens,
             logprobs=logprobs,
@@ -281,6 +321,29 @@ class ModelRunner:
             prompt_logprobs=scored,
             deferred=deferred,
         )
+        if batch.drafts:
+            self._verify(batch, logits, output)
+        self._advanced = [s.grammar for s in states if s.grammar is not None]
+        return output
+
+    def _verify(self, batch: StepInputs, logits: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Speculative decoding: each sampled request's drafts against the model's own tokens
+        (``spec_decode.verify``); the positions of drafts kept count as computed."""
+        spec_logits = logits[len(batch.logit_rows) + len(batch.prompt_rows) :]
+        for i, request_id in enumerate(output.request_ids):
+            entry = batch.drafts.get(request_id)
+            if entry is None:
+                continue
+            drafts, first_row = entry
+            state = self.requests[request_id]
+            rows = spec_logits[first_row : first_row + len(drafts)]
+            extra, logprobs = verify(state.sampling, output.sampled_token_ids[i], drafts, rows)
+            state.num_computed_tokens += len(extra)
+            output.num_draft_tokens[request_id] = len(drafts)
+            if extra:
+                output.extra_token_ids[request_id] = extra
+                if logprobs:
+                    output.extra_logprobs[request_id] = logprobs
 
     def prepare_next_step(self) -> None:
         """What the next step needs that can be done while the engine schedules it (the worker
@@ -399,6 +462,8 @@ class ModelRunner:
                 continue
             if resumed:
                 state.block_ids = list(blocks)
+                if self.proposer is not None:
+                    self.proposer.forget(request_id)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -426,6 +491,8 @@ class ModelRunner:
         state = self.requests.pop(request_id, None)
         if state is not None and state.sampling.grammar is not None:
             state.sampling.grammar.cancel()
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampling = SamplingState.create(
@@ -459,9 +526,14 @@ class ModelRunner:
             )
         return self._grammars
 
-    def _prepare_inputs(self, sched: SchedulerOutput, failed: dict[str, str]) -> StepInputs:
+    def _prepare_inputs(
+        self, sched: SchedulerOutput, failed: dict[str, str], drafts: dict[str, list[int]]
+    ) -> StepInputs:
+        """The step's flat inputs. A request with drafts computes them after its scheduled
+        token, in its own span: rows that score each draft (``StepInputs.spec_rows``); its
+        computed count covers the scheduled tokens only until the drafts are checked."""
         scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}
-        total = sum(scheduled.values())
+        total = sum(scheduled.values()) + sum(len(d) for d in drafts.values())
         batch = StepInputs(np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64))
         start = 0
         for request_id, n in scheduled.items():
@@ -469,8 +541,14 @@ class ModelRunner:
             begin = state.num_computed_tokens
             tokens = state.sampling.token_ids
             batch.input_ids[start : start + n] = tokens[begin : begin + n]
-            batch.positions[start : start + n] = np.arange(begin, begin + n)
-            batch.spans.append(SequenceSpan(start, n, begin + n, state.block_ids))
+            proposed = drafts.get(request_id, ())
+            if proposed:  # only ever given to a request at its last token
+                batch.input_ids[start + n : start + n + len(proposed)] = proposed
+                batch.drafts[request_id] = (list(proposed), len(batch.spec_rows))
+                batch.spec_rows.extend(range(start + n, start + n + len(proposed)))
+            width = n + len(proposed)
+            batch.positions[start : start + width] = np.arange(begin, begin + width)
+            batch.spans.append(SequenceSpan(start, width, begin + width, state.block_ids))
             if state.pooler is not None:
                 batch.hidden.add(request_id, state.pooler, begin, n, start)
             elif begin + n == len(tokens):
@@ -479,7 +557,7 @@ class ModelRunner:
             if state.sampling.params.prompt_logprobs is not None:
                 _add_prompt_rows(batch, request_id, state, start, n)
             state.num_computed_tokens = begin + n
-            start += n
+            start += width
         return batch
 
 

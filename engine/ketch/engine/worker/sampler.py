@@ -72,6 +72,11 @@ class SamplingState:
             bias_values=np.array([b for _, b in params.logit_bias], dtype=np.float64),
         )
 
+    @functools.cached_property
+    def stop_set(self) -> frozenset[int]:
+        """``stop_ids`` as a set (speculative decoding checks each kept token against it)."""
+        return frozenset(self.stop_ids.tolist())
+
     def accept(self, token: int) -> None:
         """Appends a sampled token (and moves the grammar's matcher past it)."""
         self.token_ids.append(token)

@@ -60,11 +60,26 @@ class StepSync:
             "tokens": output.sampled_token_ids,
             "failed": failed,
             "deferred": output.deferred,
+            "extra": output.extra_token_ids,
         }
         self.group.broadcast_bytes(json.dumps(message).encode())
 
-    def follow(self) -> tuple[list[str], list[int], list[str], list[str]]:
+    def follow(self) -> tuple[list[str], list[int], list[str], list[str], dict[str, list[int]]]:
         """The other ranks: (sampled request ids, their tokens, requests that failed, requests
-        deferred)."""
+        deferred, and per request the tokens it emitted after its first: speculative decoding's
+        drafts kept and the token after them)."""
         message = json.loads(self.group.broadcast_bytes(None))
-        return message["ids"], message["tokens"], list(message["failed"]), message["deferred"]
+        return (
+            message["ids"],
+            message["tokens"],
+            list(message["failed"]),
+            message["deferred"],
+            message["extra"],
+        )
+
+    def share_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Speculative decoding: rank 0's drafts, which every rank computes this step."""
+        if self.first:
+            self.group.broadcast_bytes(json.dumps(drafts).encode())
+            return drafts
+        return json.loads(self.group.broadcast_bytes(None))
