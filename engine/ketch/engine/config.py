@@ -160,7 +160,7 @@ class EngineConfig:
         choices=("auto", "native", "predictor", "eager"),
         crd=False,
     )
-    speculative_config: SpeculativeConfig | None = _opt(
+    speculative_config: SpeculativeConfig | None = _opt(  # noqa: RUF009
         None,
         'Speculative decoding, as JSON: {"method": "ngram" | "draft" | "mtp", '
         '"num_speculative_tokens": k, ...}. Each decode step the method proposes up to k '

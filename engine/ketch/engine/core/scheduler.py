@@ -141,13 +141,13 @@ class Scheduler:
                 n = budget
             num_blocks = len(request.block_ids)
             extra = 0
-            if (
-                k and n == 1 and request.speculates
-            ):  # a decode: room for proposed tokens, if blocks are free for them
+            if k and n == 1 and request.speculates:
+                # A decode: room for proposed tokens, if blocks are free for them (speculation
+                # never preempts: without the blocks, the request decodes without it).
                 extra = min(k, request.max_len - len(request.token_ids) - 1, budget - 1)
-                if extra > 0 and computed_before + 1 + extra > num_blocks * bs:
-                    if not kv_cache.allocate_slots(request, 1 + extra):
-                        extra = 0  # never preempts for speculation: decode without it
+                grow = extra > 0 and computed_before + 1 + extra > num_blocks * bs
+                if grow and not kv_cache.allocate_slots(request, 1 + extra):
+                    extra = 0
                 if extra > 0:
                     lookahead[request.request_id] = extra
                     budget -= extra
