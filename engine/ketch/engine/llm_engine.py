@@ -426,4 +426,10 @@ class LLMEngine:
             num_preemptions=stats.num_preemptions,
             prefix_query_tokens=stats.prefix_query_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            speculative=self.config.speculative_config is not None,
+            spec_draft_tokens=stats.num_draft_tokens,
+            spec_accepted_tokens=stats.num_accepted_tokens,
+            spec_emitted_tokens=stats.num_emitted_tokens,
+            spec_drafted_steps=stats.num_drafted_steps,
+            spec_steps_off=stats.num_steps_speculation_off,
         )

@@ -144,6 +144,9 @@ class EngineMetrics:
         self._http: dict[tuple[str, str], int] = {}
         self._precision: tuple[str, str, str] | None = None
         self._weight_bytes = 0
+        self._speculative = False
+        self._spec = dict.fromkeys(_SPEC_COUNTERS, 0)  # totals, advanced like the hit counter
+        self._last_spec = dict.fromkeys(_SPEC_COUNTERS, 0)
         self.registry.register(self)
 
     def set_model(self, dtype: str, quantization: str, kv_cache_dtype: str, weight_bytes: int):
@@ -185,6 +188,11 @@ class EngineMetrics:
             # the same snapshot never double count (and a restarted engine never subtracts).
             self._prefix_cache_tokens += max(0, snapshot.prefix_hit_tokens - self._last_hit_tokens)
             self._last_hit_tokens = snapshot.prefix_hit_tokens
+            self._speculative = snapshot.speculative
+            for name, (field, _) in _SPEC_COUNTERS.items():
+                now = getattr(snapshot, field)
+                self._spec[name] += max(0, now - self._last_spec[name])
+                self._last_spec[name] = now
 
     def observe_http(self, path: str, status_code: int) -> None:
         """Counts one HTTP request served (pass a route template, not a raw URL, for `path`)."""
@@ -221,6 +229,22 @@ class EngineMetrics:
             )
             family.add_metric([self.model_name, *self._precision], self._weight_bytes)
             yield family
+        if self._speculative:
+            spec = self._spec
+            drafted, steps = spec["spec_decode_num_draft_tokens_total"], spec["_drafted_steps"]
+            accepted = spec["spec_decode_num_accepted_tokens_total"]
+            emitted = spec["spec_decode_num_emitted_tokens_total"]
+            yield self._gauge(
+                "spec_decode_draft_acceptance_rate",
+                "Speculative decoding: proposed tokens the model kept, of all proposed.",
+                accepted / drafted if drafted else 0.0,
+            )
+            yield self._gauge(
+                "spec_decode_mean_accepted_length",
+                "Speculative decoding: tokens emitted per request-step that had proposals "
+                "(the proposals kept plus the model's own token; 1 = none kept).",
+                emitted / steps if steps else 0.0,
+            )
 
     def _counter_families(self) -> Iterator[Metric]:
         yield self._untyped("requests_number", "Finished requests.", self._requests)
@@ -247,9 +271,18 @@ class EngineMetrics:
         for (path, status), count in sorted(self._http.items()):
             http.add_metric([self.model_name, path, status], count)
         yield http
+        if self._speculative:
+            for name, (_, doc) in _SPEC_COUNTERS.items():
+                if doc:
+                    yield self._counter(name.removesuffix("_total"), doc, self._spec[name])
 
     def _counter(self, name: str, doc: str, value: float) -> Metric:
         family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
 
@@ -257,6 +290,29 @@ class EngineMetrics:
         family = UnknownMetricFamily(PREFIX + name, doc, labels=["model_name"])
         family.add_metric([self.model_name], value)
         return family
+
+
+_SPEC_COUNTERS = {
+    # metric name -> (EngineSnapshot field, help; none: kept for the gauges only)
+    "spec_decode_num_draft_tokens_total": (
+        "spec_draft_tokens",
+        "Speculative decoding: tokens proposed (and computed by the model to check them).",
+    ),
+    "spec_decode_num_accepted_tokens_total": (
+        "spec_accepted_tokens",
+        "Speculative decoding: proposed tokens the model agreed with (kept).",
+    ),
+    "spec_decode_num_emitted_tokens_total": (
+        "spec_emitted_tokens",
+        "Speculative decoding: tokens emitted by request-steps that had proposals.",
+    ),
+    "spec_decode_steps_off_total": (
+        "spec_steps_off",
+        "Speculative decoding: steps that did not speculate, the batch being larger than "
+        "disable_by_batch_size.",
+    ),
+    "_drafted_steps": ("spec_drafted_steps", ""),
+}
 
 
 def _gauge_values(snapshot: EngineSnapshot) -> dict[str, float]:

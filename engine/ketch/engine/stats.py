@@ -63,3 +63,10 @@ class EngineSnapshot:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     cache_manager_attached: bool = False
+    # Speculative decoding (cumulative; ``speculative`` False: not configured, not exposed).
+    speculative: bool = False
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_drafted_steps: int = 0
+    spec_steps_off: int = 0

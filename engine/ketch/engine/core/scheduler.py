@@ -142,12 +142,16 @@ class Scheduler:
             num_blocks = len(request.block_ids)
             extra = 0
             if k and n == 1 and request.speculates:
-                # A decode: room for proposed tokens, if blocks are free for them (speculation
-                # never preempts: without the blocks, the request decodes without it).
+                # A decode: room for proposed tokens, in blocks that are free beyond one per
+                # running request (speculation never preempts, and leaves every request a block
+                # to grow into; without the blocks the request decodes without it).
                 extra = min(k, request.max_len - len(request.token_ids) - 1, budget - 1)
-                grow = extra > 0 and computed_before + 1 + extra > num_blocks * bs
-                if grow and not kv_cache.allocate_slots(request, 1 + extra):
-                    extra = 0
+                if extra > 0 and computed_before + 1 + extra > num_blocks * bs:
+                    spare = kv_cache.pool.num_free_blocks - len(running)
+                    if -(-(computed_before + 1 + extra) // bs) - num_blocks > spare or (
+                        not kv_cache.allocate_slots(request, 1 + extra)
+                    ):
+                        extra = 0
                 if extra > 0:
                     lookahead[request.request_id] = extra
                     budget -= extra
