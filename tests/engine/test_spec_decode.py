@@ -338,3 +338,13 @@ def test_scheduler_room_stops_at_max_tokens():
     request.num_computed_tokens = 3
     request.token_ids.append(4)  # 4 tokens: 2 more may come, so 1 proposal at most
     assert scheduler.schedule().num_lookahead_tokens == {"r": 1}
+
+
+@pytest.mark.parametrize("backend", ["eager", "predictor"])
+def test_other_backends(backend):
+    prompts = quoting_prompts()[:2]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = run(LLM("tiny", backend=backend, num_threads=2), prompts, params)
+    spec = LLM("tiny", backend=backend, num_threads=2, speculative_config=NGRAM)
+    assert run(spec, prompts, params) == expected
+    assert spec.engine.scheduler.stats.num_draft_tokens > 0
