@@ -44,12 +44,25 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str) -> N
         choices = f.metadata.get("choices")
         group.add_argument(
             flag_name(f.name),
-            type=f.metadata.get("parse", kind),
+            type=_flag_parser(f.metadata["parse"]) if "parse" in f.metadata else kind,
             default=None,
             choices=choices,
             help=help_text,
             metavar=None if choices else f.metadata.get("metavar", f.name.upper()),
         )
+
+
+def _flag_parser(parse):
+    """A field's own parser as an argparse ``type``: its ValueError's text is the error shown
+    (argparse would say only "invalid parse value")."""
+
+    def flag_value(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return flag_value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
