@@ -297,25 +297,41 @@ class CpuMemory:
     kv_cache_dtype: str
     quantization: str
     processes: int
+    # speculative decoding with a draft model (rank 0's): its weights and its own KV cache (the
+    # model's blocks at the draft's shape, private memory: not in --kv-cache-memory)
+    draft_weights: int = 0
+    draft_kv_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.headroom
+        return (
+            self.weights + self.kv_cache + self.headroom + self.draft_weights + self.draft_kv_cache
+        )
 
     def __str__(self) -> str:
         quantized = ", int8 linear layers" if self.quantization == "int8" else ""
+        draft = (
+            f" + draft model {self.draft_weights} bytes + draft KV cache "
+            f"{self.draft_kv_cache} bytes"
+            if self.draft_weights or self.draft_kv_cache
+            else ""
+        )
         return (
             f"weights {self.weights} bytes ({self.weight_dtype}{quantized}) + KV cache "
             f"{self.kv_cache} bytes ({self.kv_cache_dtype}) + headroom {self.headroom} bytes "
             f"({self.processes} processes at {CPU_PROCESS_BYTES >> 20} MiB and one step's "
-            f"activations) = {self.total} bytes"
+            f"activations){draft} = {self.total} bytes"
         )
 
 
-def cpu_memory(config: EngineConfig, model: ModelConfig) -> CpuMemory:
+def cpu_memory(
+    config: EngineConfig, model: ModelConfig, draft: ModelConfig | None = None
+) -> CpuMemory:
     """The memory a CPU instance of ``config`` takes (``config`` having no refusals for
     ``model``): weights at the chosen precision (``device.cpu_weight_bytes``, every rank's),
-    the KV cache at its dtype, and the headroom (``CpuMemory``)."""
+    the KV cache at its dtype, and the headroom (``CpuMemory``). ``draft``: the draft model's
+    config (``speculative_config`` method draft), whose weights, KV cache (as many blocks as
+    the model's) and one step's activations rank 0 holds too."""
     weights_dtype = _cpu_dtype(config, model)
     tp = config.tensor_parallel_size
     shards = [Shard.of(model, rank, tp) for rank in range(tp)]
@@ -326,6 +342,22 @@ def cpu_memory(config: EngineConfig, model: ModelConfig) -> CpuMemory:
         cpu_activation_bytes(model, shard, config.max_num_batched_tokens, config.max_num_seqs)
         for shard in shards
     )
+    draft_weights = draft_kv = 0
+    if draft is not None:
+        whole = Shard.of(draft, 0, 1)
+        draft_weights = dev.cpu_weight_bytes(draft, whole, weights_dtype, config.quantization)
+        draft_layout = KVLayout(
+            num_layers=draft.num_hidden_layers,
+            kv_heads=draft.num_key_value_heads,
+            num_blocks=0,
+            block_size=config.block_size,
+            head_dim=draft.head_dim,
+            dtype=_layout(config, model).dtype,  # the runner gives the draft the model's
+        )
+        draft_kv = num_kv_blocks(config, model) * draft_layout.block_bytes
+        activations += cpu_activation_bytes(
+            draft, whole, config.max_num_batched_tokens, config.max_num_seqs
+        )
     return CpuMemory(
         weights=weights,
         kv_cache=kv_cache_bytes(config, model),
@@ -334,6 +366,8 @@ def cpu_memory(config: EngineConfig, model: ModelConfig) -> CpuMemory:
         kv_cache_dtype=kv_cache_dtype(config, model=model),
         quantization=config.quantization,
         processes=2 + tp,
+        draft_weights=draft_weights,
+        draft_kv_cache=draft_kv,
     )
 
 

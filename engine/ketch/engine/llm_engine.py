@@ -26,6 +26,7 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.outputs import RequestDelta, TokenLogprob
 from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.tracked import Tracked, embedding_delta, request_metrics, take_embeddings
@@ -51,6 +52,8 @@ class LLMEngine:
         check_runnable(config, self.model_config)  # the refusals the operator checks too
         self.tokenizer = Tokenizer(path)
         self.max_model_len = max_model_len(config, self.model_config)
+        # method draft: the draft checkpoint is checked here, before any worker starts
+        self.draft_model_config = self._check_draft(config, path)
         num_blocks = num_kv_blocks(config, self.model_config)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -111,9 +114,28 @@ class LLMEngine:
             precision_line(rc.dtype, rc.quantization, rc.kv_cache_dtype),
         )
         if not self.device_is_gpu and config.runner == "model":
-            logger.info("memory (expected): %s", cpu_memory(config, self.model_config))
+            logger.info(
+                "memory (expected): %s",
+                cpu_memory(config, self.model_config, draft=self.draft_model_config),
+            )
         if spec is not None:
             logger.info("speculative decoding: %s", spec.describe())
+
+    def _check_draft(self, config: EngineConfig, path) -> ModelConfig | None:
+        """The draft checkpoint's config (``method: draft``), or a ValueError naming
+        ``speculative_config.model`` when it cannot draft for this model."""
+        spec = config.speculative_config
+        if spec is None or spec.method != "draft" or spec.model is None:
+            return None
+        _, draft = check_draft_model(
+            spec.model,
+            path,
+            self.model_config,
+            self.max_model_len,
+            config.backend,
+            gpu=self.device_is_gpu,
+        )
+        return draft
 
     @property
     def device_is_gpu(self) -> bool:

@@ -18,4 +18,8 @@ def make_proposer(config: RunnerConfig, model: object) -> Proposer:
         raise ValueError("no speculative_config")
     if spec.method == "ngram":
         return NgramProposer(spec)
+    if spec.method == "draft":
+        from ketch.engine.spec_decode.draft import DraftProposer  # loads a model: paddle
+
+        return DraftProposer(config)
     raise NotImplementedError(f"speculative method {spec.method!r} is not built yet")
