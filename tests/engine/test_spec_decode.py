@@ -59,6 +59,11 @@ def qwen2(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("spec_qwen2"), "qwen2", seed=3)
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("spec_qwen3"), "qwen3", seed=4, head_dim=32)
+
+
 SETTINGS = {
     "plain": {},
     "chunked": {"max_num_batched_tokens": 24},
@@ -67,9 +72,9 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("model", ["tiny", "qwen2"])
-def test_ngram_greedy_is_token_identical(model, setting, qwen2):
-    path = "tiny" if model == "tiny" else str(qwen2)
+@pytest.mark.parametrize("model", ["tiny", "qwen2", "qwen3"])
+def test_ngram_greedy_is_token_identical(model, setting, qwen2, qwen3):
+    path = {"tiny": "tiny", "qwen2": str(qwen2), "qwen3": str(qwen3)}[model]
     engine_args = {"num_threads": 2, **SETTINGS[setting]}
     if model == "tiny":
         prompts: list = quoting_prompts()
@@ -348,3 +353,24 @@ def test_other_backends(backend):
     spec = LLM("tiny", backend=backend, num_threads=2, speculative_config=NGRAM)
     assert run(spec, prompts, params) == expected
     assert spec.engine.scheduler.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_json_schema_with_real_proposals(method):
+    """A json_schema grammar forced on, the proposals real (prompt lookup over a prompt full of
+    such objects; or the tiny model drafting for itself): output equal to that without."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    prompts = ['{"name": "Alice", "age": 7} {"name": "Alice", "age": 7} {"name": "', "The Rabbit"]
+    params = SamplingParams(max_tokens=48, temperature=0, grammar=json_schema(schema))
+    expected = run(LLM("tiny", num_threads=2), prompts, params)
+    config = NGRAM if method == "ngram" else {**NGRAM, "method": "draft", "model": "tiny"}
+    if method == "draft":
+        del config["prompt_lookup_min"]
+    spec = LLM("tiny", num_threads=2, speculative_config=config)
+    assert run(spec, prompts, params) == expected
+    assert spec.engine.scheduler.stats.num_accepted_tokens > 0
+    free_and_cached(spec)
