@@ -98,3 +98,25 @@ def test_json_object_with_speculation(server):
         json.loads(choice.message.content)
     else:  # cut by max_tokens: still a prefix the grammar allowed
         assert choice.message.content.lstrip().startswith("{")
+
+
+def test_draft_model_server(offline):
+    """method draft (the tiny model drafting for itself: every proposal is right), streamed and
+    not: the offline engine's text without speculation."""
+    config = '{"method": "draft", "num_speculative_tokens": 3, "model": "tiny"}'
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params)]
+    with running_server("--speculative-config", config) as server:
+        client = client_of(server)
+        for prompt, want in zip(PROMPTS, expected, strict=True):
+            got = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, temperature=0
+            )
+            assert got.choices[0].text == want
+            stream = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        samples = scrape(server.url)
+        assert metric(samples, "spec_decode_draft_acceptance_rate") > 0.9
+        assert "speculative decoding: draft, k=3" in server.log()
