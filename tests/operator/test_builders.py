@@ -526,6 +526,35 @@ INVALID: list[tuple[str, dict, str]] = [
         {"roles": {"mixed": None, "prefill": {}, "decode": {}}},
         "auth.peerKeySecretRef",
     ),
+    (
+        "speculative method",
+        {"engine": {"speculativeConfig": {"method": "eagle", "numSpeculativeTokens": 2}}},
+        "spec.engine.speculativeConfig.method",
+    ),
+    (
+        "speculative k 0",
+        {"engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 0}}},
+        "spec.engine.speculativeConfig.numSpeculativeTokens",
+    ),
+    (
+        "speculative k 17",
+        {"engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 17}}},
+        "spec.engine.speculativeConfig.numSpeculativeTokens",
+    ),
+    (
+        "speculative unknown key",
+        {"engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2, "k": 3}}},
+        "spec.engine.speculativeConfig",
+    ),
+    (
+        "speculative model without draft",
+        {
+            "engine": {
+                "speculativeConfig": {"method": "mtp", "numSpeculativeTokens": 1, "model": "/d"}
+            }
+        },
+        "spec.engine.speculativeConfig.model",
+    ),
 ]
 
 

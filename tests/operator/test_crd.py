@@ -324,6 +324,8 @@ def _explain(kube, field: str) -> str:
         ("inferenceservice.spec.engine.maxNumSeqs", "integer", "(ketch serve --max-num-seqs)"),
         ("kisvc.spec.roles.mixed.resources.gpus", "integer", "GPUs (gpuResourceName) per pod."),
         ("inferenceservices.spec.model.uri", "string", None),
+        ("kisvc.spec.engine.speculativeConfig", "Object", "(ketch serve --speculative-config)"),
+        ("kisvc.spec.engine.speculativeConfig.numSpeculativeTokens", "integer", "(k)"),
         ("kisvc.status.replicas", "string", "Ready/desired engine pods over all roles"),
     ],
 )
@@ -392,6 +394,8 @@ def _rule_message(start: str) -> str:
     return message
 
 
+NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
+
 REFUSED_BY_RULES = [
     (
         "min above max",
@@ -421,6 +425,26 @@ REFUSED_BY_RULES = [
         "tp above gpus",
         {"engine": {"tensorParallelSize": 4}, "roles": {"mixed": {"resources": {"gpus": 2}}}},
         [("spec.engine.tensorParallelSize", "engine.tensorParallelSize must equal roles.mixed")],
+    ),
+    (
+        "speculative model without draft",
+        {"engine": {"speculativeConfig": {**NGRAM, "model": "/opt/draft"}}},
+        [("spec.engine.speculativeConfig.model", "model is for method 'draft' only")],
+    ),
+    (
+        "speculative draft without model",
+        {"engine": {"speculativeConfig": {"method": "draft", "numSpeculativeTokens": 2}}},
+        [("spec.engine.speculativeConfig.model", "model is required for method 'draft'")],
+    ),
+    (
+        "speculative lookup min above max",
+        {"engine": {"speculativeConfig": {**NGRAM, "promptLookupMax": 2, "promptLookupMin": 3}}},
+        [("spec.engine.speculativeConfig.promptLookupMin", "promptLookupMin must not exceed")],
+    ),
+    (
+        "speculative lookup max below the default min",
+        {"engine": {"speculativeConfig": {**NGRAM, "promptLookupMax": 1}}},
+        [("spec.engine.speculativeConfig.promptLookupMin", "promptLookupMin must not exceed")],
     ),
 ]
 
@@ -456,6 +480,79 @@ def test_a_spec_breaking_a_rule_is_refused_with_its_message(installed, case, pat
         assert f"{field}: {message}" in shown.stderr
     body["spec"] = invalid_body({})["spec"]  # the example as it is passes
     installed.post(f"{path}?dryRun=All", body).ok()
+
+
+SPECULATIVE_REFUSED_BY_SCHEMA = [
+    ("wrong method", {"method": "eagle", "numSpeculativeTokens": 2}, "method", "NotSupported"),
+    ("k 0", {"method": "ngram", "numSpeculativeTokens": 0}, "numSpeculativeTokens", "Invalid"),
+    ("k 17", {"method": "ngram", "numSpeculativeTokens": 17}, "numSpeculativeTokens", "Invalid"),
+    ("k missing", {"method": "ngram"}, "numSpeculativeTokens", "Required"),
+    (
+        "relative draft",
+        {"method": "draft", "numSpeculativeTokens": 1, "model": "d"},
+        "model",
+        "Invalid",
+    ),
+    ("batch -1", {**NGRAM, "disableByBatchSize": -1}, "disableByBatchSize", "Invalid"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "value", "field", "reason"),
+    SPECULATIVE_REFUSED_BY_SCHEMA,
+    ids=[c[0] for c in SPECULATIVE_REFUSED_BY_SCHEMA],
+)
+def test_the_api_server_refuses_a_bad_speculative_config_naming_the_field(
+    installed, case, value, field, reason
+):
+    """engine.speculativeConfig is an object whose enum, bounds and required keys (generated
+    from SpeculativeConfig) the API server enforces, each refusal naming the key."""
+    body = invalid_body({"engine": {"speculativeConfig": value}})
+    body["metadata"]["name"] = "bad-spec"
+    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    refused = installed.post(f"{path}?dryRun=All", body)
+    assert refused.status == 422, refused.body
+    causes = [(c["field"], c["reason"]) for c in refused.body["details"]["causes"]]
+    # A wrong enum value or a missing key also stops the CEL rules, which the server says
+    # in a cause of its own with no field.
+    skipped = [c for c in refused.body["details"]["causes"] if c["field"] == "<nil>"]
+    assert all("validation rules were not checked" in c["message"] for c in skipped)
+    causes = [c for c in causes if c[0] != "<nil>"]
+    assert causes == [(f"spec.engine.speculativeConfig.{field}", f"FieldValue{reason}")]
+
+
+def test_the_api_server_takes_a_speculative_config_and_refuses_unknown_keys(installed):
+    """A valid object is stored with its defaults filled in; an unknown key (a typo, or the
+    engine's snake_case spelling) is refused by a strict client, as kubectl is by default, and
+    dropped (with a warning) for one that asks for no field validation."""
+    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    body = invalid_body({"engine": {"speculativeConfig": dict(NGRAM)}})
+    body["metadata"]["name"] = "spec-ok"
+    stored = installed.post(f"{path}?dryRun=All&fieldValidation=Strict", body).ok()
+    assert stored["spec"]["engine"]["speculativeConfig"] == {
+        **NGRAM,
+        "promptLookupMax": 4,
+        "promptLookupMin": 2,
+        "disableByBatchSize": 8,
+    }
+    body["spec"]["engine"]["speculativeConfig"]["prompt_lookup_max"] = 3
+    refused = installed.post(f"{path}?dryRun=All&fieldValidation=Strict", body)
+    assert refused.status in (400, 422), refused.body
+    assert 'unknown field "spec.engine.speculativeConfig.prompt_lookup_max"' in str(refused.body)
+    shown = kubectl(
+        installed,
+        "-n",
+        "default",
+        "apply",
+        "--dry-run=server",
+        "-f",
+        "-",
+        input=yaml.safe_dump(body),
+    )
+    assert shown.returncode != 0
+    assert "spec.engine.speculativeConfig.prompt_lookup_max" in shown.stderr
+    pruned = installed.post(f"{path}?dryRun=All", body).ok()  # the default: Warn
+    assert "prompt_lookup_max" not in pruned["spec"]["engine"]["speculativeConfig"]
 
 
 @pytest.mark.skipif(

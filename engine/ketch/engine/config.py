@@ -7,7 +7,10 @@ fields), so a flag and the field it sets can never drift apart.
 Metadata keys: ``help`` (flag help and CRD description), ``choices`` (flag choices and CRD enum),
 ``minimum`` (CRD bound; ``__post_init__`` enforces the same), ``crd`` (the field's path under an
 InferenceService's ``spec``; default ``engine.<camelCase name>``; ``False`` when the operator sets
-the field itself, e.g. ``model`` comes from ``spec.model.uri``).
+the field itself, e.g. ``model`` comes from ``spec.model.uri``), ``parse`` and ``metavar`` (the
+flag's). A field typed as a dataclass (``speculative_config``) is a CRD object of that class's
+fields, described and bounded by their own metadata (``help``, ``choices``, ``minimum``,
+``maximum``).
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ class EngineConfig:
         choices=("auto", "native", "predictor", "eager"),
         crd=False,
     )
-    speculative_config: SpeculativeConfig | None = _opt(  # noqa: RUF009
+    speculative_config: SpeculativeConfig | None = _opt(  # noqa: RUF009 (a frozen value)
         None,
         'Speculative decoding, as JSON: {"method": "ngram" | "draft" | "mtp", '
         '"num_speculative_tokens": k, ...}. Each decode step the method proposes up to k '
@@ -175,7 +178,6 @@ class EngineConfig:
         "running requests than that (docs/speculative.md).",
         parse=SpeculativeConfig.parse,
         metavar="JSON",
-        crd=False,  # engine.speculativeConfig: an object schema (operator, issue 31)
     )
     seed: int = _opt(0, "Seed for requests that sample without their own seed.")
     num_threads: int | None = _opt(

@@ -65,6 +65,64 @@ TENSOR_PARALLEL_IN_PODS = (
 )
 
 
+# What speculativeConfig means in a pod, after the engine's own help text.
+SPECULATIVE_IN_PODS = (
+    "In an InferenceService: an object whose keys are those names in camelCase "
+    "(numSpeculativeTokens), not JSON text; the operator writes it into the role config file "
+    "of mixed and decode pods. Prefill pods do not decode, so theirs omits it. Unset: no "
+    "speculation."
+)
+# Where a draft model can be in the engine container: the operator fetches no second model.
+DRAFT_MODEL_PATTERN = r"^(tiny|/.+)$"
+DRAFT_MODEL_IN_PODS = (
+    "In an InferenceService: 'tiny' or an absolute path in the engine container, either a "
+    "directory baked into engine.image or one on the claim of a pvc:// model.uri, which is "
+    "mounted whole (read-only) at /models. The operator fetches no second model: hf:// and "
+    "s3:// are not accepted here."
+)
+# The cross-field rules of SpeculativeConfig.__post_init__, for the API server (the operator's
+# own check is the engine's: spec.parse builds the EngineConfig).
+SPECULATIVE_RULES = (
+    (
+        "self.method != 'draft' || has(self.model)",
+        "model is required for method 'draft': the path of a smaller checkpoint with the "
+        "same tokenizer",
+        ".model",
+    ),
+    (
+        "!has(self.model) || self.method == 'draft'",
+        "model is for method 'draft' only",
+        ".model",
+    ),
+    (
+        "!has(self.promptLookupMin) || !has(self.promptLookupMax) || "
+        "self.promptLookupMin <= self.promptLookupMax",
+        "promptLookupMin must not exceed promptLookupMax",
+        ".promptLookupMin",
+    ),
+)
+
+
+def speculative_schema(generated: dict[str, Any]) -> dict[str, Any]:
+    """``engine.speculativeConfig``: the object generated from ``SpeculativeConfig`` (names,
+    types, defaults, enum, bounds, required keys, descriptions), plus what only a pod needs
+    said: where a draft model can be, and the cross-field rules as CEL."""
+    props = dict(generated["properties"])
+    draft = props["model"]
+    props["model"] = {
+        **draft,
+        "description": f"{draft['description']} {DRAFT_MODEL_IN_PODS}",
+        "pattern": DRAFT_MODEL_PATTERN,
+        "maxLength": TEXT_MAX_LENGTH,
+    }
+    return {
+        **generated,
+        "description": f"{generated['description']} {SPECULATIVE_IN_PODS}",
+        "properties": props,
+        "x-kubernetes-validations": [cel_rule(*rule) for rule in SPECULATIVE_RULES],
+    }
+
+
 def engine_schema() -> dict[str, Any]:
     props = config_field_schemas("engine")
     tp = props["tensorParallelSize"]  # replaced below, not edited: config_fields() is cached
@@ -72,6 +130,7 @@ def engine_schema() -> dict[str, Any]:
         **tp,
         "description": f"{tp['description']} {TENSOR_PARALLEL_IN_PODS}",
     }
+    props["speculativeConfig"] = speculative_schema(props["speculativeConfig"])
     props.update(
         {
             "image": string(

@@ -49,24 +49,69 @@ def config_fields() -> tuple[ConfigField, ...]:
             if path is False:
                 continue
             kind = base_type(hints[f.name])
-            schema: dict[str, Any] = {
-                "type": {bool: "boolean", int: "integer", float: "number", str: "string"}[kind],
-                "description": f"{f.metadata['help']} (ketch serve {flag_name(f.name)})",
-            }
-            if f.default is not None:
-                schema["default"] = f.default
-            if "choices" in f.metadata:
-                schema["enum"] = list(f.metadata["choices"])
-            elif kind is str:
-                schema["maxLength"] = STRING_MAX_LENGTH
-            if "minimum" in f.metadata:
-                schema["minimum"] = f.metadata["minimum"]
+            schema = _field_schema(f, kind, f"(ketch serve {flag_name(f.name)})")
             if f.name.endswith("port"):
                 schema.update(minimum=1, maximum=65535)
             if f.name == "kv_cache_memory":
                 schema["pattern"] = MEMORY_SIZE_PATTERN
             out.append(ConfigField(f.name, tuple(path.split(".")), schema, kind))
     return tuple(out)
+
+
+_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def _field_schema(f: dataclasses.Field, kind: type, suffix: str = "") -> dict[str, Any]:
+    """A config-dataclass field's schema: its type, ``metadata["help"]`` (+ ``suffix``) as the
+    description, and its default, ``choices``, ``minimum`` and ``maximum``. A field whose type is
+    itself a dataclass (``speculative_config``) is an object of that dataclass's fields, by
+    camelCase name, the ones without a default required; its value in the config file is the
+    mapping of their snake_case names (``_to_config``)."""
+    description = f"{f.metadata['help']} {suffix}".strip()
+    if dataclasses.is_dataclass(kind):
+        hints = get_type_hints(kind)
+        props = {
+            camel(sub.name): _field_schema(sub, base_type(hints[sub.name]))
+            for sub in dataclasses.fields(kind)
+        }
+        required = [
+            camel(sub.name)
+            for sub in dataclasses.fields(kind)
+            if sub.default is dataclasses.MISSING and sub.default_factory is dataclasses.MISSING
+        ]
+        schema: dict[str, Any] = {
+            "type": "object",
+            "description": description,
+            "properties": props,
+        }
+        if required:
+            schema["required"] = required
+        return schema
+    schema = {"type": _TYPES[kind], "description": description}
+    if f.default is not None and f.default is not dataclasses.MISSING:
+        schema["default"] = f.default
+    if "choices" in f.metadata:
+        schema["enum"] = list(f.metadata["choices"])
+    elif kind is str:
+        schema["maxLength"] = STRING_MAX_LENGTH
+    for bound in ("minimum", "maximum"):
+        if bound in f.metadata:
+            schema[bound] = f.metadata[bound]
+    return schema
+
+
+def _to_config(value: Any, kind: type) -> Any:
+    """A spec value as the config file holds it: float fields as floats (JSON has one number
+    type: the API server hands 30.0 back as 30, and the engine's config file must not depend on
+    which path a value took), a dataclass-typed field's object with snake_case keys."""
+    if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+        hints = get_type_hints(kind)
+        return {
+            sub.name: _to_config(value[camel(sub.name)], base_type(hints[sub.name]))
+            for sub in dataclasses.fields(kind)
+            if value.get(camel(sub.name)) is not None
+        }
+    return float(value) if kind is float else value
 
 
 def config_field_schemas(section: str) -> dict[str, Any]:
@@ -81,9 +126,7 @@ def engine_settings(spec: dict[str, Any]) -> dict[str, Any]:
         for key in f.path:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
-            # JSON has one number type: the API server hands 30.0 back as 30. The engine's
-            # config file must not depend on which path a value took.
-            out[f.name] = float(node) if f.kind is float else node
+            out[f.name] = _to_config(node, f.kind)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 from typing import Any
 
 from ketch.engine.config import EngineConfig
@@ -156,6 +157,8 @@ class ServiceSpec:
             self.spec["model"]["uri"], self.name
         )
         values["role"] = role
+        if role == "prefill":  # speculation happens in decode steps, which prefill pods skip
+            values.pop("speculative_config", None)
         resources = self.role(role)["resources"]
         if resources["gpus"] == 0 and resources.get("cpu") and "num_threads" not in values:
             tp = values.get("tensor_parallel_size", 1)
@@ -220,6 +223,39 @@ def extra_args_problems(args: list[str]) -> list[str]:
     return problems
 
 
+def engine_problem(exc: ValueError) -> str:
+    """The engine's own refusal of a spec's settings (``EngineConfig``/``ServerConfig``), named
+    by the spec field where the message says which: ``speculative_config.<key> ...`` is
+    ``spec.engine.speculativeConfig.<camelKey>``; the rest are ``spec.engine``'s."""
+    message = str(exc)
+    match = re.match(r"speculative_config(?:\.([a-z_]+))?", message)
+    if match is None:
+        return f"spec.engine: {message}"
+    key = f".{engine_fields.camel(match.group(1))}" if match.group(1) else ""
+    return f"spec.engine.speculativeConfig{key}: {message}"
+
+
+def draft_model_problems(spec: dict[str, Any]) -> list[str]:
+    """A draft model under /models exists only where that is a pvc:// model's claim (mounted
+    whole); with any other model.uri, /models is the fetched model or not mounted at all."""
+    draft = (spec["engine"].get("speculativeConfig") or {}).get("model")
+    inside = isinstance(draft, str) and (
+        draft.rstrip("/") == MODEL_MOUNT or draft.startswith(f"{MODEL_MOUNT}/")
+    )
+    uri = spec["model"]["uri"]
+    if not inside or uri.startswith("pvc://"):
+        return []
+    if uri.split("://")[0] in ("hf", "s3"):
+        there = f"{MODEL_MOUNT} holds only the model fetched from {uri}"
+    else:
+        there = f"nothing is mounted at {MODEL_MOUNT} with model.uri {uri}"
+    return [
+        f"spec.engine.speculativeConfig.model: {draft}: {there}; a claim is mounted there "
+        "only for a pvc:// model.uri. Put the draft model in engine.image, or both models on "
+        "one claim"
+    ]
+
+
 def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
     """Validates and defaults an InferenceService object; raises ``InvalidSpec``.
 
@@ -250,6 +286,7 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
             if not _evaluate_rule(rule["rule"], {"metadata": {"name": name}}):
                 problems.append(f"metadata.name: {rule['message']}")
     problems += extra_args_problems(spec["engine"].get("extraArgs", []))
+    problems += draft_model_problems(spec)
     # Fail closed whatever the API server enforced (an older CRD, no CEL): a prefill/decode pod
     # without a peer key would take pd-comm and KV transfers from anyone who reaches it.
     disaggregated = any(r in spec["roles"] for r in ("prefill", "decode"))
@@ -273,7 +310,7 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
             engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
             ServerConfig(**{k: v for k, v in values.items() if k not in engine_names})
         except ValueError as exc:
-            raise InvalidSpec([f"spec.engine: {exc}"]) from exc
+            raise InvalidSpec([engine_problem(exc)]) from exc
         res, shm = service.role(role)["resources"], spec["engine"]["shmSize"]
         found = runnable.problems(
             engine,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("ngram", "draft", "mtp")
@@ -20,6 +20,11 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """Default ``disable_by_batch_size``: measured (docs/speculative.md): above about this many
 running requests a step's weight pass is already shared by the batch, and the rows drafts add
 cost more than the tokens they win back."""
+MAX_DISABLE_BY_BATCH_SIZE = 1 << 20
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
@@ -27,25 +32,56 @@ class SpeculativeConfig:
     """One engine's speculative decoding: ``method`` proposes up to ``num_speculative_tokens``
     tokens per request per decode step; the model verifies them all in that step."""
 
-    method: str
-    num_speculative_tokens: int
-    # ngram (prompt lookup): the longest and shortest suffix n-grams looked up.
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
-    # draft: a smaller checkpoint with the target's tokenizer (a local directory or 'tiny').
-    model: str | None = None
-    # A step with more running requests than this does not speculate (0: never turn it off).
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    method: str = field(
+        metadata={
+            "help": "What proposes the tokens: 'ngram' (prompt lookup), 'draft' (a smaller "
+            "checkpoint) or 'mtp' (the checkpoint's multi-token-prediction layer).",
+            "choices": METHODS,
+        }
+    )
+    num_speculative_tokens: int = field(
+        metadata={
+            "help": "Most tokens proposed per request per decode step (k); the model verifies "
+            "them all in that step.",
+            "minimum": 1,
+            "maximum": MAX_SPECULATIVE_TOKENS,
+        }
+    )
+    prompt_lookup_max: int = _opt(
+        4,
+        "ngram: the longest suffix n-gram looked up in the request's earlier tokens.",
+        minimum=1,
+        maximum=MAX_LOOKUP,
+    )
+    prompt_lookup_min: int = _opt(
+        2,
+        "ngram: the shortest suffix n-gram looked up; at most prompt_lookup_max.",
+        minimum=1,
+        maximum=MAX_LOOKUP,
+    )
+    model: str | None = _opt(
+        None,
+        "draft only (required there, refused otherwise): a smaller checkpoint with the target's "
+        "tokenizer, as a local directory or 'tiny'.",
+    )
+    disable_by_batch_size: int = _opt(
+        DEFAULT_DISABLE_BY_BATCH_SIZE,
+        "A step with more running requests than this does not speculate (0: never turn it off).",
+        minimum=0,
+        maximum=MAX_DISABLE_BY_BATCH_SIZE,
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}"
             )
-        _int_in(self, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        _int_in(self, "prompt_lookup_max", 1, MAX_LOOKUP)
-        _int_in(self, "prompt_lookup_min", 1, self.prompt_lookup_max)
-        _int_in(self, "disable_by_batch_size", 0, 1 << 20)
+        for f in dataclasses.fields(self):  # the bounds the CRD's schema also carries
+            if "minimum" in f.metadata:
+                high = f.metadata["maximum"]
+                if f.name == "prompt_lookup_min" and isinstance(self.prompt_lookup_max, int):
+                    high = min(high, self.prompt_lookup_max)  # and a CEL rule in the CRD
+                _int_in(self, f.name, f.metadata["minimum"], high)
         if self.method == "draft":
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError(
