@@ -119,11 +119,40 @@ def refusals(
         if unsupported is not None:  # before any weights load
             where = ("device", config.device) if device.is_gpu else ("backend", config.backend)
             out.append(Refusal(*where, unsupported))
+        out += _speculative_refusals(config, model, device.is_gpu)
         if device.is_gpu and (gpu_facts is None or problem is not None):
             out += _model_refusals(config, model, kv=False)  # no GPU (or dtype) to size it by
         else:
             out += _model_refusals(config, model, facts=gpu_facts)
     return out
+
+
+def _speculative_refusals(config: EngineConfig, model: ModelConfig, gpu: bool) -> list[Refusal]:
+    """``method: mtp`` drafts with the checkpoint's multi-token-prediction layer: refused for a
+    checkpoint without one, and where its layer does not run (the CPU's native and eager)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return []
+    if not model.num_mtp_layers:
+        return [
+            Refusal(
+                "speculative_config",
+                spec.to_json(),
+                "speculative_config.method 'mtp' needs a checkpoint with multi-token-prediction "
+                f"layers (config num_nextn_predict_layers > 0); {config.model} has none",
+            )
+        ]
+    if gpu or config.backend not in ("auto", "native", "eager"):
+        where = "--device gpu" if gpu else f"--backend {config.backend}"
+        return [
+            Refusal(
+                "speculative_config",
+                spec.to_json(),
+                f"speculative_config.method 'mtp' runs on the CPU's native or eager backend, "
+                f"not {where}",
+            )
+        ]
+    return []
 
 
 def check_runnable(

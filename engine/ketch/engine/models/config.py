@@ -95,6 +95,11 @@ class ModelConfig:
     moe_score_bias: bool = False
     moe_norm_min: float = 0.0
     shared_intermediate_size: int = 0
+    # Multi-token-prediction layers in the checkpoint (ERNIE 4.5 MoE's ``mtp_*`` weights,
+    # config ``num_nextn_predict_layers``): read only for speculative ``method: mtp``
+    # (``ketch.engine.spec_decode.mtp``); whether the MTP block's MLP is routed experts.
+    num_mtp_layers: int = 0
+    mtp_moe: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -198,6 +203,7 @@ class ModelConfig:
             bos_token_id=_token_id(raw.get("bos_token_id"), "bos_token_id", source),
             sliding_windows=_windows(arch, s),
             **_moe(arch, s),
+            **_mtp(arch, s),
             **(_gemma(s) if arch.gemma else {}),
         )
         config._validate(source)
@@ -252,6 +258,13 @@ def _moe(arch: Architecture, s: Settings) -> dict[str, Any]:
         "moe_norm_min": experts.norm_min,
         "shared_intermediate_size": experts.shared_intermediate_size,
     }
+
+
+def _mtp(arch: Architecture, s: Settings) -> dict[str, Any]:
+    if arch.mtp is None:
+        return {}
+    layers, moe = arch.mtp(s)
+    return {"num_mtp_layers": layers, "mtp_moe": moe} if layers else {}
 
 
 def _windows(arch: Architecture, s: Settings) -> tuple[int, ...]:

@@ -124,16 +124,19 @@ class LlamaModel:
         meta: AttentionMetadata,
         logit_rows: paddle.Tensor,
         hidden_rows: paddle.Tensor | None = None,
+        inputs_embeds: paddle.Tensor | None = None,
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32.
 
         With ``hidden_rows`` (embeddings): (logits, the final-normed hidden states of those
-        rows [len(hidden_rows), hidden] in float32), what HF's ``last_hidden_state`` holds."""
+        rows [len(hidden_rows), hidden] in float32), what HF's ``last_hidden_state`` holds.
+        ``inputs_embeds`` [T, hidden]: the first layer's input in place of the tokens'
+        embeddings (the MTP block's projection, ``spec_decode.mtp``)."""
         c = self.config
         rms_norm = self.kernels.rms_norm
         cos = paddle.gather(self._cos, positions).unsqueeze(1)
         sin = paddle.gather(self._sin, positions).unsqueeze(1)
-        h = F.embedding(input_ids, self.weights.embed)
+        h = F.embedding(input_ids, self.weights.embed) if inputs_embeds is None else inputs_embeds
         for i, (layer, cache) in enumerate(zip(self.weights.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
             attn = self.attend(i, x, cos, sin, cache, meta)

@@ -363,16 +363,18 @@ class NativeLlamaModel:
         logit_rows: paddle.Tensor,
         hidden_rows: paddle.Tensor | None = None,
         kept: KeptRows | None = None,
+        inputs_embeds: paddle.Tensor | None = None,
     ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor] | None:
         """input_ids, positions: [T]; returns logits [len(logit_rows), vocab] in float32 (None
         on a tensor-parallel rank other than 0); with ``hidden_rows``, (logits, those rows'
         final-normed hidden states), as ``LlamaModel.forward``. With ``kept`` (``kept_rows``
         of the same rows), the last layer computes only those rows past its K/V write; the
-        result is the same."""
+        result is the same. ``inputs_embeds`` [T, hidden] float32: the first layer's input in
+        place of the tokens' embeddings (the MTP block's projection, ``spec_decode.mtp``)."""
         w = self.weights
         cos = paddle.gather(self._cos, positions)
         sin = paddle.gather(self._sin, positions)
-        h = self.embed(input_ids)
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         x = fused.rms_norm(h, w.layers[0].input_norm, self.eps)
         last = len(w.layers) - 1
         for i, (layer, cache) in enumerate(zip(w.layers, kv_caches, strict=True)):

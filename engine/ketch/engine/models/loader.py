@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from ketch.engine.models.sharding import Shard, whole
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY_MODEL_DIR", "load_weights", "resolve_model_path"]
+__all__ = ["TINY_MODEL_DIR", "load_mtp_weights", "load_weights", "resolve_model_path"]
 
 _INDEX = "model.safetensors.index.json"
 
@@ -43,38 +45,12 @@ def _load(
     checkpoint: _Checkpoint, config: ModelConfig, shard: Shard, small: str | None = None
 ) -> ModelWeights:
     loader = _Checked(checkpoint, small)
-    c, d = config, config.head_dim
+    c = config
     hidden = c.hidden_size
-    q_rows = _times(shard.heads, d)
-    kv_rows = _times(shard.kv_heads, d)
-    rows = (
-        ("q", c.num_attention_heads * d, q_rows),
-        *((n, c.num_key_value_heads * d, kv_rows) for n in ("k", "v")),
-    )
-    layers = []
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        qkv = [loader.get(p + f"self_attn.{n}_proj.weight", (m, hidden), r) for n, m, r in rows]
-        qkv_bias = None
-        if c.qkv_bias:
-            qkv_bias = [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
-        if c.rope_interleaved:
-            qkv[:2] = [deinterleave(w, d) for w in qkv[:2]]
-            if qkv_bias is not None:
-                qkv_bias[:2] = [deinterleave(b, d) for b in qkv_bias[:2]]
-        moe = _experts(loader, c, p, shard) if i in c.moe_layers else None
-        o_shape = (hidden, c.num_attention_heads * d)
-        layers.append(
-            LayerWeights(
-                **_norms(loader, c, p),
-                qkv=paddle.concat(qkv, axis=0).T.contiguous(),
-                qkv_bias=None if qkv_bias is None else paddle.concat(qkv_bias),
-                o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
-                o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
-                **_mlp(loader, c, p, shard, moe is not None),
-                moe=moe,
-            )
-        )
+    layers = [
+        _layer(loader, c, f"model.layers.{i}.", shard, i in c.moe_layers)
+        for i in range(c.num_hidden_layers)
+    ]
     embed = loader.get("model.embed_tokens.weight", (c.vocab_size, hidden))
     lm_head = lm_head_bias = None
     if shard.first:  # the other ranks never compute logits
@@ -95,11 +71,94 @@ def _load(
     weights = ModelWeights(
         embed=embed, layers=layers, norm=norm, lm_head=lm_head, lm_head_bias=lm_head_bias
     )
-    # ERNIE 4.5 MoE's multi-token-prediction layers (``mtp_*``): transformers reads them only
-    # for speculative decoding (generate(use_mtp=True)); plain decoding never does.
-    loader.used.update(n for n in checkpoint.names if n.startswith("mtp"))
+    # ERNIE 4.5 MoE's multi-token-prediction layers (``mtp_*``, ``model.mtp_*``): read only
+    # for speculative method 'mtp' (``load_mtp_weights``); plain decoding never uses them.
+    loader.used.update(n for n in checkpoint.names if _is_mtp(n))
     loader.warn_unused()
     return weights
+
+
+def _layer(loader: _Checked, c: ModelConfig, p: str, shard: Shard, routed: bool) -> LayerWeights:
+    """The decoder layer of prefix ``p`` (``shard``'s slices of it); ``routed``: its MLP is
+    the routed experts."""
+    d, hidden = c.head_dim, c.hidden_size
+    q_rows = _times(shard.heads, d)
+    kv_rows = _times(shard.kv_heads, d)
+    rows = (
+        ("q", c.num_attention_heads * d, q_rows),
+        *((n, c.num_key_value_heads * d, kv_rows) for n in ("k", "v")),
+    )
+    qkv = [loader.get(p + f"self_attn.{n}_proj.weight", (m, hidden), r) for n, m, r in rows]
+    qkv_bias = None
+    if c.qkv_bias:
+        qkv_bias = [loader.get(p + f"self_attn.{n}_proj.bias", (m,), r) for n, m, r in rows]
+    if c.rope_interleaved:
+        qkv[:2] = [deinterleave(w, d) for w in qkv[:2]]
+        if qkv_bias is not None:
+            qkv_bias[:2] = [deinterleave(b, d) for b in qkv_bias[:2]]
+    moe = _experts(loader, c, p, shard) if routed else None
+    o_shape = (hidden, c.num_attention_heads * d)
+    return LayerWeights(
+        **_norms(loader, c, p),
+        qkv=paddle.concat(qkv, axis=0).T.contiguous(),
+        qkv_bias=None if qkv_bias is None else paddle.concat(qkv_bias),
+        o=loader.get(p + "self_attn.o_proj.weight", o_shape, cols=q_rows).T.contiguous(),
+        o_bias=loader.get(p + "self_attn.o_proj.bias", (hidden,)) if c.o_bias else None,
+        **_mlp(loader, c, p, shard, moe is not None),
+        moe=moe,
+    )
+
+
+def _is_mtp(name: str) -> bool:
+    return name.startswith(("mtp_", "model.mtp_"))
+
+
+@dataclass
+class MtpWeights:
+    """One multi-token-prediction layer (ERNIE 4.5 MoE's ``mtp_*`` weights, as transformers'
+    ``MtpLayer`` reads them): the RMSNorm weights of the token embedding (``enorm``) and of the
+    target's hidden state (``hnorm``), the projection of their concatenation (``eh_proj``,
+    [2 * hidden, hidden], embedding half first) and the decoder block (``layer``). Its output
+    norm is the model's final norm (transformers: ``_keys_shared_with_mtp``)."""
+
+    enorm: paddle.Tensor
+    hnorm: paddle.Tensor
+    eh_proj: paddle.Tensor
+    layer: LayerWeights
+
+
+def mtp_config(config: ModelConfig) -> ModelConfig:
+    """The config the MTP block is built with: one layer, routed experts where transformers'
+    ``get_mtp_config`` gives them (``ModelConfig.mtp_moe``)."""
+    return dataclasses.replace(
+        config,
+        num_hidden_layers=1,
+        moe_layers=(0,) if config.mtp_moe else (),
+        sliding_windows=config.sliding_windows[:1],
+    )
+
+
+def load_mtp_weights(path: Path, config: ModelConfig, dtype: str, small_dtype: str) -> MtpWeights:
+    """The checkpoint's first multi-token-prediction layer, whole (speculative method 'mtp'
+    runs it on tensor-parallel rank 0 alone). Its names: ``mtp_block.0.*``,
+    ``mtp_emb_norm.0.weight``, ``mtp_hidden_norm.0.weight``, ``mtp_linear_proj.0.weight``, with
+    or without the ``model.`` prefix (the Hub's checkpoints have it)."""
+    if not config.num_mtp_layers:
+        raise ModelLoadError(f"{path}: config.json declares no multi-token-prediction layers")
+    with _Checkpoint(path, dtype) as checkpoint:
+        loader = _Checked(checkpoint, small_dtype)
+        prefix = "model." if "model.mtp_linear_proj.0.weight" in checkpoint else ""
+        c, hidden = mtp_config(config), config.hidden_size
+        layer = _layer(loader, c, f"{prefix}mtp_block.0.", whole(c), c.is_moe)
+        vector = (hidden,)
+        return MtpWeights(
+            enorm=loader.get(f"{prefix}mtp_emb_norm.0.weight", vector, dtype="float32"),
+            hnorm=loader.get(f"{prefix}mtp_hidden_norm.0.weight", vector, dtype="float32"),
+            eh_proj=loader.get(
+                f"{prefix}mtp_linear_proj.0.weight", (hidden, 2 * hidden), dtype="float32"
+            ).T.contiguous(),
+            layer=layer,
+        )
 
 
 def deinterleave(w: paddle.Tensor, head_dim: int) -> paddle.Tensor:

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ketch.engine.spec_decode.config import SpeculativeConfig
 from ketch.engine.spec_decode.ngram import NgramProposer
 from ketch.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from ketch.engine.worker.model_runner import RunnerConfig
+
+HIDDEN_METHODS = ("mtp",)
+"""Methods whose proposer drafts from the target's hidden states (``Proposer.wants_hidden``)."""
+
+
+def wants_hidden(spec: SpeculativeConfig | None) -> bool:
+    """Whether the runner computes every position's final hidden state for the proposer: known
+    from the configuration alone, so every tensor-parallel rank computes the same rows (only rank
+    0 has the proposer)."""
+    return spec is not None and spec.method in HIDDEN_METHODS
 
 
 def make_proposer(config: RunnerConfig, model: object) -> Proposer:
@@ -22,4 +33,8 @@ def make_proposer(config: RunnerConfig, model: object) -> Proposer:
         from ketch.engine.spec_decode.draft import DraftProposer  # loads a model: paddle
 
         return DraftProposer(config)
-    raise NotImplementedError(f"speculative method {spec.method!r} is not built yet")
+    if spec.method == "mtp":
+        from ketch.engine.spec_decode.mtp import MtpProposer
+
+        return MtpProposer(config, model)
+    raise ValueError(f"unknown speculative method {spec.method!r}")

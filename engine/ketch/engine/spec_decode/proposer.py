@@ -8,7 +8,7 @@ Whatever a proposer proposes, the output is the model's own: a bad proposal only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,9 @@ class StepHidden:
 
     rows: np.ndarray  # [rows, hidden] float32
     spans: dict[str, tuple[int, int, int]]  # request id -> (first position, first row, count)
+    # Per request: its tokens after the step (those it sampled appended), and its block table.
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Proposer:

@@ -39,7 +39,8 @@ from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.spec_decode.config import SpeculativeConfig
-from ketch.engine.spec_decode.proposer import Proposer
+from ketch.engine.spec_decode.factory import wants_hidden
+from ketch.engine.spec_decode.proposer import Proposer, StepHidden
 from ketch.engine.spec_decode.verify import drafts_wanted, grammar_prefix, verify
 from ketch.engine.structured.compiler import (
     PENDING,
@@ -109,6 +110,8 @@ class StepInputs:
     # scoring the first (each draft's position has a row: it scores the token after it).
     drafts: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     spec_rows: list[int] = field(default_factory=list)
+    # The request of each span (``spans``' order), for proposers that read hidden states.
+    span_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -177,10 +180,15 @@ class ModelRunner:
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
         # Speculative decoding: rank 0 proposes (the other ranks take its drafts).
         self.proposer: Proposer | None = None
+        # Every rank computes the hidden rows a hidden-state proposer reads (the ranks' last
+        # layers must compute the same rows); only rank 0 has the proposer.
+        self.spec_hidden = wants_hidden(config.speculative)
         if config.speculative is not None and self.shard.first:
             from ketch.engine.spec_decode.factory import make_proposer
 
             self.proposer = make_proposer(config, self.model)
+            if self.proposer.wants_hidden != self.spec_hidden:
+                raise RuntimeError("the proposer's wants_hidden disagrees with its method's")
         self.weight_bytes = model_weight_bytes(self.model)
         quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
@@ -243,9 +251,13 @@ class ModelRunner:
             return self._follow(failed)
         before = set(failed)
         output = self._sample(batch, logits, failed)
-        if hidden is not None:
+        if hidden is not None and batch.hidden.spans:
+            pooled_rows = hidden[batch.hidden.rows] if self.spec_hidden else hidden
             poolers = {r: s.pooler for r, s in self.requests.items() if s.pooler is not None}
-            output.pooled = self._finite_only(batch.hidden.pool(hidden, poolers), output.failed)
+            pooled = batch.hidden.pool(pooled_rows, poolers)
+            output.pooled = self._finite_only(pooled, output.failed)
+        if hidden is not None and self.spec_hidden and self.proposer is not None:
+            self._observe(batch, hidden, output)
         if self.sync is not None:
             self.sync.share(output, before)
         return output
@@ -282,6 +294,29 @@ class ModelRunner:
         if self.sync is not None:
             drafts = self.sync.share_drafts(drafts)
         return drafts
+
+    def _observe(self, batch: StepInputs, hidden: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Hands the step's hidden states to the proposer, with per request the number of its
+        computed positions that hold its real tokens: the scheduled ones (less a deferred last
+        one) and the drafts kept. Failed and embedding requests are left out."""
+        step = StepHidden(hidden, {})
+        accepted = {}
+        deferred = set(output.deferred)
+        for request_id, span in zip(batch.span_ids, batch.spans, strict=True):
+            state = self.requests.get(request_id)
+            if state is None or request_id in output.failed or state.pooler is not None:
+                continue
+            drafts = batch.drafts.get(request_id)
+            scheduled = span.query_len - (len(drafts[0]) if drafts else 0)
+            first = span.context_len - span.query_len
+            real = scheduled - (request_id in deferred)
+            real += len(output.extra_token_ids.get(request_id, ()))
+            step.spans[request_id] = (first, span.start, span.query_len)
+            step.token_ids[request_id] = state.sampling.token_ids
+            step.block_ids[request_id] = state.block_ids
+            accepted[request_id] = real
+        if step.spans:
+            self.proposer.observe(step, accepted)
 
     def _follow(self, failed: dict[str, str]) -> ModelRunnerOutput:
         ids, tokens, dropped, deferred, extra = self.sync.follow()
@@ -398,12 +433,15 @@ class ModelRunner:
     def _forward(
         self, batch: StepInputs, logit_rows: list[int]
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(logits, the hidden rows embedding requests asked for, or None); (None, None) on
-        a tensor-parallel rank other than 0."""
+        """(logits, the hidden rows embedding requests asked for, or None; with a proposer
+        that reads hidden states, every row's); (None, None) on a tensor-parallel rank other
+        than 0."""
         block_size = self.config.block_size
         meta = self.model.metadata(batch.spans, block_size, self.config.num_blocks)
         extra = {}
         hidden_rows = batch.hidden.rows if batch.hidden.spans else None
+        if self.spec_hidden and len(batch.input_ids):
+            hidden_rows = list(range(len(batch.input_ids)))
         if hidden_rows is not None:  # only then: the models' forward returns a pair
             extra["hidden_rows"] = paddle.to_tensor(np.asarray(hidden_rows, np.int64))
         if hasattr(self.model, "kept_rows"):  # the native model: its last layer on rows read
@@ -549,6 +587,7 @@ class ModelRunner:
             width = n + len(proposed)
             batch.positions[start : start + width] = np.arange(begin, begin + width)
             batch.spans.append(SequenceSpan(start, width, begin + width, state.block_ids))
+            batch.span_ids.append(request_id)
             if state.pooler is not None:
                 batch.hidden.add(request_id, state.pooler, begin, n, start)
             elif begin + n == len(tokens):

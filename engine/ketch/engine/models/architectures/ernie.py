@@ -63,6 +63,33 @@ def ernie_moe_layers(s: Settings) -> list[int]:
     return [i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end]
 
 
+def ernie_mtp(s: Settings) -> tuple[int, bool]:
+    """(MTP layers, whether the MTP block has routed experts), as transformers builds them
+    (``PreTrainedConfig.get_mtp_config``, ``MtpModel``): ``num_nextn_predict_layers`` (alias
+    ``num_mtp_layers``) layers, each an ``Ernie4_5_MoeDecoderLayer`` with layer index 0 under
+    the model's own expert-layer rule (``moe_layer_end_index`` resolved against the model's
+    layer count), so with the Hub's ``moe_layer_start_index`` 1 the block is dense."""
+    layers = s.get("num_nextn_predict_layers", s.get("num_mtp_layers")) or 0
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        layers = 0  # the rule below names it
+    if not layers:
+        return 0, False
+    start, end = s.get("moe_layer_start_index"), s.get("moe_layer_end_index")
+    end = int(s.get("num_hidden_layers") or 0) - 1 if end == -1 else end
+    step = s.get("moe_layer_interval")
+    return layers, 1 % step == 0 and start <= 0 <= end
+
+
+def _ernie_mtp_count(s: Settings, _context: int) -> str | None:
+    for field in ("num_nextn_predict_layers", "num_mtp_layers"):
+        value = s.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{show(field, value)}: expected a non-negative integer"
+        if isinstance(value, int) and not 0 <= value <= 1:
+            return f"{show(field, value)}: ERNIE 4.5 MoE has at most one MTP layer"
+    return None
+
+
 def _ernie_moe_sizes(s: Settings, _context: int) -> str | None:
     experts = _alias(s, "moe_num_experts", "num_experts")
     top_k = _alias(s, "moe_k", "num_experts_per_tok")
@@ -148,9 +175,15 @@ ERNIE4_5_MOE = Architecture(
             "any (they choose the expert layers as transformers does)",
             _ernie_moe_layer_choice,
         ),
+        Rule(
+            "num_nextn_predict_layers / num_mtp_layers",
+            "0 or 1 (the multi-token-prediction layer speculative method 'mtp' drafts with)",
+            _ernie_mtp_count,
+        ),
         *DECLARED_FULL_ATTENTION,
     ),
     experts=_ernie_moe_experts,
+    mtp=ernie_mtp,
     rope_interleaved=True,
     lm_head_bias="use_bias",
 )

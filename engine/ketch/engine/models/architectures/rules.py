@@ -65,6 +65,9 @@ class Architecture:
     rope_interleaved: bool = False
     lm_head_bias: bool | str = False  # ERNIE 4.5 MoE: the lm_head is biased with ``use_bias``
     gemma: bool = False  # Gemma 3's decoder layer and RoPE per layer kind (``GemmaConfig``)
+    # Multi-token-prediction layers the checkpoint carries (speculative ``method: mtp``): how
+    # config.json says (how many, whether the block's MLP is routed experts); None: never any.
+    mtp: Callable[[Settings], tuple[int, bool]] | None = None
 
     def settings(self, raw: Mapping[str, Any]) -> Settings:
         """config.json with the config class's defaults under it (an explicit null stays)."""
