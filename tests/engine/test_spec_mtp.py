@@ -286,3 +286,31 @@ def test_two_ranks_equal_no_speculation(ernie_mtp) -> None:
     stats = llm.engine.scheduler.stats
     assert _run(llm, prompts, params) == plain
     assert stats.num_draft_tokens > 0
+
+
+def test_served_with_the_openai_client(ernie_mtp) -> None:
+    """``ketch serve --speculative-config`` with method mtp: completions, streamed and not, are
+    the offline engine's without speculation; the startup log names the method."""
+    import json
+    import sys
+
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).parent / "serving"))
+    from serve_harness import running_server
+
+    path = ernie_mtp("dense")
+    prompts = make_prompts(ModelConfig.from_dir(path).vocab_size, count=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = LLM(str(path), block_size=16, kv_cache_memory="64MiB")
+    expected = [o.outputs[0].text for o in plain.generate(prompts, params)]
+    with running_server("--model", str(path), "--speculative-config", json.dumps(SPEC)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, want in zip(prompts, expected, strict=True):
+            args = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            assert client.completions.create(**args).choices[0].text == want
+            stream = client.completions.create(**args, stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        assert "speculative decoding: mtp, k=2" in srv.log()
