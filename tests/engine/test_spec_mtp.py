@@ -87,7 +87,7 @@ def _recorded(llm: LLM, oracle: list[list[int]] | None = None) -> list[tuple[lis
     """Every (token_ids, drafts) the proposer returns from here on. With ``oracle`` (the full
     greedy sequences), the engine is handed those sequences' next tokens instead, so every draft
     is kept and the MTP layer's rows after verified drafts get checked too."""
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.spec.proposer
     seen: list[tuple[list[int], list[int]]] = []
     propose = proposer.propose
 
@@ -253,7 +253,7 @@ def test_mtp_weights_are_read_only_for_method_mtp(ernie_mtp, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         llm = _llm(path, spec=None)
     try:
-        assert llm.engine.runner.proposer is None
+        assert llm.engine.runner.spec is None
     finally:
         llm.engine.close()
     assert "unused weights" not in caplog.text

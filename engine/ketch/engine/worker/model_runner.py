@@ -39,9 +39,7 @@ from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.spec_decode.config import SpeculativeConfig
-from ketch.engine.spec_decode.factory import wants_hidden
-from ketch.engine.spec_decode.proposer import Proposer, StepHidden
-from ketch.engine.spec_decode.verify import drafts_wanted, grammar_prefix, verify
+from ketch.engine.spec_decode.runner_side import Speculation
 from ketch.engine.structured.compiler import (
     PENDING,
     UNUSABLE,
@@ -178,17 +176,14 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
-        # Speculative decoding: rank 0 proposes (the other ranks take its drafts).
-        self.proposer: Proposer | None = None
+        self.spec = (
+            Speculation(config, self.model, self.shard.first, self.sync)
+            if config.speculative is not None
+            else None
+        )
         # Every rank computes the hidden rows a hidden-state proposer reads (the ranks' last
         # layers must compute the same rows); only rank 0 has the proposer.
-        self.spec_hidden = wants_hidden(config.speculative)
-        if config.speculative is not None and self.shard.first:
-            from ketch.engine.spec_decode.factory import make_proposer
-
-            self.proposer = make_proposer(config, self.model)
-            if self.proposer.wants_hidden != self.spec_hidden:
-                raise RuntimeError("the proposer's wants_hidden disagrees with its method's")
+        self.spec_hidden = self.spec is not None and self.spec.wants_hidden
         self.weight_bytes = model_weight_bytes(self.model)
         quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
@@ -241,7 +236,11 @@ class ModelRunner:
             failed = self.sync.agree_failed(failed, self._forget)
         if sched.is_empty or all(r in failed for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=failed)
-        drafts = self._propose(sched, failed) if sched.num_lookahead_tokens else {}
+        drafts = (
+            self.spec.propose(sched, self.requests, failed)
+            if self.spec is not None and sched.num_lookahead_tokens
+            else {}
+        )
         batch = self._prepare_inputs(sched, failed, drafts)
         # A step of only partial prefill chunks still runs (it fills the KV cache); it computes
         # one throwaway logits row.
@@ -256,8 +255,8 @@ class ModelRunner:
             poolers = {r: s.pooler for r, s in self.requests.items() if s.pooler is not None}
             pooled = batch.hidden.pool(pooled_rows, poolers)
             output.pooled = self._finite_only(pooled, output.failed)
-        if hidden is not None and self.spec_hidden and self.proposer is not None:
-            self._observe(batch, hidden, output)
+        if hidden is not None and self.spec_hidden:
+            self.spec.observe(batch, hidden, output, self.requests)
         if self.sync is not None:
             self.sync.share(output, before)
         return output
@@ -272,51 +271,6 @@ class ModelRunner:
             failed[request_id] = "the pooled hidden state is not finite"
             self._forget(request_id)
         return pooled
-
-    def _propose(self, sched: SchedulerOutput, failed: dict[str, str]) -> dict[str, list[int]]:
-        """Drafts for the decode requests the scheduler left room for (rank 0 proposes; with
-        tensor parallelism every rank takes rank 0's, so their batches agree)."""
-        drafts: dict[str, list[int]] = {}
-        if self.proposer is not None:
-            cfg = self.config
-            wants = drafts_wanted(
-                sched, self.requests, failed, cfg.speculative, cfg.block_size, cfg.max_model_len
-            )
-            if wants:
-                vocab = cfg.model_config.vocab_size
-                for request_id, tokens in self.proposer.propose(list(wants.values())).items():
-                    state = self.requests[request_id].sampling
-                    tokens = [t for t in tokens[: wants[request_id].max_tokens] if 0 <= t < vocab]
-                    if state.grammar is not None:  # only what the grammar accepts is proposed
-                        tokens = grammar_prefix(state.grammar, tokens)
-                    if tokens:
-                        drafts[request_id] = tokens
-        if self.sync is not None:
-            drafts = self.sync.share_drafts(drafts)
-        return drafts
-
-    def _observe(self, batch: StepInputs, hidden: np.ndarray, output: ModelRunnerOutput) -> None:
-        """Hands the step's hidden states to the proposer, with per request the number of its
-        computed positions that hold its real tokens: the scheduled ones (less a deferred last
-        one) and the drafts kept. Failed and embedding requests are left out."""
-        step = StepHidden(hidden, {})
-        accepted = {}
-        deferred = set(output.deferred)
-        for request_id, span in zip(batch.span_ids, batch.spans, strict=True):
-            state = self.requests.get(request_id)
-            if state is None or request_id in output.failed or state.pooler is not None:
-                continue
-            drafts = batch.drafts.get(request_id)
-            scheduled = span.query_len - (len(drafts[0]) if drafts else 0)
-            first = span.context_len - span.query_len
-            real = scheduled - (request_id in deferred)
-            real += len(output.extra_token_ids.get(request_id, ()))
-            step.spans[request_id] = (first, span.start, span.query_len)
-            step.token_ids[request_id] = state.sampling.token_ids
-            step.block_ids[request_id] = state.block_ids
-            accepted[request_id] = real
-        if step.spans:
-            self.proposer.observe(step, accepted)
 
     def _follow(self, failed: dict[str, str]) -> ModelRunnerOutput:
         ids, tokens, dropped, deferred, extra = self.sync.follow()
@@ -357,28 +311,10 @@ class ModelRunner:
             deferred=deferred,
         )
         if batch.drafts:
-            self._verify(batch, logits, output)
+            spec_logits = logits[len(batch.logit_rows) + len(batch.prompt_rows) :]
+            self.spec.verify(batch.drafts, spec_logits, output, self.requests)
         self._advanced = [s.grammar for s in states if s.grammar is not None]
         return output
-
-    def _verify(self, batch: StepInputs, logits: np.ndarray, output: ModelRunnerOutput) -> None:
-        """Speculative decoding: each sampled request's drafts against the model's own tokens
-        (``spec_decode.verify``); the positions of drafts kept count as computed."""
-        spec_logits = logits[len(batch.logit_rows) + len(batch.prompt_rows) :]
-        for i, request_id in enumerate(output.request_ids):
-            entry = batch.drafts.get(request_id)
-            if entry is None:
-                continue
-            drafts, first_row = entry
-            state = self.requests[request_id]
-            rows = spec_logits[first_row : first_row + len(drafts)]
-            extra, logprobs = verify(state.sampling, output.sampled_token_ids[i], drafts, rows)
-            state.num_computed_tokens += len(extra)
-            output.num_draft_tokens[request_id] = len(drafts)
-            if extra:
-                output.extra_token_ids[request_id] = extra
-                if logprobs:
-                    output.extra_logprobs[request_id] = logprobs
 
     def prepare_next_step(self) -> None:
         """What the next step needs that can be done while the engine schedules it (the worker
@@ -500,8 +436,8 @@ class ModelRunner:
                 continue
             if resumed:
                 state.block_ids = list(blocks)
-                if self.proposer is not None:
-                    self.proposer.forget(request_id)
+                if self.spec is not None:
+                    self.spec.forget(request_id)
             else:
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
@@ -529,8 +465,8 @@ class ModelRunner:
         state = self.requests.pop(request_id, None)
         if state is not None and state.sampling.grammar is not None:
             state.sampling.grammar.cancel()
-        if self.proposer is not None:
-            self.proposer.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampling = SamplingState.create(
