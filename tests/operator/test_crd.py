@@ -464,16 +464,7 @@ def test_a_spec_breaking_a_rule_is_refused_with_its_message(installed, case, pat
     causes = [(c["field"], c["message"]) for c in refused.body["details"]["causes"]]
     assert sorted(causes) == sorted(wanted)
     assert {c["reason"] for c in refused.body["details"]["causes"]} == {"FieldValueInvalid"}
-    shown = kubectl(
-        installed,
-        "-n",
-        "default",
-        "apply",
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=yaml.safe_dump(body),
-    )
+    shown = _server_dry_run(installed, body)
     assert shown.returncode != 0
     assert 'The InferenceService "bad" is invalid: ' in shown.stderr
     for field, message in wanted:
@@ -539,16 +530,7 @@ def test_the_api_server_takes_a_speculative_config_and_refuses_unknown_keys(inst
     refused = installed.post(f"{path}?dryRun=All&fieldValidation=Strict", body)
     assert refused.status in (400, 422), refused.body
     assert 'unknown field "spec.engine.speculativeConfig.prompt_lookup_max"' in str(refused.body)
-    shown = kubectl(
-        installed,
-        "-n",
-        "default",
-        "apply",
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=yaml.safe_dump(body),
-    )
+    shown = _server_dry_run(installed, body)
     assert shown.returncode != 0
     assert "spec.engine.speculativeConfig.prompt_lookup_max" in shown.stderr
     pruned = installed.post(f"{path}?dryRun=All", body).ok()  # the default: Warn
@@ -569,3 +551,11 @@ def test_crd_passes_kubernetes_schema(version, tmp_path):
         [exe, "--strict", "-k", version, str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _server_dry_run(installed, body: dict) -> subprocess.CompletedProcess:
+    """``kubectl apply --dry-run=server`` of ``body`` in namespace default."""
+    return kubectl(
+        installed, "-n", "default", "apply", "--dry-run=server", "-f", "-",
+        input=yaml.safe_dump(body),
+    )  # fmt: skip
