@@ -69,7 +69,9 @@ class EngineConfig:
     """What the engine is asked to do; the model's own facts live in ``ModelConfig``."""
 
     model: str = _opt(
-        "tiny", "Model to serve: 'tiny' (built in) or a Hugging Face checkpoint dir.", crd=False
+        "tiny",
+        "Model to serve: 'tiny' or 'tiny-copy' (built in) or a Hugging Face checkpoint dir.",
+        crd=False,
     )
     max_num_seqs: int = _opt(
         64, "Most requests that run in one step (the batch size limit).", minimum=1
@@ -214,7 +216,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(
-                "model must be 'tiny' or a path to a Hugging Face checkpoint directory"
+                "model must be 'tiny', 'tiny-copy' or a path to a Hugging Face checkpoint directory"
             )
 
     @property

@@ -1,4 +1,5 @@
-"""Where a model lives: the built-in tiny model or a local checkpoint directory (no paddle)."""
+"""Where a model lives: a built-in model (tiny, tiny-copy) or a local checkpoint directory (no
+paddle)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from typing import Any
 from ketch.engine.errors import ModelLoadError
 
 TINY_MODEL_DIR = Path(__file__).parent / "tiny"
+TINY_COPY_MODEL_DIR = Path(__file__).parent / "tiny_copy"
+# Names of the models that ship with Ketch, and their directories.
+BUILTIN_MODELS = {"tiny": TINY_MODEL_DIR, "tiny-copy": TINY_COPY_MODEL_DIR}
 
 
 def resolve_model_path(model: str) -> Path:
-    """'tiny' names the built-in model; anything else is a local checkpoint directory."""
-    if model == "tiny":
-        return TINY_MODEL_DIR
+    """'tiny' and 'tiny-copy' name built-in models; anything else is a local checkpoint
+    directory."""
+    if model in BUILTIN_MODELS:
+        return BUILTIN_MODELS[model]
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {model!r} not found: give 'tiny' or the path of a local Hugging Face "
-            "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+            f"model {model!r} not found: give 'tiny', 'tiny-copy' or the path of a local "
+            "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
         )
     if not path.is_dir():
         raise ModelLoadError(f"model {model!r} is a file; give the checkpoint's directory")
