@@ -211,7 +211,6 @@ def _serve_configs(children: list[dict]) -> dict[str, EngineConfig]:
         },
         {"method": "draft", "numSpeculativeTokens": 3, "model": "tiny"},
         {"method": "draft", "numSpeculativeTokens": 3, "model": "/opt/draft-model"},
-        {"method": "mtp", "numSpeculativeTokens": 1},
     ],
 )
 def test_rendered_role_file_parses_back_to_the_same_config(value):
@@ -262,3 +261,15 @@ def test_extra_args_cannot_set_it():
     with pytest.raises(InvalidSpec) as info:
         parse(invalid_body({"engine": {"extraArgs": ["--speculative-config", "{}"]}}))
     assert "spec.engine.speculativeConfig" in str(info.value)
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_refused_at_reconcile():
+    """The engine's own start-up refusal (capabilities), where the operator knows the model
+    (the built-in tiny has no multi-token-prediction layer): the spec is invalid, the field
+    named, no pods that would crash-loop."""
+    body = _with({"method": "mtp", "numSpeculativeTokens": 1})
+    with pytest.raises(InvalidSpec) as refused:
+        render_object(body)
+    message = str(refused.value)
+    assert "spec.engine.speculativeConfig" in message
+    assert "needs a checkpoint with multi-token-prediction layers" in message
