@@ -84,14 +84,7 @@ class DraftProposer(Proposer):
         )
         del weights
         release_freed_memory()
-        self.kv_cache = KVCache(
-            mc.num_hidden_layers,
-            config.num_blocks,
-            config.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            config.kv_cache_dtype,
-        )
+        self.kv_cache = KVCache.for_model(mc, config)
         self.computed: dict[str, int] = {}
         self.weight_bytes = model_weight_bytes(self.model)
         self.kv_cache_bytes = int(self.kv_cache.array.nbytes)

@@ -104,14 +104,7 @@ class MtpProposer(Proposer):
             self.block.weights.lm_head_bias = tw.lm_head_bias
         else:
             self.block = eager
-        self.cache = KVCache(
-            1,
-            config.num_blocks,
-            config.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            config.kv_cache_dtype,
-        )
+        self.cache = KVCache.for_model(cfg, config, num_layers=1)
         self._chains: dict[str, _Chain] = {}
         logger.info(
             "speculative method mtp: the checkpoint's MTP layer (%s MLP), its own KV cache of "

@@ -16,6 +16,8 @@ kernels take real bfloat16 tensors (``k_cache.dtype == paddle.bfloat16``, ``.ast
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import paddle
 
@@ -25,6 +27,22 @@ from ketch.kernels.paged_attention import reinterpret
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The CPU cache's numpy storage per KV dtype: bfloat16 as its raw bits.
 _HOST_DTYPES = {"float32": np.float32, "bfloat16": np.uint16}
+
+
+class ModelShape(Protocol):
+    """What of a ``ModelConfig`` sizes its KV cache."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+class BlockShape(Protocol):
+    """What of a ``RunnerConfig`` sizes the KV cache: its blocks and their element type."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str
 
 
 class KVCache:
@@ -71,6 +89,40 @@ class KVCache:
             v_blocks=_view(kv[1]),
             k_slots=_view(kv[0].reshape(-1, head_dim)),
             v_slots=_view(kv[1].reshape(-1, head_dim)),
+        )
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ModelShape,
+        blocks: BlockShape,
+        num_layers: int | None = None,
+        buffer: memoryview | None = None,
+        heads: tuple[int, int] | None = None,
+    ) -> KVCache:
+        """The cache of ``model``'s layers (``num_layers`` of them if given: a proposer's own)
+        in ``blocks``' blocks and KV dtype (a ``RunnerConfig``)."""
+        return cls(
+            model.num_hidden_layers if num_layers is None else num_layers,
+            blocks.num_blocks,
+            blocks.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+            blocks.kv_cache_dtype,
+            buffer=buffer,
+            heads=heads,
+        )
+
+    @staticmethod
+    def model_nbytes(model: ModelShape, blocks: BlockShape) -> int:
+        """Bytes of ``for_model(model, blocks)``."""
+        return KVCache.nbytes(
+            model.num_hidden_layers,
+            blocks.num_blocks,
+            blocks.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+            blocks.kv_cache_dtype,
         )
 
     @staticmethod

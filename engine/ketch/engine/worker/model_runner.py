@@ -216,16 +216,7 @@ class ModelRunner:
             dtype=config.dtype,
             quantization=config.quantization,
         )
-        kv_cache = KVCache(
-            mc.num_hidden_layers,
-            config.num_blocks,
-            config.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            config.kv_cache_dtype,
-            buffer=kv_buffer,
-            heads=self.shard.kv_heads,
-        )
+        kv_cache = KVCache.for_model(mc, config, buffer=kv_buffer, heads=self.shard.kv_heads)
         return model, kv_cache
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -181,14 +181,7 @@ class RemoteRunner:
             cores = len(os.sched_getaffinity(0))
             config = dataclasses.replace(config, num_threads=max(1, (cores - 1) // world))
         mc = config.model_config
-        size = KVCache.nbytes(
-            mc.num_hidden_layers,
-            config.num_blocks,
-            config.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            config.kv_cache_dtype,
-        )
+        size = KVCache.model_nbytes(mc, config)
         reclaim_stale_segments()
         kv_name, status_name = shm_names(port)
         self._segments: list[SharedMemory] = []
