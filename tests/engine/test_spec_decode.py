@@ -374,3 +374,41 @@ def test_json_schema_with_real_proposals(method):
     assert run(spec, prompts, params) == expected
     assert spec.engine.scheduler.stats.num_accepted_tokens > 0
     free_and_cached(spec)
+
+
+def test_runner_bounds_the_room_it_is_given():
+    """A step whose ``num_lookahead_tokens`` is hostile (room past k, past the blocks held, for
+    unknown or prefilling requests, huge): the runner proposes within its own bounds, computes
+    nothing outside the request's blocks, and the output is still the model's."""
+    from ketch.engine.core.scheduler_output import SchedulerOutput
+
+    prompts = quoting_prompts()[:1]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = run(LLM("tiny", num_threads=2, block_size=16), prompts, params)
+    spec = LLM("tiny", num_threads=2, block_size=16, speculative_config=NGRAM)
+    engine = spec.engine
+    real_schedule = engine.scheduler.schedule
+
+    def hostile() -> SchedulerOutput:
+        out = real_schedule()
+        room = {rid: (1 << 62) for rid in out.num_scheduled_tokens}
+        room.update({"no-such-request": 3, "": 1 << 20})
+        out.num_lookahead_tokens = room
+        return out
+
+    engine.scheduler.schedule = hostile
+    drafted = []
+    real_execute = engine.runner.execute
+
+    def execute(sched):
+        output = real_execute(sched)
+        drafted.extend(output.num_draft_tokens.values())
+        return output
+
+    engine.runner.execute = execute
+    got = run(spec, prompts, params)
+    assert drafted and max(drafted) <= NGRAM["num_speculative_tokens"]
+    # drafts stayed within k and within the blocks each request holds (the runner's bounds,
+    # whatever the room said); the tokens kept are the model's own, so the output is too
+    assert got == expected
+    engine.scheduler.check_integrity()
