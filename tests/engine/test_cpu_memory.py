@@ -1,5 +1,5 @@
 """The memory a CPU instance takes: ``device.cpu_weight_bytes`` (weights at the chosen precision)
-and ``capabilities.cpu_memory`` (weights + KV cache + headroom), which the operator checks a
+and ``cpu_sizing.cpu_memory`` (weights + KV cache + headroom), which the operator checks a
 pod's memory limit against. The numbers are checked against hand computations."""
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ from safetensors import safe_open
 
 from ketch.engine import device as dev
 from ketch.engine.capabilities import (
-    CPU_PROCESS_BYTES,
     below_float32,
-    cpu_activation_bytes,
     cpu_dtypes,
-    cpu_memory,
     kv_cache_bytes,
     num_kv_blocks,
     precision_backend_refusal,
     refusals,
 )
 from ketch.engine.config import EngineConfig
+from ketch.engine.cpu_sizing import CPU_PROCESS_BYTES, cpu_activation_bytes, cpu_memory
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.engine.models.sharding import Shard, whole

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hf_models import make_checkpoint
-from ketch.engine.capabilities import cpu_memory
 from ketch.engine.config import EngineConfig
+from ketch.engine.cpu_sizing import cpu_memory
 from ketch.engine.llm import LLM
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.loader import TINY_MODEL_DIR

@@ -223,7 +223,7 @@ def test_the_memory_limit_must_hold_weights_kv_cache_and_headroom():
     """With the model's facts known (tiny), resources.memory must hold the weights at their
     precision + the KV cache (in memory-backed /dev/shm) + the headroom: the problem names
     each number. 8000 blocks are 1000 MiB at float32, 500 MiB at bfloat16."""
-    from ketch.engine.capabilities import cpu_memory
+    from ketch.engine.cpu_sizing import cpu_memory
     from ketch.operator.runnable import known_model
 
     engine = {"numKvBlocks": 8000, "shmSize": "1Gi"}

@@ -314,7 +314,7 @@ def test_the_memory_limit_holds_the_checkpoints_weights_at_their_precision(tmp_p
     32000 vocabulary. At float32 they, the KV cache and the headroom overflow a 2400Mi limit;
     bfloat16 with int8 linear layers fit it."""
     from ketch.engine import device as dev
-    from ketch.engine.capabilities import cpu_memory
+    from ketch.engine.cpu_sizing import cpu_memory
     from ketch.engine.models.config import ModelConfig
     from ketch.engine.models.sharding import whole
 

@@ -9,7 +9,6 @@ from ketch.engine.cache_manager.protocol import KVLayout
 from ketch.engine.capabilities import (
     check_runnable,
     compute_dtype,
-    cpu_memory,
     kv_cache_dtype,
     max_model_len,
     num_kv_blocks,
@@ -20,6 +19,7 @@ from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.core.scheduler_output import ModelRunnerOutput
+from ketch.engine.cpu_sizing import cpu_memory
 from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.device import parse_device
 from ketch.engine.models.config import ModelConfig

@@ -8,7 +8,7 @@ without its checkpoint (the built-in ``tiny``, or a config.json given to ``check
 rest are the pod's: the KV cache is a segment in the pod's memory-backed ``/dev/shm``, so it must
 fit ``engine.shmSize`` (its bytes at its dtype); where the model's facts are known, the engine
 container's memory limit must hold the weights at the chosen precision, that KV cache and a
-headroom (``capabilities.cpu_memory``); a GPU pod holds one GPU per tensor-parallel rank; the
+headroom (``cpu_sizing.cpu_memory``); a GPU pod holds one GPU per tensor-parallel rank; the
 worker processes of a CPU pod need a CPU each. A pod with any of these would crash-loop or
 stall, so the operator refuses the spec (``spec.parse``: ``InvalidSpec``, then ``Degraded``) and
 ``check-wiring`` reports the rendered pod; both go through ``problems``, so they say the same
@@ -22,14 +22,10 @@ import re
 from collections.abc import Callable
 
 from ketch.engine import device as dev
-from ketch.engine.capabilities import (
-    cpu_memory,
-    kv_cache_bytes,
-    precision_backend_refusal,
-    refusals,
-)
+from ketch.engine.capabilities import kv_cache_bytes, precision_backend_refusal, refusals
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
+from ketch.engine.cpu_sizing import cpu_memory
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.kernels.collective import ShmGroup
@@ -205,7 +201,7 @@ def _memory_problems(
     """The engine container's memory limit must hold the weights at the chosen precision, the
     KV cache at its dtype (its /dev/shm segment is memory-backed: the kernel charges it to the
     container that writes it), the ranks' collectives segment and a headroom
-    (``ketch.engine.capabilities.cpu_memory``), or the pod is OOM-killed as it loads or fills
+    (``ketch.engine.cpu_sizing.cpu_memory``), or the pod is OOM-killed as it loads or fills
     the cache."""
     limit = quantity_bytes(memory)
     if limit is None or dev.parse_device(config.device).is_gpu:
