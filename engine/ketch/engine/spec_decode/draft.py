@@ -30,11 +30,11 @@ import os
 from typing import TYPE_CHECKING
 
 import numpy as np
-import paddle
 
 from ketch.engine.device import parse_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
+from ketch.engine.models.forward import forward_rows
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.spec_decode.draft_checks import check_draft_model
@@ -173,22 +173,16 @@ class DraftProposer(Proposer):
             if wanted:
                 rows.append(start + n - 1)
             start += n
-        logit_rows = rows or [total - 1]
-        meta = self.model.metadata(spans, self.block_size, self.num_blocks)
-        extra = {}
-        if hasattr(self.model, "kept_rows"):  # the native model: its last layer on rows read
-            kept = self.model.kept_rows(spans, logit_rows, None, self.block_size)
-            if kept is not None:
-                extra["kept"] = kept
-        with paddle.no_grad():
-            logits = self.model.forward(
-                paddle.to_tensor(input_ids),
-                paddle.to_tensor(positions),
-                self.kv_cache.layers,
-                meta,
-                paddle.to_tensor(np.asarray(logit_rows, dtype=np.int64)),
-                **extra,
-            )
+        logits = forward_rows(
+            self.model,
+            input_ids,
+            positions,
+            self.kv_cache.layers,
+            spans,
+            rows or [total - 1],
+            self.block_size,
+            self.num_blocks,
+        )
         self.num_forwards += 1
         if not rows:
             return []

@@ -37,6 +37,7 @@ import paddle
 from paddle.nn.functional import embedding
 
 from ketch.engine.models.attention import SequenceSpan
+from ketch.engine.models.forward import forward_rows
 from ketch.engine.models.llama import LlamaModel, ModelWeights
 from ketch.engine.models.loader import load_mtp_weights, mtp_config
 from ketch.engine.models.sharding import whole
@@ -211,22 +212,16 @@ class MtpProposer(Proposer):
         x = paddle.concat([rms_norm(e, self.enorm, self.eps), rms_norm(h, self.hnorm, self.eps)], 1)
         x = paddle.matmul(x, self.eh_proj)
         bs = self.config.block_size
-        meta = self.block.metadata(spans, bs, self.config.num_blocks)
-        rows = paddle.to_tensor(np.asarray(last_rows, dtype=np.int64))
-        extra = {}
-        if hasattr(self.block, "kept_rows"):
-            kept = self.block.kept_rows(spans, last_rows, last_rows, bs)
-            if kept is not None:
-                extra["kept"] = kept
-        with paddle.no_grad():
-            logits, out = self.block.forward(
-                ids,
-                paddle.to_tensor(np.asarray(positions, dtype=np.int64)),
-                self.cache.layers,
-                meta,
-                rows,
-                hidden_rows=rows,
-                inputs_embeds=x,
-                **extra,
-            )
+        logits, out = forward_rows(
+            self.block,
+            ids,
+            positions,
+            self.cache.layers,
+            spans,
+            last_rows,
+            bs,
+            self.config.num_blocks,
+            last_rows,
+            inputs_embeds=x,
+        )
         return logits.astype("float32").numpy(), out.astype("float32").numpy()

@@ -35,6 +35,7 @@ from ketch.engine.device import parse_device, rank_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
 from ketch.engine.models.config import ModelConfig
+from ketch.engine.models.forward import forward_rows
 from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
@@ -363,27 +364,21 @@ class ModelRunner:
         """(logits, the hidden rows embedding requests asked for, or None; with a proposer
         that reads hidden states, every row's); (None, None) on a tensor-parallel rank other
         than 0."""
-        block_size = self.config.block_size
-        meta = self.model.metadata(batch.spans, block_size, self.config.num_blocks)
-        extra = {}
         hidden_rows = batch.hidden.rows if batch.hidden.spans else None
         if self.spec_hidden and len(batch.input_ids):
             hidden_rows = list(range(len(batch.input_ids)))
-        if hidden_rows is not None:  # only then: the models' forward returns a pair
-            extra["hidden_rows"] = paddle.to_tensor(np.asarray(hidden_rows, np.int64))
-        if hasattr(self.model, "kept_rows"):  # the native model: its last layer on rows read
-            kept = self.model.kept_rows(batch.spans, logit_rows, hidden_rows, block_size)
-            if kept is not None:
-                extra["kept"] = kept
-        with paddle.no_grad():
-            out = self.model.forward(
-                paddle.to_tensor(batch.input_ids),
-                paddle.to_tensor(batch.positions),
-                self.kv_cache.layers,
-                meta,
-                paddle.to_tensor(np.asarray(logit_rows, dtype=np.int64)),
-                **extra,
-            )
+        cfg = self.config
+        out = forward_rows(
+            self.model,
+            batch.input_ids,
+            batch.positions,
+            self.kv_cache.layers,
+            batch.spans,
+            logit_rows,
+            cfg.block_size,
+            cfg.num_blocks,
+            hidden_rows,
+        )
         if out is None:
             return None, None
         logits, hidden = out if hidden_rows is not None else (out, None)
