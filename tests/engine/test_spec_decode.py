@@ -412,3 +412,70 @@ def test_runner_bounds_the_room_it_is_given():
     # whatever the room said); the tokens kept are the model's own, so the output is too
     assert got == expected
     engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 99999999999999999999999}', "num_spec"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 4.0}', "num_speculative_tokens"),
+        ('{"method": ["ngram"], "num_speculative_tokens": 4}', "method"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 0}', "min"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, '
+            '"prompt_lookup_min": 3}',
+            "prompt_lookup_min",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": -1}', "disab"),
+        ('{"method": "draft", "num_speculative_tokens": 4, "model": 7}', "model"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "model": "tiny"}', "model"),
+        ("[" * 100000 + "]" * 100000, "at most"),  # huge and deep: refused before decoding
+        ("[" * 2000 + "]" * 2000, "nested too deep"),
+        ("{" + ", ".join(f'"k{i}": {i}' for i in range(300)) + "}", "unknown key"),
+        ("not json", "not valid JSON"),
+        ("42", "JSON object"),
+    ],
+)
+def test_bad_speculative_config_is_named(value, named):
+    """Wrong types, extreme values, huge and deep inputs: one ValueError naming what is wrong,
+    on every path (flag text, config-file mapping, LLM kwargs all go through ``parse``)."""
+    from ketch.engine.config import EngineConfig
+    from ketch.engine.spec_decode.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=named):
+        SpeculativeConfig.parse(value)
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(speculative_config=value)
+
+
+def test_scheduler_output_refuses_negative_room():
+    from ketch.engine.core.scheduler_output import CachedRequestData, SchedulerOutput
+
+    with pytest.raises(ValueError, match="num_lookahead_tokens"):
+        SchedulerOutput([], CachedRequestData(), {}, 0, set(), num_lookahead_tokens={"r": -1})
+
+
+def test_scheduler_keeps_no_more_extra_tokens_than_the_room_it_gave():
+    """A runner output claiming more extra tokens than the step's room (or for a request given
+    none) adds only what the room allowed."""
+    from ketch.engine.core.scheduler_output import ModelRunnerOutput
+
+    scheduler = _scheduler(k=2, max_batch=0)
+    requests = _decoding(scheduler, 2)
+    out = scheduler.schedule()
+    assert out.num_lookahead_tokens == {"r0": 2, "r1": 2}
+    out.num_lookahead_tokens = {"r0": 2}  # r1 was given no room
+    lengths = [r.num_tokens for r in requests]
+    result = ModelRunnerOutput(
+        ["r0", "r1"],
+        [5, 5],
+        num_draft_tokens={"r0": 2, "r1": 2},
+        extra_token_ids={"r0": [6, 7, 8, 9] * 1000, "r1": [6, 7]},
+    )
+    scheduler.update_from_output(out, result)
+    assert [r.num_tokens - n for r, n in zip(requests, lengths, strict=True)] == [3, 1]
+    assert requests[0].num_computed_tokens == requests[0].num_tokens - 1
+    assert scheduler.stats.num_draft_tokens == 2 and scheduler.stats.num_accepted_tokens == 2
+    scheduler.check_integrity()

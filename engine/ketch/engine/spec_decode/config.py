@@ -16,6 +16,8 @@ MAX_SPECULATIVE_TOKENS = 16
 """Most tokens proposed per step: past that even a perfect proposer's rows cost more than the
 weight pass they share (and a bad one's are pure waste)."""
 MAX_LOOKUP = 64
+MAX_JSON_BYTES = 4096
+"""Longest ``--speculative-config`` text: its six keys fit in a few hundred bytes."""
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """Default ``disable_by_batch_size`` (docs/speculative.md, "Where speculation stops paying"):
 with k=4 a batch of 8 computes 40 rows, about 4x a plain step's time on a large model's layers
@@ -102,10 +104,16 @@ class SpeculativeConfig:
         if isinstance(value, str):
             if not value.strip() or value.strip() == "null":
                 return None
+            if len(value) > MAX_JSON_BYTES:
+                raise ValueError(
+                    f"speculative_config is {len(value)} characters; at most {MAX_JSON_BYTES}"
+                )
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+            except RecursionError as exc:  # nesting deeper than the decoder goes
+                raise ValueError("speculative_config is not valid JSON: nested too deep") from exc
             if value is None:
                 return None
         if not isinstance(value, dict):
