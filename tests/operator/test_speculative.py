@@ -12,15 +12,13 @@ import itertools
 import pytest
 import yaml
 from test_builders import example, invalid_body
+from test_wiring_engine import serve_configs
 
-from ketch.engine.config import EngineConfig
-from ketch.engine.serving.config import ServerConfig
 from ketch.engine.spec_decode.config import METHODS, SpeculativeConfig
 from ketch.operator import crd, crd_engine, engine_fields, runnable
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, _evaluate_rule, apply_defaults, parse
 from ketch.operator.wiring import check_wiring
-from ketch.operator.wiring.pods import read_pods
 
 NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
 
@@ -186,18 +184,6 @@ def test_a_draft_under_models_needs_a_pvc_model(uri, ok):
     assert "pvc://" in problem
 
 
-def _serve_configs(children: list[dict]) -> dict[str, EngineConfig]:
-    found: list[str] = []
-    configs = {
-        proc.config(ServerConfig).role: proc.config(EngineConfig)
-        for pod in read_pods(children, found)
-        for proc in pod.processes
-        if proc.command == "serve"
-    }
-    assert found == []
-    return configs
-
-
 @pytest.mark.parametrize(
     "value",
     [
@@ -226,7 +212,7 @@ def test_rendered_role_file_parses_back_to_the_same_config(value):
     expected = _engine_config(defaulted)
     assert SpeculativeConfig.parse(file["speculative_config"]) == expected
     assert file["speculative_config"] == yaml.safe_load(expected.to_json())
-    assert _serve_configs(children)["mixed"].speculative_config == expected
+    assert serve_configs(children)["mixed"].speculative_config == expected
     engine = next(
         c
         for o in children
@@ -241,7 +227,7 @@ def test_unset_renders_nothing():
     children = render_object(example("mixed"))
     config_map = next(o for o in children if o["kind"] == "ConfigMap")
     assert "speculative_config" not in yaml.safe_load(config_map["data"]["mixed.yaml"])
-    assert _serve_configs(children)["mixed"].speculative_config is None
+    assert serve_configs(children)["mixed"].speculative_config is None
 
 
 def test_decode_speculates_and_prefill_does_not():
@@ -250,7 +236,7 @@ def test_decode_speculates_and_prefill_does_not():
     draft = {"method": "draft", "numSpeculativeTokens": 4, "model": "/models/draft"}
     children = render_object(_with(draft, "disaggregated"))  # pvc:// model: /models is its claim
     assert check_wiring(children) == []
-    configs = _serve_configs(children)
+    configs = serve_configs(children)
     assert configs["decode"].speculative_config == SpeculativeConfig(
         method="draft", num_speculative_tokens=4, model="/models/draft"
     )

@@ -21,6 +21,7 @@ from ketch.engine.serving.config import ServerConfig
 from ketch.operator.cli import render_object
 from ketch.operator.runnable import known_model
 from ketch.operator.wiring import check_wiring
+from ketch.operator.wiring.pods import read_pods
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -194,7 +195,6 @@ def test_both_roles_take_the_one_spec_engine():
     """Roles cannot override engine settings: the CRD's roles have no engine field, and both
     roles' rendered engines resolve the same dtype, KV dtype and quantization."""
     from ketch.operator import crd
-    from ketch.operator.wiring.pods import read_pods
 
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for role in ("mixed", "prefill", "decode"):
@@ -203,14 +203,8 @@ def test_both_roles_take_the_one_spec_engine():
     doc["spec"]["engine"].update(dtype="bfloat16", kvCacheDtype="bfloat16", quantization="int8")
     children = render_object(doc)
     assert check_wiring(children) == []
-    found: list[str] = []
-    configs = {
-        proc.config(ServerConfig).role: proc.config(EngineConfig)
-        for pod in read_pods(children, found)
-        for proc in pod.processes
-        if proc.command == "serve"
-    }
-    assert found == [] and sorted(configs) == ["decode", "prefill"]
+    configs = serve_configs(children)
+    assert sorted(configs) == ["decode", "prefill"]
     for config in configs.values():
         assert (config.dtype, config.kv_cache_dtype, config.quantization) == (
             "bfloat16",
@@ -417,3 +411,17 @@ def test_the_docs_bf16_int8_example_fits_its_memory_and_float32_would_not(tmp_pa
     [problem] = capsys.readouterr().out.splitlines()
     assert "spec.roles.mixed.resources.memory: 20Gi: the engine container needs weights " in problem
     assert "bytes (float32) + KV cache 8589934592 bytes (float32) + headroom " in problem
+
+
+def serve_configs(children: list[dict]) -> dict[str, EngineConfig]:
+    """Each role's EngineConfig as its pod's ``ketch serve`` would read it (check-wiring's view
+    of the rendered pods); no pod may fail to read."""
+    found: list[str] = []
+    configs = {
+        proc.config(ServerConfig).role: proc.config(EngineConfig)
+        for pod in read_pods(children, found)
+        for proc in pod.processes
+        if proc.command == "serve"
+    }
+    assert found == []
+    return configs
