@@ -17,6 +17,29 @@ MAX_SPECULATIVE_TOKENS = 16
 weight pass they share (and a bad one's are pure waste)."""
 MAX_LOOKUP = 64
 MAX_JSON_BYTES = 4096
+MAX_JSON_DEPTH = 8  # the object is flat; anything deeper is wrong whatever it holds
+
+
+def _nesting(text: str) -> int:
+    """The deepest ``[``/``{`` nesting in JSON text, brackets inside strings not counted."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 """Longest ``--speculative-config`` text: its six keys fit in a few hundred bytes."""
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """Default ``disable_by_batch_size`` (docs/speculative.md, "Where speculation stops paying"):
@@ -108,12 +131,16 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config is {len(value)} characters; at most {MAX_JSON_BYTES}"
                 )
+            if _nesting(value) > MAX_JSON_DEPTH:
+                # refused before decoding: whether the decoder's recursion limit is reached
+                # depends on the process (a library may raise sys.setrecursionlimit)
+                raise ValueError(
+                    f"speculative_config is nested too deep (more than {MAX_JSON_DEPTH} levels)"
+                )
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
-            except RecursionError as exc:  # nesting deeper than the decoder goes
-                raise ValueError("speculative_config is not valid JSON: nested too deep") from exc
             if value is None:
                 return None
         if not isinstance(value, dict):
