@@ -40,6 +40,8 @@ def _nesting(text: str) -> int:
         elif char in "]}":
             depth -= 1
     return deepest
+
+
 """Longest ``--speculative-config`` text: its six keys fit in a few hundred bytes."""
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """Default ``disable_by_batch_size`` (docs/speculative.md, "Where speculation stops paying"):
