@@ -4,10 +4,13 @@
 #   etcd                                                     (wrapper module hack/etcd)
 #   prometheus, prometheus-adapter (metrics for real HPAs)   (hack/prometheus, hack/prometheus-adapter)
 #   kwok (fake nodes: bursts of pods, bench_operator.py)     (hack/kwok)
+#   helm (the chart's lint, template, install and upgrade tests) (hack/helm)
+#   gaie: no binary; the Gateway API and Gateway API Inference Extension CRD manifests
+#         (HTTPRoute, Gateway, InferencePool...) copied from their modules  (hack/gaie)
 # Binaries go to $KETCH_BIN_CACHE/<component>/<version>/bin (default ~/.cache/ketch), never into
 # the repository; a version already built is not rebuilt. Prints one line per component:
 #   <component> <version> <bin dir> (built in Ns | cached)
-# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|test|all]
+# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|test|all]
 #   test (the default): what the test suite and `make cluster-up` need, all but kwok;
 #   all: also kwok (only benchmarks/bench_operator.py uses it)
 set -euo pipefail
@@ -112,6 +115,41 @@ build_kwok() {
   echo "kwok $v $bin (built in $((SECONDS - start))s)"
 }
 
+# Helm v4 (wrapper module hack/helm): the CLI the chart tests run (lint, template, install,
+# upgrade). The version ldflag is what upstream's Makefile sets for a release build.
+build_helm() {
+  local v bin start
+  v="$(mod_version helm helm.sh/helm/v4)"
+  bin="$cache/helm/$v/bin"
+  if [ -x "$bin/helm" ]; then echo "helm $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  (cd "$here/helm" && CGO_ENABLED=0 go build -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$v -X helm.sh/helm/v4/internal/version.gitTreeState=clean" \
+    -o "$bin.tmp/helm" helm.sh/helm/v4/cmd/helm)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "helm $v $bin (built in $((SECONDS - start))s)"
+}
+
+# The CRDs of the Gateway API (standard channel) and of the Gateway API Inference Extension, as
+# their modules ship them (config/crd/...), to $cache/gaie/<gaie version>/crds. Nothing is built:
+# the wrapper module hack/gaie pins both versions.
+gaie_crds="gateway.networking.k8s.io_gatewayclasses gateway.networking.k8s.io_gateways gateway.networking.k8s.io_httproutes gateway.networking.k8s.io_referencegrants"
+build_gaie() {
+  local v dir gw out c
+  v="$(mod_version gaie sigs.k8s.io/gateway-api-inference-extension)"
+  out="$cache/gaie/$v/crds"
+  if [ -f "$out/inference.networking.k8s.io_inferencepools.yaml" ]; then echo "gaie $v $out (cached)"; return; fi
+  (cd "$here/gaie" && go mod download sigs.k8s.io/gateway-api-inference-extension sigs.k8s.io/gateway-api)
+  dir="$(cd "$here/gaie" && go list -m -f '{{.Dir}}' sigs.k8s.io/gateway-api-inference-extension)"
+  gw="$(cd "$here/gaie" && go list -m -f '{{.Dir}}' sigs.k8s.io/gateway-api)"
+  mkdir -p "$out.tmp"
+  install -m 0644 "$dir"/config/crd/bases/*.yaml "$out.tmp/"
+  for c in $gaie_crds; do install -m 0644 "$gw/config/crd/standard/$c.yaml" "$out.tmp/"; done
+  rm -rf "$out"; mv "$out.tmp" "$out"
+  echo "gaie $v $out (copied)"
+}
+
 case "${1:-test}" in
   --bin-path)
     echo "$cache/k8s/$(mod_version k8s k8s.io/kubernetes)/bin:$cache/etcd/$(mod_version etcd go.etcd.io/etcd/server/v3)/bin"
@@ -122,7 +160,9 @@ case "${1:-test}" in
   prometheus) build_prometheus ;;
   metrics) build_prometheus; build_prometheus_adapter ;;
   kwok) build_kwok ;;
-  test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter ;;
-  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_kwok ;;
-  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|test|all]" >&2; exit 2 ;;
+  helm) build_helm ;;
+  gaie) build_gaie ;;
+  test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie ;;
+  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie; build_kwok ;;
+  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|test|all]" >&2; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 def places() -> dict[str, str]:
     """The values of the ``{...}`` placeholders of an image table."""
     venv = REPO / ".venv"
+    if not venv.exists() and sys.prefix != sys.base_prefix:
+        # a git worktree of the checkout has no venv of its own: the one the agent runs in
+        venv = Path(sys.prefix)
     home = Path("/usr")
     cfg = venv / "pyvenv.cfg"
     if cfg.exists():
@@ -68,6 +72,9 @@ def places() -> dict[str, str]:
 
 def default_table() -> list[dict[str, Any]]:
     """Ketch's two images (this checkout), python and busybox."""
+    # The checkout's sources first on the path: what its pods run is this checkout (a worktree's
+    # too), whichever checkout the venv's editable install points at.
+    sources = {"PYTHONPATH": "{repo}/engine:{repo}/operator:{repo}/kernels"}
     ketch = {
         "path": ["{venv}/bin"],
         "user": "1000:1000",
@@ -77,7 +84,7 @@ def default_table() -> list[dict[str, Any]]:
         {
             "image": ["ghcr.io/ketch-dev/ketch-engine:*", "ghcr.io/ketch-dev/ketch-engine@*"],
             **ketch,
-            "env": {**_PYTHON_ENV, "KETCH_EXTENSION_DIR": "{extensions}"},
+            "env": {**_PYTHON_ENV, **sources, "KETCH_EXTENSION_DIR": "{extensions}"},
             "expose": [*ketch["expose"], "{extensions}"],
             "cmd": ["ketch", "--help"],
             "pull": ["{venv}/bin/python", "-m", "ketch.kernels.cpp_ops"],
@@ -85,7 +92,7 @@ def default_table() -> list[dict[str, Any]]:
         {
             "image": ["ghcr.io/ketch-dev/ketch-operator:*", "ghcr.io/ketch-dev/ketch-operator@*"],
             **ketch,
-            "env": dict(_PYTHON_ENV),
+            "env": {**_PYTHON_ENV, **sources},
             "cmd": ["ketch-operator", "run"],
         },
         {
