@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -241,6 +244,27 @@ def test_the_documented_configmap_carries_the_script():
         "the ConfigMap (indented by 4 spaces)"
     )
     assert f"{crd.GROUP}_{crd.KIND}" in KEY
+
+
+def test_the_documented_patch_command_installs_the_script(cluster):  # noqa: F811
+    """The docs' ``kubectl patch`` line, run as written (in the test's namespace instead of
+    argocd) against a real ConfigMap: the key holds the file, other settings stay."""
+    if shutil.which("jq") is None:
+        pytest.skip("the documented command needs jq")
+    command = re.findall(r"```sh\n(kubectl -n argocd patch configmap argocd-cm.*?)```",
+                         DOC.read_text(), flags=re.S)  # fmt: skip
+    assert len(command) == 1
+    cm = {"apiVersion": "v1", "kind": "ConfigMap",
+          "metadata": {"name": "argocd-cm"}, "data": {"url": "https://argo.example"}}  # fmt: skip
+    cluster.apply(cm)
+    env = {**os.environ, "KUBECONFIG": str(cluster.kube.kubeconfig)}
+    script = command[0].replace("-n argocd", f"-n {cluster.namespace}", 1)
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = cluster.get("configmaps", "argocd-cm")["data"]
+    assert data == {"url": "https://argo.example", KEY: SCRIPT.read_text()}
+    cluster.run("delete", "configmap", "argocd-cm")
 
 
 def test_a_live_ready_inferenceservice_is_healthy(cluster, operator, metrics):  # noqa: F811
