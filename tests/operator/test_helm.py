@@ -25,6 +25,8 @@ from helmchart import (
     template_result,
 )
 
+from localcluster import metrics
+
 # The settings under which the chart renders exactly what manifests/overlays/<name> does
 # (docs/helm.md): the release in ketch-system (helmchart.RELEASE_NAMESPACE), with the Namespace.
 SAME_AS_KUSTOMIZE = ("--set", "namespace.create=true")
@@ -230,6 +232,9 @@ def test_podmonitor_and_adapter_rules_are_manifests_metrics(tmp_path):
     config = yaml.safe_load(adapter["data"]["config.yaml"])
     values = yaml.safe_load((ROOT / "manifests/metrics/prometheus-adapter-values.yaml").read_text())
     assert config == {"rules": values["rules"]["custom"]} and config["rules"]
+    # the --config the real prometheus-adapter of test_hpa_real.py runs with
+    source = (ROOT / "manifests/metrics/prometheus-adapter-values.yaml").read_text()
+    assert config == yaml.safe_load(metrics.adapter_config(source))
 
 
 def chart_copy(tmp_path: Path, dashboards: dict[str, str] | None) -> Path:
@@ -304,3 +309,11 @@ def test_differences_are_strict_but_for_json_numbers():
     assert differences({"a": 30.0}, {"a": 30}) == []
     assert differences({"a": "1"}, {"a": 1}) and differences({"a": True}, {"a": 1})
     assert differences({"a": [1, 2]}, {"a": [2, 1]}) and differences({"a": None}, {})
+
+
+def test_packaged_chart_renders_the_same(tmp_path):
+    """`helm package` resolves the links into crds/ and manifests/: the archive is whole."""
+    packaged = helm("package", str(CHART), "-d", str(tmp_path))
+    assert packaged.returncode == 0, packaged.stderr
+    [archive] = tmp_path.glob("ketch-*.tgz")
+    assert render(chart=archive) == render()
