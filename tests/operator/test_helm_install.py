@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -69,7 +70,7 @@ def ready(env: dict[str, str], namespace: str, name: str = "tiny") -> None:
     )  # fmt: skip
 
 
-def test_install_upgrade_uninstall_cluster_wide(cluster_env):
+def test_install_upgrade_uninstall_cluster_wide(cluster_env, tmp_path):
     env = cluster_env
     ok_helm(env, "install", "ketch", str(CHART), "-n", NS, "--create-namespace")
     first = rolled_out(env)
@@ -79,9 +80,18 @@ def test_install_upgrade_uninstall_cluster_wide(cluster_env):
     kubectl(env, "apply", "-n", "default", "-f", "examples/mixed.yaml")
     ready(env, "default")
 
-    # an upgrade with changed values rolls the operator...
+    # an upgrade with changed values rolls the operator, and updates the InferenceService CRD
+    # (a template, not crds/): here a chart whose CRD carries one more label
+    newer = tmp_path / "ketch"
+    shutil.copytree(CHART, newer, symlinks=False)
+    crd_file = newer / "files" / "inferenceservices.serving.ketch.dev.yaml"
+    text = crd_file.read_text()
+    assert "\n  labels:\n" in text
+    crd_file.write_text(
+        text.replace("\n  labels:\n", "\n  labels:\n    example.com/chart: newer\n", 1)
+    )
     ok_helm(
-        env, "upgrade", "ketch", str(CHART), "-n", NS, "--reuse-values",
+        env, "upgrade", "ketch", str(newer), "-n", NS, "--reuse-values",
         "--set", "logLevel=DEBUG", "--set", "resources.limits.memory=768Mi",
     )  # fmt: skip
     second = rolled_out(env)
@@ -94,6 +104,9 @@ def test_install_upgrade_uninstall_cluster_wide(cluster_env):
     assert running and all(
         p["spec"]["containers"][0]["args"] == ["--log-level", "DEBUG"] for p in running
     )
+    crd = get(env, "crd", "inferenceservices.serving.ketch.dev")["metadata"]
+    assert crd["labels"]["example.com/chart"] == "newer"
+    assert crd["annotations"]["helm.sh/resource-policy"] == "keep"
     history = json.loads(ok_helm(env, "history", "ketch", "-n", NS, "-o", "json"))
     assert [h["revision"] for h in history] == [1, 2]
 
