@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -71,7 +72,8 @@ class EppMetrics:
         self.requests = Counter(
             "ketch:epp_requests",
             "Endpoint picker requests by outcome: picked, no_endpoint (503), rejected (429 "
-            "saturated, 400/413 bad body), error (the ext_proc stream broke the protocol).",
+            "saturated, 400/413 bad body, 404 unknown model), error (the ext_proc stream "
+            "broke the protocol).",
             ["outcome"],
             registry=registry,
         )
@@ -116,6 +118,10 @@ class Picker(pb_grpc.ExternalProcessorServicer):
                 message = await context.read()
         except TimeoutError:
             raise ProtocolViolation(grpc.StatusCode.DEADLINE_EXCEEDED, "stream idle") from None
+        except DecodeError:
+            raise ProtocolViolation(
+                grpc.StatusCode.INVALID_ARGUMENT, "a message is not a ProcessingRequest"
+            ) from None
         return None if message is grpc.aio.EOF else message
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
@@ -217,9 +223,11 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         if state.draining:
             raise Refusal(503, "the router is shutting down; retry shortly")
         exclude = self._outside(head.subset, wanted.paired)
+        exclude |= self._other_models(wanted.model)
         self._check_saturation(exclude, wanted.paired)
         picked = _pick(state, wanted.chunks, exclude, wanted.paired)
         if picked is None:
+            self._check_model(wanted.model)
             where = " among the subset hint's endpoints" if head.subset is not None else ""
             raise Refusal(503, f"no ready instance can serve this request{where}; retry shortly")
         target, prefill = picked
@@ -244,6 +252,23 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             for i in self.state.registry.instances.values()
             if endpoint(i) not in subset and not (paired and i.role == "prefill")
         }
+
+    def _other_models(self, model: str | None) -> set[str]:
+        """URLs of instances whose /ready names another model than the request's."""
+        if model is None:
+            return set()
+        instances = self.state.registry.instances.values()
+        return {i.url for i in instances if i.model is not None and i.model != model}
+
+    def _check_model(self, model: str | None) -> None:
+        """A 404 when no ready instance serves ``model`` (instances that name none count as
+        serving anything: the instance itself answers then)."""
+        if model is None:
+            return
+        served = {i.model for i in self.state.registry.instances.values() if i.healthy}
+        if served and None not in served and model not in served:
+            names = ", ".join(sorted(m for m in served if m)[:16])
+            raise Refusal(404, f"The model '{model}' does not exist. Available models: {names}")
 
     def _check_saturation(self, exclude: set[str], paired: bool) -> None:
         limit = self.state.config.epp_shed_load

@@ -104,6 +104,7 @@ class Wanted:
 
     chunks: list[bytes] | None
     paired: bool  # needs a prefill and a decode instance in a P/D deployment
+    model: str | None = None  # the model the body names
 
 
 def read_body(path: str, body: bytes, chunk_chars: int, hash_prompt: bool) -> Wanted:
@@ -129,7 +130,7 @@ def read_body(path: str, body: bytes, chunk_chars: int, hash_prompt: bool) -> Wa
         raise Refusal(400, f"'model' must be a string of at most {MAX_MODEL_CHARS} characters")
     _check_prompt(path, data)
     chunks = chunks_of(path, data, chunk_chars) if hash_prompt else None
-    return Wanted(chunks, paired)
+    return Wanted(chunks, paired, model)
 
 
 def _check_prompt(path: str, data: dict) -> None:
