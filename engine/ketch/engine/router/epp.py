@@ -99,8 +99,16 @@ class Picker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, state: RouterState, metrics: EppMetrics) -> None:
         self.state = state
         self.metrics = metrics
+        self.open_streams = 0
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if self.open_streams >= self.state.config.epp_max_streams:
+            self.metrics.requests.labels("error").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the endpoint picker has {self.open_streams} streams open (--epp-max-streams)",
+            )
+        self.open_streams += 1
         self.metrics.streams.inc()
         try:
             await self._stream(context)
@@ -108,6 +116,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             self.metrics.requests.labels("error").inc()
             await context.abort(exc.code, str(exc))
         finally:
+            self.open_streams -= 1
             self.metrics.streams.dec()
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
@@ -147,7 +156,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             message = await self._read(context, deadline)
             if message is None:
                 return  # abandoned mid-body: nothing to answer
-            kind = message.WhichOneof("request")
+            kind = message.WhichOneof("request") or "an empty message"
             if kind == "request_trailers":
                 break
             if kind != "request_body":
@@ -194,7 +203,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             message = await self._read(context, deadline)
             if message is None:
                 return
-            kind = message.WhichOneof("request")
+            kind = message.WhichOneof("request") or "an empty message"
             if kind not in _RESPONSE_PHASES:
                 raise ProtocolViolation(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{kind} after the request was answered"
@@ -294,7 +303,8 @@ class EndpointPicker:
 
     async def start(self) -> None:
         cfg = self.state.config
-        limit = cfg.max_request_bytes + (64 << 10)  # a buffered body past the limit gets a 413
+        # Room for a buffered body past the limit (it gets a 413) and a large subset hint.
+        limit = cfg.max_request_bytes + (1 << 20)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -302,8 +312,7 @@ class EndpointPicker:
                 ("grpc.keepalive_time_ms", 60_000),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=cfg.epp_max_streams,
-        )
+        )  # Picker.Process refuses streams past epp_max_streams itself
         pb_grpc.add_ExternalProcessorServicer_to_server(
             Picker(self.state, self.metrics), self.server
         )
