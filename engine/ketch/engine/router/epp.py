@@ -53,7 +53,10 @@ logger = logging.getLogger("ketch.router.epp")
 
 OUTCOMES = ("picked", "no_endpoint", "rejected", "error")
 MAX_ENDPOINTS = 4  # the primary and up to three fallbacks
-_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 1)
+_DECISION_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 1,
+)  # fmt: skip
 _RESPONSE_PHASES = ("response_headers", "response_body", "response_trailers", "request_trailers")
 
 
