@@ -110,6 +110,17 @@ def test_bad_bodies_get_400(picker, fakes, name, streamed):
     still_answers(picker, fakes)
 
 
+@pytest.mark.parametrize("mode", ["STREAMED", "BUFFERED_PARTIAL"])
+def test_unsupported_body_modes_are_named(picker, fakes, mode):
+    message = head(streamed=False)
+    message.protocol_config.request_body_mode = ec.mode_pb.ProcessingMode.BodySendMode.Value(mode)
+    with pytest.raises(grpc.RpcError) as caught:
+        ec.exchange(picker.channel, [message, body(b"{}")])
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert mode in caught.value.details() and "FULL_DUPLEX_STREAMED" in caught.value.details()
+    still_answers(picker, fakes)
+
+
 def test_chat_messages_of_the_wrong_type_get_400(picker, fakes):
     raw = json.dumps({"model": "tiny", "messages": "hello"}).encode()
     assert ec.pick(picker.channel, raw, path="/v1/chat/completions").status == 400

@@ -152,6 +152,12 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         except Refusal as refusal:
             await self._refuse(context, refusal)
             return
+        if head.has_body and head.unsupported_mode:
+            raise ProtocolViolation(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request body mode {head.unsupported_mode} is not supported: configure the "
+                "gateway's ext_proc with BUFFERED or FULL_DUPLEX_STREAMED",
+            )
         if head.has_body and not head.streamed:
             await context.write(passed("request_headers"))
         body = bytearray()
