@@ -219,3 +219,14 @@ def test_bad_epp_settings_fail_fast(flags, message):
     done = run_router("--mixed", "127.0.0.1:1", *flags)
     assert done.returncode != 0
     assert message in done.stderr + done.stdout
+
+
+def test_listening_ports_name_the_epp_port():
+    """What the operator's wiring checks read: the EPP port is a gRPC (not HTTP) listener."""
+    from ketch.engine.cli import build_parser, listening_ports
+
+    args = build_parser().parse_args(["router"])
+    ports = listening_ports(args, {"mixed": "10.0.0.5:8000", "epp_port": 9002})
+    assert ports == {9000: "--port", 9002: "--epp-port"}
+    assert ports[9000].http and not ports[9002].http
+    assert listening_ports(args, {"mixed": "10.0.0.5:8000"}) == {9000: "--port"}
