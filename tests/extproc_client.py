@@ -122,6 +122,8 @@ def _read_pick(pick: Pick, response: pb.ProcessingResponse) -> None:
         pick.status = response.immediate_response.status.code
         pick.immediate_body = response.immediate_response.body
         return
+    if kind is None or kind.endswith("trailers"):
+        return  # trailers answers carry no pick
     common = getattr(response, kind).response
     for option in common.header_mutation.set_headers:
         value = option.header.raw_value.decode() or option.header.value

@@ -107,6 +107,29 @@ def test_response_phases_pass_through(picker):
     assert [e.end_of_stream for e in echoed] == [False, True]
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_request_trailers_end_the_body(picker, instances, streamed):
+    pb = extproc_client.pb
+    messages = [
+        extproc_client.request_headers({":path": "/v1/completions"}, False, streamed=streamed),
+        extproc_client.body_message(b'{"model": "tiny", ', False),
+        extproc_client.body_message(b'"prompt": "x"}', False),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+    ]
+    answers = extproc_client.exchange(picker.channel, messages)
+    kinds = [a.WhichOneof("response") for a in answers]
+    pick = extproc_client.Pick()
+    for answer in answers:
+        extproc_client._read_pick(pick, answer)
+    assert pick.primary in {address(s.url) for s in instances}
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    if streamed:  # the echoed body does not end the stream: the trailers do
+        assert pick.echoed == b'{"model": "tiny", "prompt": "x"}'
+        assert not answers[1].request_body.response.body_mutation.streamed_response.end_of_stream
+    else:  # buffered: the pick answers the body
+        assert answers[1].request_body.response.header_mutation.set_headers
+
+
 def test_health_and_metrics(picker):
     for service in ("", "liveness", "readiness", EXT_PROC):
         assert picker.health(service) == "SERVING"

@@ -161,12 +161,14 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         if head.has_body and not head.streamed:
             await context.write(passed("request_headers"))
         body = bytearray()
+        trailers = False
         while head.has_body:
             message = await self._read(context, deadline)
             if message is None:
                 return  # abandoned mid-body: nothing to answer
             kind = message.WhichOneof("request") or "an empty message"
-            if kind == "request_trailers":
+            if kind == "request_trailers":  # the body ended without end_of_stream
+                trailers = True
                 break
             if kind != "request_body":
                 raise ProtocolViolation(
@@ -186,23 +188,31 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         except Refusal as refusal:
             await self._refuse(context, refusal)
             return
-        await self._send_pick(context, head, answer, bytes(body))
+        await self._send_pick(context, head, answer, bytes(body), trailers)
         self.metrics.decision.observe(time.perf_counter() - started)
         self.metrics.requests.labels("picked").inc()
         await self._pass_responses(context, head)
 
     async def _send_pick(
-        self, context: grpc.aio.ServicerContext, head: Head, answer: tuple, body: bytes
+        self,
+        context: grpc.aio.ServicerContext,
+        head: Head,
+        answer: tuple,
+        body: bytes,
+        trailers: bool,
     ) -> None:
+        """The pick answers the last phase Envoy waits on; answers it holds come in order."""
         endpoints, extra, remove = answer
         if not head.has_body:
             await context.write(decision(endpoints, extra, remove, "request_headers"))
         elif head.streamed:
             await context.write(decision(endpoints, extra, remove, "request_headers"))
-            for piece in streamed_body("request_body", body, True):
+            for piece in streamed_body("request_body", body, not trailers):
                 await context.write(piece)
         else:
             await context.write(decision(endpoints, extra, remove, "request_body"))
+        if trailers:
+            await context.write(passed("request_trailers"))
 
     async def _pass_responses(self, context: grpc.aio.ServicerContext, head: Head) -> None:
         """After the pick: response phases pass unchanged until the gateway ends the stream."""
