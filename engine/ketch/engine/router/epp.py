@@ -118,6 +118,12 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         except ProtocolViolation as exc:
             self.metrics.requests.labels("error").inc()
             await context.abort(exc.code, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug: this stream fails, the others go on
+            logger.exception("endpoint picker stream failed")
+            self.metrics.requests.labels("error").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, "the endpoint picker failed")
         finally:
             self.open_streams -= 1
             self.metrics.streams.dec()
