@@ -253,3 +253,34 @@ def test_listening_ports_name_the_epp_port():
     assert ports == {9000: "--port", 9002: "--epp-port"}
     assert ports[9000].http and not ports[9002].http
     assert listening_ports(args, {"mixed": "10.0.0.5:8000"}) == {9000: "--port"}
+
+
+def test_epp_port_from_the_config_file(tmp_path):
+    from ketch.engine.cli import build_parser
+    from ketch.engine.router.cli import config_from
+
+    path = tmp_path / "router.yaml"
+    path.write_text("mixed: 10.0.0.5:8000\nepp_port: 9002\nepp_shed_load: 16\n")
+    config = config_from(build_parser().parse_args(["router", "--config", str(path)]))
+    assert (config.epp_port, config.epp_shed_load, config.epp_max_streams) == (9002, 16, 4096)
+    path.write_text("mixed: 10.0.0.5:8000\nepp_port: '9002'\n")
+    with pytest.raises(ValueError, match="epp_port must be a port number"):
+        config_from(build_parser().parse_args(["router", "--config", str(path)]))
+
+
+def test_sigterm_stops_the_picker_and_frees_its_port():
+    import socket
+
+    from epp_harness import EppRouter
+
+    fake = FakeInstance()
+    try:
+        router = EppRouter("--mixed", fake.url)
+        wait_for(lambda: router.health("readiness") == "SERVING", "readiness", router)
+        assert router.pick(completion()).primary == address(fake.url)
+        assert router.stop() == 0
+        with socket.socket() as sock:  # nothing is left listening on the gRPC port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", router.epp_port))
+    finally:
+        fake.stop()
