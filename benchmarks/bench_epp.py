@@ -3,9 +3,10 @@
 Starts ``--endpoints`` lightweight instances (a real HTTP server per endpoint answering the
 router's ``/ready`` and ``/metrics`` polls, all in one thread of this process), then for each
 policy a ``ketch router`` with its endpoint picker, and sends ``--rate`` requests/s for
-``--seconds`` through the real ext_proc client (``tests/extproc_client.py``, Envoy's protos),
-open loop: request i is due at t0 + i/rate. Each request is a completion with a ~2 KB prompt
-from 32 shared prefixes, in buffered and in FULL_DUPLEX_STREAMED body mode.
+``--seconds`` through the real ext_proc client (``tests/extproc_client.py``, Envoy's protos:
+``pick``, or ``apick`` on a ``grpc.aio`` channel with ``--client aio``), open loop: request i
+is due at t0 + i/rate. Each request is a completion with a ~2 KB prompt from 32 shared
+prefixes, in buffered and in FULL_DUPLEX_STREAMED body mode.
 
 Reported per policy and mode: the achieved rate, the client-side round trip of the request
 phases (p50, p99, max: what Envoy waits for, the gRPC hop on loopback included) and the
@@ -14,6 +15,7 @@ bounds). Target: p99 < 2 ms at 200 requests/s with 16 endpoints.
 
 Usage:
     .venv/bin/python benchmarks/bench_epp.py [--endpoints 16] [--rate 200] [--seconds 5]
+        [--client sync|aio]
 All traffic goes to 127.0.0.1; every process is started and stopped here.
 """
 
@@ -109,9 +111,28 @@ def decision_quantiles(url: str) -> tuple[float, float]:
     return upper(0.5), upper(0.99)
 
 
-def run(target: str, rate: float, seconds: float, streamed: bool) -> dict[str, float]:
+def run(target: str, rate: float, seconds: float, streamed: bool, client: str) -> dict[str, float]:
     count = int(rate * seconds)
     payloads = bodies(count, seed=int(streamed))
+    if client == "aio":
+        latencies, elapsed = asyncio.run(_run_aio(target, rate, payloads, streamed))
+    else:
+        latencies, elapsed = _run_sync(target, rate, payloads, streamed)
+    latencies.sort()
+    return {
+        "rate": count / elapsed,
+        "p50": statistics.median(latencies),
+        "p99": latencies[int(0.99 * (len(latencies) - 1))],
+        "max": latencies[-1],
+    }
+
+
+def _check(pick: extproc_client.Pick) -> None:
+    if pick.status is not None or pick.header != pick.metadata:
+        raise RuntimeError(f"bad pick: {pick}")
+
+
+def _run_sync(target, rate, payloads, streamed) -> tuple[list[float], float]:
     latencies = []
     with grpc.insecure_channel(target) as channel:
         for body in payloads[:20]:  # warm the channel
@@ -122,18 +143,25 @@ def run(target: str, rate: float, seconds: float, streamed: bool) -> dict[str, f
             if delay > 0:
                 time.sleep(delay)
             began = time.perf_counter()
-            pick = extproc_client.pick(channel, body, streamed=streamed, chunk=1024)
+            _check(extproc_client.pick(channel, body, streamed=streamed, chunk=1024))
             latencies.append(time.perf_counter() - began)
-            if pick.status is not None or pick.header != pick.metadata:
-                raise RuntimeError(f"bad pick: {pick}")
-        elapsed = time.perf_counter() - start
-    latencies.sort()
-    return {
-        "rate": count / elapsed,
-        "p50": statistics.median(latencies),
-        "p99": latencies[int(0.99 * (len(latencies) - 1))],
-        "max": latencies[-1],
-    }
+        return latencies, time.perf_counter() - start
+
+
+async def _run_aio(target, rate, payloads, streamed) -> tuple[list[float], float]:
+    latencies = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        for body in payloads[:20]:
+            await extproc_client.apick(channel, body, streamed=streamed)
+        start = time.perf_counter()
+        for i, body in enumerate(payloads):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            began = time.perf_counter()
+            _check(await extproc_client.apick(channel, body, streamed=streamed, chunk=1024))
+            latencies.append(time.perf_counter() - began)
+        return latencies, time.perf_counter() - start
 
 
 def main() -> None:
@@ -141,6 +169,10 @@ def main() -> None:
     parser.add_argument("--endpoints", type=int, default=16)
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--client", choices=["sync", "aio"], default="sync",
+        help="extproc_client.pick (a thread per stream) or apick on a grpc.aio channel",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = []
     with endpoints(args.endpoints) as addresses:
@@ -151,12 +183,15 @@ def main() -> None:
                        "--log-level", "WARNING"]  # fmt: skip
             with process(command, f"http://{HOST}:{port}"):
                 for streamed in (False, True):
-                    result = run(f"{HOST}:{epp_port}", args.rate, args.seconds, streamed)
+                    result = run(
+                        f"{HOST}:{epp_port}", args.rate, args.seconds, streamed, args.client
+                    )
                     rows.append((policy, "streamed" if streamed else "buffered", result))
                 server = decision_quantiles(f"http://{HOST}:{port}")
             own = {"p50": server[0], "p99": server[1]}
             rows.append((policy, "picker's own decision (both modes)", own))
-    print(f"\nEPP decision latency, {args.endpoints} endpoints, {args.rate:g} requests/s target")
+    print(f"\nEPP decision latency, {args.endpoints} endpoints, {args.rate:g} requests/s target, "
+          f"{args.client} client")  # fmt: skip
     print(f"{'policy':<15} {'mode':<36} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for policy, mode, r in rows:
         rate = f"{r['rate']:7.1f}" if "rate" in r else f"{'':>7}"
