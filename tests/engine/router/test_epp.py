@@ -51,6 +51,21 @@ def test_each_request_gets_a_ready_instance(picker, instances, streamed, kind):
             assert pick.echoed == json.dumps(body).encode()
 
 
+def test_the_asyncio_client_sees_the_same_picks(picker, instances):
+    import asyncio
+
+    import grpc
+
+    async def both() -> list[extproc_client.Pick]:
+        async with grpc.aio.insecure_channel(picker.target) as channel:
+            raw = json.dumps(completion("async " * 80)).encode()
+            return [await extproc_client.apick(channel, raw, streamed=s) for s in (False, True)]
+
+    for pick in asyncio.run(both()):
+        assert pick.primary in {address(s.url) for s in instances}
+        assert pick.header == pick.metadata and pick.status is None
+
+
 def test_a_request_without_body_is_picked_at_its_headers(picker, instances):
     pick = picker.pick(b"", path="/v1/models", headers={":method": "GET"})
     assert pick.primary in {address(s.url) for s in instances}
