@@ -299,3 +299,31 @@ def test_sigterm_stops_the_picker_and_frees_its_port():
             sock.bind(("127.0.0.1", router.epp_port))
     finally:
         fake.stop()
+
+
+def test_sigterm_lets_open_streams_finish():
+    """A stream in its response phases when SIGTERM comes is still answered; then the router
+    exits 0, and readiness no longer says SERVING."""
+    import signal
+
+    from epp_harness import EppRouter
+
+    fake = FakeInstance()
+    router = EppRouter("--mixed", fake.url, "--drain-timeout", "60")
+    try:
+        wait_for(lambda: router.health("readiness") == "SERVING", "readiness", router)
+        stream = extproc_client._Stream(router.channel, timeout=60)
+        stream.send(extproc_client.request_headers({":path": "/v1/models"}, True))
+        first = stream.receive()
+        assert first.request_headers.response.header_mutation.set_headers
+        router.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: router.health("readiness") != "SERVING", "readiness drop", router)
+        pb = extproc_client.pb
+        stream.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=True)))
+        assert stream.receive().WhichOneof("response") == "response_headers"
+        assert router.proc.poll() is None  # held open by the stream
+        stream.close()
+        assert router.proc.wait(60) == 0
+    finally:
+        router.stop()
+        fake.stop()

@@ -13,8 +13,10 @@ pairing. Each Envoy ``ext_proc`` ``Process`` stream is one HTTP request:
    peer (a client's own ``x-ketch-prefill`` is always dropped); streamed bodies are echoed;
 4. the response phases pass through unchanged (streamed response bodies echoed).
 
-Refusals are ImmediateResponses: 400 (bad body, bad subset hint), 413, 429 (every candidate
-at ``epp_shed_load``), 503 (no ready instance, none in the subset, draining). A stream that
+Refusals are ImmediateResponses: 400 (bad body, bad subset hint), 404 (unknown model), 413,
+429 (every candidate at ``epp_shed_load``), 503 (no ready instance, none in the subset). While
+the router drains, readiness is NOT_SERVING but picks go on: a pick is instant, and the gateway,
+not the router, carries the request. A stream that
 breaks the protocol (phases out of order, repeated headers, undecodable messages, a request
 phase slower than ``body_timeout``) ends with a gRPC error; it is the only one affected.
 """
@@ -254,8 +256,6 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         state = self.state
         hash_prompt = isinstance(state.policy, PrefixHash)
         wanted = read_body(head.path, body, state.config.prefix_chunk_chars, hash_prompt)
-        if state.draining:
-            raise Refusal(503, "the router is shutting down; retry shortly")
         exclude = self._outside(head.subset, wanted.paired)
         exclude |= self._other_models(wanted.model)
         self._check_saturation(exclude, wanted.paired)
@@ -360,10 +360,14 @@ class EndpointPicker:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(self.state.config.health_interval)
-            await self.refresh_health()
+            try:
+                await self.refresh_health()
+            except Exception:  # the loop must not die quietly
+                logger.exception("endpoint picker health update failed; continuing")
 
     async def stop(self, grace: float) -> None:
-        """Readiness turns NOT_SERVING, open streams get ``grace`` seconds."""
+        """Readiness turns NOT_SERVING, no new stream is taken, and open ones (a request's
+        response phases last as long as its answer) get ``grace`` seconds."""
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
