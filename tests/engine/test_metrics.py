@@ -30,6 +30,15 @@ COUNTERS = [
     "generation_tokens_total", "prefix_cache_token_num", "http_requests_total",
 ]  # fmt: skip
 
+# GAIE's model-server protocol, by vLLM's names (docs/observability.md): vllm name -> ketch name.
+VLLM_COPIES = {
+    "num_requests_waiting": "num_requests_waiting",
+    "num_requests_running": "num_requests_running",
+    "kv_cache_usage_perc": "kv_cache_usage_perc",
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",
+}
+VLLM_INFO = "cache_config_info"
+
 MODEL = "tiny-served"
 # Long enough to fill several 16-token blocks, so later prompts reuse them from the cache.
 SHARED_PREFIX = "Once upon a time, in a land far away, there lived a quiet old fox " * 3
@@ -77,6 +86,7 @@ def generate(llm: LLM, metrics: EngineMetrics, prompts: list[str], params: list)
 def run() -> Run:
     llm = LLM(model="tiny", block_size=16, kv_cache_memory="64MiB")
     metrics = EngineMetrics(MODEL)
+    metrics.set_block_size(16)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # First the shared prefix alone, so its blocks are cached before the others arrive.
     outputs = generate(llm, metrics, [SHARED_PREFIX + "and"], [greedy])
@@ -108,7 +118,9 @@ def family_name(sample_name: str) -> str:
 
 def test_exposed_names_are_exactly_the_design_ones(run: Run):
     families = {family_name(name) for name in samples(run.metrics)}
-    assert families == {"ketch:" + n for n in GAUGES + HISTOGRAMS + COUNTERS}
+    ketch = {"ketch:" + n for n in GAUGES + HISTOGRAMS + COUNTERS}
+    vllm = {"vllm:" + n for n in [*VLLM_COPIES, VLLM_INFO]}
+    assert families == ketch | vllm
 
 
 def test_counters_count_what_happened(run: Run):
@@ -201,3 +213,75 @@ def test_render_returns_the_prometheus_text_content_type():
     body, content_type = EngineMetrics(MODEL).render()
     assert content_type.startswith("text/plain")
     assert body.startswith(b"# HELP ketch:")
+
+
+# --- GAIE's model-server protocol: the vLLM-named copies (docs/observability.md) ---------------
+
+
+def vllm_samples(metrics: EngineMetrics) -> dict[str, list[tuple[dict[str, str], float]]]:
+    return {k: v for k, v in samples(metrics).items() if k.startswith("vllm:")}
+
+
+def test_vllm_gauges_copy_the_ketch_ones_with_vllm_labels(run: Run):
+    parsed = samples(run.metrics)
+    for vllm_name, ketch_name in VLLM_COPIES.items():
+        [(labels, got)] = parsed["vllm:" + vllm_name]
+        assert labels == {"model_name": MODEL, "engine": "0"}
+        assert got == value(parsed, ketch_name)
+
+
+def test_vllm_gauges_follow_a_loaded_snapshot():
+    metrics = EngineMetrics(MODEL)
+    metrics.set_block_size(64)
+    # 3 running, 5 waiting, 40% of 250 blocks in use: what a busy engine reports.
+    metrics.update(EngineSnapshot(3, 5, 0.4, 150, 250, 3, 8, 0, 0, 0))
+    parsed = samples(metrics)
+    for vllm_name, ketch_name in VLLM_COPIES.items():
+        [(_, got)] = parsed["vllm:" + vllm_name]
+        assert got == value(parsed, ketch_name)
+    assert [v for _, v in parsed["vllm:num_requests_waiting"]] == [5]
+    assert [v for _, v in parsed["vllm:num_requests_running"]] == [3]
+    assert [v for _, v in parsed["vllm:kv_cache_usage_perc"]] == [pytest.approx(0.4)]
+    [(labels, info)] = parsed["vllm:cache_config_info"]
+    assert info == 1
+    assert labels["block_size"] == "64" and labels["num_gpu_blocks"] == "250"
+    assert labels["model_name"] == MODEL and labels["engine"] == "0"
+
+
+def test_cache_config_info_names_the_real_engine_blocks(run: Run):
+    parsed = samples(run.metrics)
+    [(labels, info)] = parsed["vllm:cache_config_info"]
+    assert info == 1
+    assert labels["block_size"] == "16"
+    assert labels["num_gpu_blocks"] == str(run.snapshot.total_kv_blocks)
+    assert int(labels["num_gpu_blocks"]) == value(parsed, "max_kv_block_num") > 0
+
+
+def test_cache_config_info_waits_for_both_facts():
+    metrics = EngineMetrics(MODEL)  # neither block size nor block count yet
+    assert "vllm:cache_config_info" not in samples(metrics)
+    metrics.update(EngineSnapshot(0, 0, 0.0, 10, 10, 0, 4, 0, 0, 0))
+    assert "vllm:cache_config_info" not in samples(metrics)  # still no block size
+    metrics.set_block_size(32)
+    [(labels, _)] = samples(metrics)["vllm:cache_config_info"]
+    assert (labels["block_size"], labels["num_gpu_blocks"]) == ("32", "10")
+    # The protocol's required gauges are there from the start, at 0.
+    assert {n.removeprefix("vllm:") for n in vllm_samples(EngineMetrics(MODEL))} == set(VLLM_COPIES)
+
+
+@pytest.mark.parametrize("bad", [0, -16, 2**53, 10**100, 16.0, "16", None, True, [16]])
+def test_set_block_size_rejects_bad_values(bad):
+    metrics = EngineMetrics(MODEL)
+    with pytest.raises((TypeError, ValueError), match="block_size"):
+        metrics.set_block_size(bad)
+    assert "vllm:cache_config_info" not in samples(metrics)  # nothing half-set
+
+
+def test_hostile_model_names_stay_parseable():
+    name = 'a"b\\c\nd{e}=,' + "x" * 10_000
+    metrics = EngineMetrics(name)
+    metrics.set_block_size(16)
+    metrics.update(EngineSnapshot(1, 2, 0.5, 5, 10, 1, 4, 0, 0, 0))
+    parsed = vllm_samples(metrics)
+    assert len(parsed) == len(VLLM_COPIES) + 1
+    assert all(labels["model_name"] == name for v in parsed.values() for labels, _ in v)

@@ -33,6 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from ketch.engine.metrics_vllm import cache_config_labels, vllm_families
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 
 PREFIX = "ketch:"
@@ -145,6 +146,7 @@ class EngineMetrics:
         self._precision: tuple[str, str, str] | None = None
         self._weight_bytes = 0
         self._speculative = False
+        self._block_size: int | None = None
         self._spec = dict.fromkeys(_SPEC_COUNTERS, 0)  # totals, advanced like the hit counter
         self._last_spec = dict.fromkeys(_SPEC_COUNTERS, 0)
         self.registry.register(self)
@@ -154,6 +156,12 @@ class EngineMetrics:
         with self._lock:
             self._precision = (dtype, quantization, kv_cache_dtype)
             self._weight_bytes = weight_bytes
+
+    def set_block_size(self, block_size: int) -> None:
+        """Tokens per KV block: with the block count, exposed as ``vllm:cache_config_info``."""
+        cache_config_labels(block_size, 1, "float32")  # type and range checks
+        with self._lock:
+            self._block_size = block_size
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
         """Records one finished request (any finish reason, aborts included)."""
@@ -211,8 +219,16 @@ class EngineMetrics:
                 *self._gauge_families(),
                 *(h.family(self.model_name) for h in self._histograms.values()),
                 *self._counter_families(),
+                *vllm_families(self.model_name, self._gauges, self._cache_config()),
             ]
         yield from families
+
+    def _cache_config(self) -> dict[str, str] | None:
+        blocks = int(self._gauges["max_kv_block_num"])
+        if self._block_size is None or blocks <= 0:
+            return None  # not known yet: no info rather than a wrong one
+        dtype = self._precision[2] if self._precision is not None else "auto"
+        return cache_config_labels(self._block_size, blocks, dtype)
 
     def _gauge_families(self) -> Iterator[Metric]:
         for name, doc in _GAUGES.items():

@@ -125,6 +125,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     state.metrics.set_model(
         ready.dtype, ready.quantization, ready.kv_cache_dtype, ready.weight_bytes
     )
+    state.metrics.set_block_size(engine_config.block_size)
     precision = precision_line(ready.dtype, ready.quantization, ready.kv_cache_dtype)
     logger.info("%s: %s; %.1f MiB of weights in all", name, precision, ready.weight_bytes / 2**20)
     engine.on_snapshot = state.metrics.update
