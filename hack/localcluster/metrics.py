@@ -57,6 +57,10 @@ class MonitoringSettings:
     relist_interval: str = "5s"  # the adapter rediscovers series (new pods) this often
     prometheus_url: str = f"http://prometheus.{NAMESPACE}.svc:9090"
     adapter_values: str | None = None  # Helm values with rules.custom; None: ask ketch-operator
+    # More Prometheus scrape jobs (scrape_config dicts) after the pod-annotation one: e.g. the
+    # cache-manager sidecars' and routers' ports, or the operator (tests/operator/
+    # test_dashboards_real.py).
+    extra_scrape_configs: tuple[dict[str, Any], ...] = ()
 
 
 # --------------------------------------------------------------------------- images
@@ -125,7 +129,9 @@ def render(settings: MonitoringSettings) -> list[dict[str, Any]]:
     for obj in objects:
         if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "prometheus-config":
             obj["data"]["prometheus.yml"] = _prometheus_config(
-                obj["data"]["prometheus.yml"], settings.scrape_interval
+                obj["data"]["prometheus.yml"],
+                settings.scrape_interval,
+                settings.extra_scrape_configs,
             )
         if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "prometheus":
             container = obj["spec"]["template"]["spec"]["containers"][0]
@@ -155,10 +161,25 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def _prometheus_config(text: str, interval: str) -> str:
-    """The config with its global intervals replaced (as text: its comments stay)."""
+def _prometheus_config(
+    text: str, interval: str, extra_jobs: tuple[dict[str, Any], ...] = ()
+) -> str:
+    """The config with its global intervals replaced (as text: its comments stay), and any
+    extra scrape jobs appended (then re-written as YAML, without the comments)."""
     pattern = r"^(\s+(?:scrape_interval|scrape_timeout|evaluation_interval)): \S+"
-    return re.sub(pattern, rf"\1: {interval}", text, flags=re.MULTILINE)
+    text = re.sub(pattern, rf"\1: {interval}", text, flags=re.MULTILINE)
+    if not extra_jobs:
+        return text
+    config = yaml.safe_load(text)
+    names = [job["job_name"] for job in config["scrape_configs"]]
+    for job in extra_jobs:
+        if not isinstance(job, dict) or not isinstance(job.get("job_name"), str):
+            raise ValueError(f"a scrape config needs a job_name: {job!r}")
+        if job["job_name"] in names:
+            raise ValueError(f"duplicate scrape job name {job['job_name']!r}")
+        names.append(job["job_name"])
+        config["scrape_configs"].append(job)
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -174,14 +174,22 @@ def operator(cluster, tmp_path_factory) -> Iterator[Controller]:
 
 @contextlib.contextmanager
 def running_operator(
-    cluster: Cluster, kubeconfig: Path | str, scope: list[str] | None = None
+    cluster: Cluster,
+    kubeconfig: Path | str,
+    scope: list[str] | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> Iterator[Controller]:
     """The operator (kopf's KopfRunner) serving the cluster's namespace (or `scope`, kopf's
-    arguments), signed in with `kubeconfig`; yields its controller once it has started."""
+    arguments), signed in with `kubeconfig`; yields its controller once it has started.
+    `metrics`: (host, port) of its /metrics and /healthz server (none by default)."""
     from kopf.testing import KopfRunner
 
     controllers: list[Controller] = []
-    registry = make_registry(resync_seconds=0, on_controller=controllers.append)
+    registry = make_registry(
+        resync_seconds=0,
+        on_controller=controllers.append,
+        **({"metrics_host": metrics[0], "metrics_port": metrics[1]} if metrics else {}),
+    )
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(kubeconfig)
     # kopf's CLI gives the root logger a handler on click's captured stream, which is closed
