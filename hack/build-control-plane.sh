@@ -7,12 +7,15 @@
 #   helm (the chart's lint, template, install and upgrade tests) (hack/helm)
 #   gaie: no binary; the Gateway API and Gateway API Inference Extension CRD manifests
 #         (HTTPRoute, Gateway, InferencePool...) copied from their modules  (hack/gaie)
+#   lwepp: GAIE's lightweight reference endpoint picker (round robin over an InferencePool;
+#         tests/operator/test_lwepp.py)                     (hack/lwepp)
 # Binaries go to $KETCH_BIN_CACHE/<component>/<version>/bin (default ~/.cache/ketch), never into
 # the repository; a version already built is not rebuilt. Prints one line per component:
 #   <component> <version> <bin dir> (built in Ns | cached)
-# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|test|all]
-#   test (the default): what the test suite and `make cluster-up` need, all but kwok;
-#   all: also kwok (only benchmarks/bench_operator.py uses it)
+# Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|lwepp|test|all]
+#   test (the default): what the test suite and `make cluster-up` need, all but kwok and lwepp;
+#   all: also kwok (only benchmarks/bench_operator.py uses it) and lwepp (test_lwepp.py skips
+#   without it)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KETCH_BIN_CACHE:-$HOME/.cache/ketch}"
@@ -150,6 +153,21 @@ build_gaie() {
   echo "gaie $v $out (copied)"
 }
 
+# GAIE's lightweight endpoint picker (wrapper module hack/lwepp), a third-party ext_proc picker
+# for Ketch pods. Built only when asked (`lwepp`) or with `all` (about 5 minutes on 2 cores).
+build_lwepp() {
+  local v bin start
+  v="$(mod_version lwepp sigs.k8s.io/gateway-api-inference-extension)"
+  bin="$cache/lwepp/$v/bin"
+  if [ -x "$bin/lwepp" ]; then echo "lwepp $v $bin (cached)"; return; fi
+  start=$SECONDS
+  mkdir -p "$bin.tmp"
+  (cd "$here/lwepp" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" \
+    -o "$bin.tmp/lwepp" sigs.k8s.io/gateway-api-inference-extension/cmd/lwepp)
+  rm -rf "$bin"; mv "$bin.tmp" "$bin"
+  echo "lwepp $v $bin (built in $((SECONDS - start))s)"
+}
+
 case "${1:-test}" in
   --bin-path)
     echo "$cache/k8s/$(mod_version k8s k8s.io/kubernetes)/bin:$cache/etcd/$(mod_version etcd go.etcd.io/etcd/server/v3)/bin"
@@ -162,7 +180,8 @@ case "${1:-test}" in
   kwok) build_kwok ;;
   helm) build_helm ;;
   gaie) build_gaie ;;
+  lwepp) build_lwepp ;;
   test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie ;;
-  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie; build_kwok ;;
-  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|test|all]" >&2; exit 2 ;;
+  all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie; build_kwok; build_lwepp ;;
+  *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|lwepp|test|all]" >&2; exit 2 ;;
 esac
