@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "charts" / "ketch" / "dashboards"
 EXPECTED = {"engine.json", "router.json", "cache-manager.json", "operator.json"}
 
-# Series the EPP branch (wip-epp) adds to the router's /metrics. Until it is merged and the
-# router started with --epp-port, the real-Prometheus test skips the targets that use them;
-# after merging, empty this set.
+# The EPP's series on the router's /metrics (ketch.engine.router.epp.EppMetrics): a router has
+# them only when started with --epp-port, which the operator does for an InferenceService with
+# a gateway section (branch wip-gaie). Until that is merged, the real-Prometheus test skips the
+# targets that use them; after merging, give test_dashboards_real.service() a gateway section
+# and empty this set.
 NEEDS_EPP_MERGE = frozenset(
     {"ketch:epp_requests_total", "ketch:epp_decision_seconds_bucket", "ketch:epp_streams"}
 )

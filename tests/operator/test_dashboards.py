@@ -1,5 +1,5 @@
 """The Grafana dashboards in charts/ketch/dashboards are well-formed, and every metric name they
-query is one a Ketch component exports (or one the EPP branch adds: dashboards.NEEDS_EPP_MERGE).
+query is one a Ketch component exports.
 
 The real-Prometheus check (every query returns data from real pods) is test_dashboards_real.py.
 """
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
 from ketch.engine.metrics import EngineMetrics
+from ketch.engine.router.epp import EppMetrics
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.stats import EngineSnapshot
 from ketch.operator.metrics import OperatorMetrics
@@ -43,8 +44,10 @@ def all_exported() -> set[str]:
     engine.set_block_size(16)
     engine.update(EngineSnapshot(0, 0, 0.0, 10, 10, 0, 4, 0, 0, 0))  # blocks known
     names = exported_names(engine.registry)
-    for component in (RouterMetrics(), CacheManagerMetrics(), OperatorMetrics()):
-        names |= exported_names(component.registry)
+    router = RouterMetrics()
+    EppMetrics(router.registry)  # as `ketch router --epp-port` adds them
+    for registry in (router.registry, CacheManagerMetrics().registry, OperatorMetrics().registry):
+        names |= exported_names(registry)
     return names
 
 
@@ -108,7 +111,7 @@ def test_variables_are_defined_and_every_use_resolves(name: str):
 
 
 def test_every_queried_name_is_exported_by_a_component():
-    exported = all_exported() | dash.NEEDS_EPP_MERGE
+    exported = all_exported()
     used: dict[str, list[str]] = {}
     for target in dash.targets(BOARDS):
         names = dash.metric_names(target.expr)
