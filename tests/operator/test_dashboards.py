@@ -11,6 +11,7 @@ from typing import Any
 
 import dashboards as dash
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from ketch.engine.cache_manager.metrics import CacheManagerMetrics
@@ -19,6 +20,7 @@ from ketch.engine.router.epp import EppMetrics
 from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.stats import EngineSnapshot
 from ketch.operator.metrics import OperatorMetrics
+from localcluster import metrics as monitoring
 
 BOARDS = dash.load()
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -167,3 +169,37 @@ def test_ast_names_reads_prometheus_parse_trees():
         ],
     }
     assert dash.ast_names(tree) == {"a_total", "b"}
+
+
+# --------------------------------------------------------------------------- the test's scrape jobs
+
+ADAPTER_VALUES = "rules:\n  custom:\n    - seriesQuery: 'x'\n"
+
+
+def prometheus_config(*jobs: dict[str, Any]) -> dict[str, Any]:
+    settings = monitoring.MonitoringSettings(
+        scrape_interval="3s", adapter_values=ADAPTER_VALUES, extra_scrape_configs=jobs
+    )
+    [config_map] = [
+        o for o in monitoring.render(settings) if o["metadata"]["name"] == "prometheus-config"
+    ]
+    return yaml.safe_load(config_map["data"]["prometheus.yml"])
+
+
+def test_extra_scrape_jobs_follow_the_annotation_job():
+    job = {"job_name": "extra", "static_configs": [{"targets": ["10.0.0.1:8080"]}]}
+    config = prometheus_config(job)
+    assert [j["job_name"] for j in config["scrape_configs"]] == ["kubernetes-pods", "extra"]
+    assert config["scrape_configs"][1] == job
+    assert config["global"]["scrape_interval"] == "3s"
+    plain = prometheus_config()
+    assert [j["job_name"] for j in plain["scrape_configs"]] == ["kubernetes-pods"]
+
+
+@pytest.mark.parametrize(
+    "job",
+    [{"job_name": "kubernetes-pods"}, {"static_configs": []}, {"job_name": 7}, "extra", None],
+)
+def test_bad_extra_scrape_jobs_are_refused(job: Any):
+    with pytest.raises(ValueError, match="job"):
+        prometheus_config(job)
