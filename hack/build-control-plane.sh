@@ -13,9 +13,8 @@
 # the repository; a version already built is not rebuilt. Prints one line per component:
 #   <component> <version> <bin dir> (built in Ns | cached)
 # Usage: hack/build-control-plane.sh [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|lwepp|test|all]
-#   test (the default): what the test suite and `make cluster-up` need, all but kwok and lwepp;
-#   all: also kwok (only benchmarks/bench_operator.py uses it) and lwepp (test_lwepp.py skips
-#   without it)
+#   test (the default): what the test suite and `make cluster-up` need, all but kwok;
+#   all: also kwok (only benchmarks/bench_operator.py uses it)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KETCH_BIN_CACHE:-$HOME/.cache/ketch}"
@@ -154,7 +153,7 @@ build_gaie() {
 }
 
 # GAIE's lightweight endpoint picker (wrapper module hack/lwepp), a third-party ext_proc picker
-# for Ketch pods. Built only when asked (`lwepp`) or with `all` (about 5 minutes on 2 cores).
+# for Ketch pods (tests/operator/test_lwepp.py). Part of `test` (about 5 minutes on 2 cores).
 build_lwepp() {
   local v bin start
   v="$(mod_version lwepp sigs.k8s.io/gateway-api-inference-extension)"
@@ -181,7 +180,7 @@ case "${1:-test}" in
   helm) build_helm ;;
   gaie) build_gaie ;;
   lwepp) build_lwepp ;;
-  test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie ;;
+  test) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie; build_lwepp ;;
   all) build_etcd; build_k8s; build_prometheus; build_prometheus_adapter; build_helm; build_gaie; build_kwok; build_lwepp ;;
   *) echo "usage: $0 [k8s|etcd|prometheus|prometheus-adapter|metrics|kwok|helm|gaie|lwepp|test|all]" >&2; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """A third-party GAIE endpoint picker on Ketch pods: the Gateway API Inference Extension's own
 lightweight reference picker (``cmd/lwepp`` of GAIE v1.6.2, wrapper module hack/lwepp, built by
-``hack/build-control-plane.sh lwepp``; skipped when not built).
+``hack/build-control-plane.sh``, which `make test` runs).
 
 An InferencePool (the GAIE CRD, as the apiserver validates it) selects a mixed InferenceService's
 two engine pods; lwepp watches the pool and its pods and answers ext_proc streams, which
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -45,9 +46,10 @@ def lwepp_binary() -> Path:
     return controlplane.bin_cache() / "lwepp" / version / "bin" / "lwepp"
 
 
-pytestmark = pytest.mark.skipif(
-    not lwepp_binary().exists(), reason="lwepp not built: hack/build-control-plane.sh lwepp"
-)
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    if not os.access(lwepp_binary(), os.X_OK):
+        pytest.fail(f"not built: {lwepp_binary()}; run hack/build-control-plane.sh lwepp")
 
 
 def free_port() -> int:
