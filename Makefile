@@ -22,11 +22,23 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# xds-protos ships an old copy of opentelemetry/proto/ that overwrites opentelemetry-proto's
+# files when it installs after it; the OTLP trace exporters cannot load that copy
+# (--otlp-traces-endpoint), so opentelemetry-proto's own files are put back when it happened.
+OTEL_PROTO_OK = from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+OTEL_PROTO_VERSION = import importlib.metadata as m; print(m.version("opentelemetry-proto"))
+define fix_otel_proto
+	$(BIN)/python -c '$(OTEL_PROTO_OK)' 2>/dev/null || $(BIN)/pip install --quiet \
+	  --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c '$(OTEL_PROTO_VERSION)')"
+endef
+
 setup: $(BIN)/python
 	$(BIN)/pip install --quiet -e .
+	$(fix_otel_proto)
 
 setup-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(fix_otel_proto)
 
 run: setup
 	$(BIN)/ketch serve --model tiny --port $(PORT)

@@ -23,6 +23,9 @@ class RequestMetrics:
     num_preemptions: int
     finish_reason: str
     kv_handover_seconds: float | None = None  # decode role: prefill end -> taken over here
+    # time.time_ns() - time.monotonic_ns() in the engine process at the end: adds to these
+    # times (as ns) to make them wall-clock epoch ns in another process (the API server's spans).
+    epoch_offset_ns: int | None = None
 
     @property
     def queue_time(self) -> float | None:

@@ -88,4 +88,5 @@ def request_metrics(request: Request, tracked: Tracked) -> RequestMetrics:
         num_preemptions=request.num_preemptions,
         finish_reason=request.finish_reason or "abort",
         kv_handover_seconds=tracked.kv_handover_seconds,
+        epoch_offset_ns=time.time_ns() - time.monotonic_ns(),
     )

@@ -39,10 +39,19 @@ from ketch.engine.router.metrics import RouterMetrics
 from ketch.engine.router.policies import Policy, PrefixHash, make_policy, prompt_chunks
 from ketch.engine.router.registration import check_listing_access, registration_routes
 from ketch.engine.serving.pairing import NOT_ACCEPTED_HEADER, PREFILL_HEADER
+from ketch.engine.tracing import hops as traced_hops
 
 logger = logging.getLogger("ketch.router")
 
-_PASS_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+# W3C trace context passes through (with --otlp-traces-endpoint, the hop's own replaces it).
+_PASS_HEADERS = (
+    "authorization",
+    "content-type",
+    "accept",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+)
 # The connection failed before any byte of the request went out: the instance never saw it,
 # so it may go to another. Every other failure comes after the instance may have started.
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -255,15 +264,18 @@ async def forward(state: RouterState, request: Request, path: str, paired: bool 
     headers = _passed_headers(request)
     tried: set[str] = set()
     unreachable = ""
+    hops = traced_hops(request.scope)  # a no-op unless --otlp-traces-endpoint
     for _ in range(2):
         picked = _pick(state, chunks, tried, paired)
         if picked is None:
             break
         target = picked[0]
         _enter(state, target)
+        hop = hops.start(target, picked[1], path)
         try:
-            resp = await _send(state, picked, path, body, headers)
+            resp = await _send(state, picked, path, body, hop.headers(headers))
         except _NOT_SENT as exc:
+            hop.failed(exc, retried=True)
             _leave(state, target)
             unreachable = f"{target.url}: {_describe(exc)}"
             state.registry.mark_down(target, f"connect failed: {_describe(exc)}")
@@ -271,12 +283,15 @@ async def forward(state: RouterState, request: Request, path: str, paired: bool 
             tried.add(target.url)
             continue
         except _FAILED as exc:
+            hop.failed(exc)
             _leave(state, target)
             return _failed_after_send(state, target, exc, started)
         except BaseException:  # cancelled: the count must not leak, or draining waits on it
             _leave(state, target)
             raise
-        if resp.status == 503 and resp.headers.get(NOT_ACCEPTED_HEADER) == "1":
+        not_accepted = resp.status == 503 and resp.headers.get(NOT_ACCEPTED_HEADER) == "1"
+        hop.answered(resp.status, retried=not_accepted)
+        if not_accepted:
             # Refused before any work (draining, paused, its engine just died): as safe to
             # send elsewhere as a refused connection.
             _leave(state, target)

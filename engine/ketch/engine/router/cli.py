@@ -74,6 +74,8 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
 
 # GET paths a probe may use on the router's port (router.app).
 HTTP_PROBE_PATHS = ("/health", "/ready", "/metrics", "/v1/models", "/v1/ketch/instances")
+# Proxied requests that get spans with --otlp-traces-endpoint.
+TRACED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 def config_file_classes() -> tuple[type, ...]:
@@ -119,6 +121,11 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
     admin_key, where = local_admin_key(f"router-admin-key-{config.port}")
     logger.info("/v1/ketch/instances needs the admin key in %s (or the registration token)", where)
     state = RouterState.from_config(config, registration_token, admin_key)
+    tracing = None
+    if config.otlp_traces_endpoint is not None:  # OpenTelemetry is imported only then
+        from ketch.engine import tracing as traces
+
+        tracing = traces.start(config.otlp_traces_endpoint, "ketch-router")
     await state.registry.start()
     picker = None
     if config.epp_port is not None:
@@ -126,7 +133,10 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
 
         picker = EndpointPicker(state)
         await picker.start()
-    server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
+    app = create_app(state)
+    if tracing is not None:
+        app.add_middleware(tracing.middleware({p: f"POST {p}" for p in TRACED_PATHS}))
+    server = make_server(app, config.host, config.port, config.drain_timeout)
     stop = stop_event()
     server_task = asyncio.create_task(server.serve())
     healthy = sum(i.healthy for i in state.registry.instances.values())
@@ -158,4 +168,6 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
     if picker is not None:
         await picker.stop(grace=config.drain_timeout)
     await state.registry.close()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # the spans still queued, a few seconds at most
     return code

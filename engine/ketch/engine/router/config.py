@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ketch.engine.tracing import ENDPOINT_HELP, check_endpoint
+
 POLICIES = ("least-requests", "round-robin", "prefix-hash")
 ROLES = ("mixed", "prefill", "decode")
 _HOST_CHARS = frozenset(string.ascii_letters + string.digits + ".-_")
@@ -137,6 +139,11 @@ class RouterConfig:
         "requests (running + waiting + picked since its last scrape). 0: never shed.",
         minimum=0,
     )
+    otlp_traces_endpoint: str | None = _opt(
+        None,
+        ENDPOINT_HELP + " The router's spans (one per request, one per try on an instance) "
+        "are the parents of the instances' (it sends them the traceparent).",
+    )
 
     def __post_init__(self) -> None:
         for name in ("port", "engine_port", "pd_comm_port"):
@@ -149,6 +156,7 @@ class RouterConfig:
                 raise ValueError(f"epp_port must be a port number 1-65535, got {port!r}")
             if port == self.port:
                 raise ValueError(f"epp_port must differ from the HTTP port ({self.port})")
+        check_endpoint(self.otlp_traces_endpoint)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         for f in self.__dataclass_fields__.values():

@@ -53,6 +53,7 @@ from ketch.engine.serving.tokenization import decode, encode, render_chat
 from ketch.engine.serving.tool_parsers import parser_for_template
 from ketch.engine.serving.tools import ToolPlan, apply_plan, chat_delta
 from ketch.engine.tokenizer import Tokenizer
+from ketch.engine.tracing import note_choices
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ async def _completions(request: Request) -> Response:
         choices = make_choices(
             prompts, params, state.max_model_len, paired, accumulate=not body.stream
         )
+        note_choices(request.scope, choices)  # tracing on: its spans' timings
         slot.resize(len(choices))
         meta = R.ResponseMeta.completion(
             state.model_name, body.include_usage, state.config.enable_prompt_tokens_details
@@ -299,6 +301,7 @@ async def _chat_completions(request: Request) -> Response:
         paired = await pairing(state.config, state.prefill_peers, request)
         whole = not body.stream or (plan is not None and plan.streams_whole)
         choices = make_choices([prompt], params, state.max_model_len, paired, accumulate=whole)
+        note_choices(request.scope, choices)
         slot.resize(len(choices))
         meta = R.ResponseMeta.chat(
             state.model_name, body.include_usage, state.config.enable_prompt_tokens_details

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ketch.engine.sampling_params import POOLINGS
 from ketch.engine.serving.reasoning import CHOICES as REASONING_PARSERS
+from ketch.engine.tracing import ENDPOINT_HELP, check_endpoint
 
 if TYPE_CHECKING:
     from ketch.engine.structured.grammars import Limits
@@ -192,6 +193,7 @@ class ServerConfig:
         "'qwen3', 'deepseek_r1') always; 'none' never (the text stays in content).",
         choices=REASONING_PARSERS,
     )
+    otlp_traces_endpoint: str | None = _opt(None, ENDPOINT_HELP)
     drain_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
@@ -248,6 +250,7 @@ class ServerConfig:
         clashes = sorted({v for v in ports.values() if list(ports.values()).count(v) > 1})
         if clashes:
             raise ValueError(f"ports must be distinct; {clashes} used more than once")
+        check_endpoint(self.otlp_traces_endpoint)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {list(ROLES)}, got {self.role!r}")
         if self.reasoning_parser not in REASONING_PARSERS:

@@ -88,6 +88,7 @@ def _read_key(file: str | None, flag: str, env: str) -> str | None:
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Runs until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
     check_ports(config)
+    tracing = _start_tracing(config.otlp_traces_endpoint, "ketch-serve")
     api_key, admin_key = read_api_key(config), read_admin_key(config)
     if admin_key is None:  # /pause and /resume never trust the client's address
         admin_key, where = local_admin_key(f"admin-key-{config.port}")
@@ -130,7 +131,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     logger.info("%s: %s; %.1f MiB of weights in all", name, precision, ready.weight_bytes / 2**20)
     engine.on_snapshot = state.metrics.update
     engine.on_finished = state.metrics.observe_finished
-    server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
+    app = create_app(state)
+    if tracing is not None:
+        from ketch.engine.serving import trace_spans
+
+        trace_spans.install(app, tracing, name)
+    server = make_server(app, config.host, config.port, config.drain_timeout)
     # tokenizers' thread pool starts with its first long text, and its threads keep the
     # priority of the thread that started it: start it from a (lower-priority) offload thread.
     await state.text_jobs.run(tokenizer.encode, "warm up " * (RELEASE_GIL_CHARS // 8 + 1))
@@ -164,7 +170,18 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     )
     state.close()  # the grammar workers and tokenizing threads
     await engine.shutdown()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # the spans still queued, a few seconds at most
     return code
+
+
+def _start_tracing(endpoint: str | None, service: str):
+    """The process's tracer with --otlp-traces-endpoint (OpenTelemetry imported only then)."""
+    if endpoint is None:
+        return None
+    from ketch.engine import tracing
+
+    return tracing.start(endpoint, service)
 
 
 def _reasoning_parser(config: ServerConfig, tokenizer: Tokenizer) -> str | None:
