@@ -85,7 +85,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 payload = self.rfile.read(length)
                 if self.path != "/v1/traces":
@@ -109,7 +109,7 @@ class Receiver:
         import grpc
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (grpc's name)
+            def Export(self, request: Any, context: Any) -> Any:
                 receiver._add(spans_of(request))
                 return trace_service_pb2.ExportTraceServiceResponse()
 

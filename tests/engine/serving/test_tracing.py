@@ -125,8 +125,9 @@ args = build_parser().parse_args(["serve", "--model", "tiny"])
 assert config_from_args(ServerConfig, args, {}).otlp_traces_endpoint is None
 router_app(RouterState.from_config(router_cli.config_from(
     build_parser().parse_args(["router", "--mixed", "127.0.0.1:1"]), {})))
-bad = [m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter",
-       "opentelemetry.proto", "grpc", "ketch.engine.tracing_otel", "ketch.engine.serving.trace_spans"))]
+unwanted = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.proto", "grpc",
+            "ketch.engine.tracing_otel", "ketch.engine.serving.trace_spans")
+bad = [m for m in sys.modules if m.startswith(unwanted)]
 print(bad)
 assert not bad, bad
 """
