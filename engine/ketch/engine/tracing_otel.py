@@ -172,6 +172,8 @@ class Tracing:
                         record.status = message["status"]
                     elif message["type"] == "http.response.body":
                         record.complete = not message.get("more_body", False)
+                        if record.complete:  # the span ends as the last byte goes out
+                            record.end_ns = time.time_ns()
                     await send(message)
 
                 try:
@@ -206,11 +208,11 @@ class Tracing:
                 span.set_status(Status(StatusCode.ERROR, problem))
                 span.set_attribute("error.type", record.error_type())
             for hop in record.hops:
-                hop.end()
+                hop.end(record.end_ns)
         except Exception:  # a tracing fault never fails a request
             logger.exception("could not finish a request's span")
         finally:
-            span.end(end_time=time.time_ns())
+            span.end(end_time=record.end_ns or time.time_ns())
 
     def shutdown(self) -> None:
         """Exports what is queued, waiting at most a few seconds (a dead collector must not
@@ -230,6 +232,7 @@ class RequestTrace:
         self.span = span
         self.status = 0
         self.complete = False
+        self.end_ns = 0  # when the response's last byte was sent
         self.error: BaseException | None = None
         self.choices: list | None = None  # the engine's choices (tracing.note_choices)
         self.hops: list[Hop] = []
@@ -308,7 +311,7 @@ class Hop:
         self.span.set_attribute("ketch.hop.retried", retried)
         self.end()
 
-    def end(self) -> None:
+    def end(self, end_ns: int = 0) -> None:
         if not self.ended:
             self.ended = True
-            self.span.end(end_time=time.time_ns())
+            self.span.end(end_time=end_ns or time.time_ns())
