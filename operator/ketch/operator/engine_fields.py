@@ -18,6 +18,12 @@ from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
 
 MEMORY_SIZE_PATTERN = r"^[0-9]*\.?[0-9]+\s*([KkMmGg]([Ii]?[Bb]?)?|[Bb])?$"
+# http(s)://host[:port][/path] or host:port (``ketch.engine.tracing.check_endpoint`` decides;
+# this refuses the obvious mistakes at admission).
+OTLP_ENDPOINT_PATTERN = (
+    r"^(https?://(\[[0-9a-fA-F:.]+\]|[^\s/?#@:\[\]]+)(:[0-9]{1,5})?(/[^\s?#]*)?"
+    r"|(\[[0-9a-fA-F:.]+\]|[^\s/?#@:\[\]]+):[0-9]{1,5})$"
+)
 # A free-text setting (a served model name, a memory size) is far shorter; bounded so that the
 # API server's CEL cost estimate does not size it from the 3 MiB request limit.
 STRING_MAX_LENGTH = 256
@@ -54,6 +60,8 @@ def config_fields() -> tuple[ConfigField, ...]:
                 schema.update(minimum=1, maximum=65535)
             if f.name == "kv_cache_memory":
                 schema["pattern"] = MEMORY_SIZE_PATTERN
+            if f.name == "otlp_traces_endpoint":
+                schema["pattern"] = OTLP_ENDPOINT_PATTERN
             out.append(ConfigField(f.name, tuple(path.split(".")), schema, kind))
     return tuple(out)
 

@@ -5,6 +5,7 @@ driven by the ``openai`` client with W3C ``traceparent`` headers."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from serve_harness import running_server
 from ketch.engine.router.config import RouterConfig
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.tracing import check_endpoint, exporter_protocol, service_name
+from ketch.operator.engine_fields import OTLP_ENDPOINT_PATTERN
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # the batch processor's delay, ms
@@ -40,6 +42,7 @@ def traceparent() -> tuple[str, str, str]:
 )
 def test_endpoint_accepted(good: str) -> None:
     check_endpoint(good)
+    assert re.match(OTLP_ENDPOINT_PATTERN, good)  # the CRD's field takes it too
     assert ServerConfig(otlp_traces_endpoint=good).otlp_traces_endpoint == good
     assert RouterConfig(mixed="a:1", otlp_traces_endpoint=good).otlp_traces_endpoint == good
 
@@ -74,6 +77,13 @@ def test_endpoint_refused(bad: object) -> None:
         ServerConfig(otlp_traces_endpoint=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="otlp_traces_endpoint"):
         RouterConfig(mixed="a:1", otlp_traces_endpoint=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad", ["collector", "grpc://c:4317", "http://", "c:4317/path", "http://u@c:1", "http://c :1"]
+)
+def test_crd_pattern_refuses_the_obvious_mistakes(bad: str) -> None:
+    assert not re.match(OTLP_ENDPOINT_PATTERN, bad)
 
 
 def test_protocol_and_service_from_the_environment() -> None:
