@@ -77,3 +77,61 @@ def test_one_trace_from_the_client_through_the_router_to_the_engine() -> None:
         "POST /v1/completions", "text_completion tiny",
         "engine.queue", "engine.prefill", "engine.decode",
     }  # fmt: skip
+
+
+def test_a_retried_hop_and_a_failed_one_are_recorded() -> None:
+    """The router's hop records (as ``router.app.forward`` drives them) through the real SDK and
+    exporter: a connection refused (retried elsewhere) and the try that answered; then a try
+    that failed after sending, which makes the request an error."""
+    from ketch.engine import tracing
+    from ketch.engine.router.instances import Instance
+    from ketch.engine.tracing_otel import Tracing
+
+    first = Instance("http://10.0.0.1:8000", "decode", "static", 8004)
+    second = Instance("http://10.0.0.2:8000", "decode", "static", 8004)
+    prefill = Instance("http://10.0.0.3:8000", "prefill", "static", 8004)
+    with receiving() as receiver:
+        traces = Tracing(receiver.grpc_url, "grpc", "ketch-router")
+        trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+        header = f"00-{trace_id}-{parent}-01".encode()
+        for outcome in ("retried", "failed"):
+            scope = {
+                "type": "http",
+                "path": "/v1/completions",
+                "headers": [(b"traceparent", header)],
+            }
+            record = traces.begin(scope, "POST /v1/completions")
+            hops = tracing.hops(scope)
+            hop = hops.start(first, prefill, "/v1/completions")
+            sent = hop.headers({"tracestate": "client=1", "authorization": "Bearer k"})
+            assert sent["traceparent"].startswith(f"00-{trace_id}-") and "tracestate" not in sent
+            assert sent["authorization"] == "Bearer k"
+            if outcome == "retried":
+                hop.failed(ConnectionRefusedError("refused"), retried=True)
+                hops.start(second, prefill, "/v1/completions").answered(200)
+                record.status, record.complete = 200, True
+            else:
+                hop.failed(TimeoutError("read timed out"))
+                record.status, record.complete = 504, True
+            traces.end(record, None)
+        traces.shutdown()
+        spans = receiver.wait_trace(trace_id, 5)
+    servers = sorted((s for s in spans if s.kind == "server"), key=lambda s: s.start)
+    assert [s.parent_id for s in servers] == [parent, parent]
+    assert [s.status for s in servers] == ["unset", "error"]
+    assert servers[1].attributes["error.type"] == "504"
+    hops_of = {
+        s.span_id: sorted((h for h in spans if h.parent_id == s.span_id), key=lambda h: h.start)
+        for s in servers
+    }
+    refused, answered = hops_of[servers[0].span_id]
+    assert refused.status == "error" and refused.attributes["ketch.hop.retried"] is True
+    assert refused.attributes["error.type"] == "ConnectionRefusedError"
+    assert refused.attributes["ketch.hop.attempt"] == 1
+    assert refused.attributes["ketch.prefill.instance"] == prefill.url
+    assert answered.attributes["ketch.hop.attempt"] == 2
+    assert answered.attributes["server.address"] == "10.0.0.2"
+    assert answered.attributes["http.response.status_code"] == 200
+    assert answered.status == "unset" and answered.end <= servers[0].end
+    (timed_out,) = hops_of[servers[1].span_id]
+    assert timed_out.status == "error" and timed_out.attributes["ketch.hop.retried"] is False
