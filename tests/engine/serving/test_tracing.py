@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from otlp_receiver import Got, receiving
@@ -245,6 +246,18 @@ def test_spans_of_requests_with_and_without_a_parent() -> None:
             (refused,) = receiver.wait_trace(bad_trace, 1)
             assert refused.attributes["http.response.status_code"] == 400
             assert refused.status == "unset"
+
+            # A client that goes away mid-stream: the request's span is an error.
+            header, gone_trace, _ = traceparent()
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": True}
+            headers = {"traceparent": header}
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60
+            ) as response:
+                next(response.iter_lines())
+            spans = receiver.wait_trace(gone_trace, 1)
+            (gone,) = [s for s in spans if s.kind == "server"]
+            assert gone.status == "error", gone
             assert "Traceback" not in server.log()
 
 
