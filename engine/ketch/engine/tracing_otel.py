@@ -171,8 +171,10 @@ class Tracing:
                     if message["type"] == "http.response.start":
                         record.status = message["status"]
                     elif message["type"] == "http.response.body":
+                        # The span ends as the last byte goes out (a middleware may end a
+                        # response with an empty message after the bytes: not that one's time).
                         record.complete = not message.get("more_body", False)
-                        if record.complete:  # the span ends as the last byte goes out
+                        if message.get("body") or (record.complete and not record.end_ns):
                             record.end_ns = time.time_ns()
                     await send(message)
 
