@@ -28,7 +28,12 @@ deps = [d for d in p["dependencies"] if not d.startswith("paddlepaddle")]; \
 open("/tmp/deps.txt", "w").write("\n".join(deps + p["optional-dependencies"]["fetch"]))' \
  && /opt/ketch/bin/pip install --no-cache-dir --index-url "${PADDLE_INDEX}" -r /tmp/gpu.txt \
  && /opt/ketch/bin/pip install --no-cache-dir -r /tmp/deps.txt \
- && /opt/ketch/bin/pip install --no-cache-dir --no-deps .
+ && /opt/ketch/bin/pip install --no-cache-dir --no-deps . \
+ && { /opt/ketch/bin/python -c 'from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope' \
+      || /opt/ketch/bin/pip install --no-cache-dir --force-reinstall --no-deps \
+           "opentelemetry-proto==$(/opt/ketch/bin/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"; }
+# (the last step: xds-protos ships an old opentelemetry/proto/ copy that may overwrite
+# opentelemetry-proto's files, which the OTLP exporters of --otlp-traces-endpoint cannot load)
 # Ketch's C++ CPU kernels (paged attention, fused ops, the OpenBLAS GEMM), compiled once here so
 # that no pod compiles them at start-up (HOME is an emptyDir, the root filesystem read-only):
 # KETCH_EXTENSION_DIR below points the engine at them. Needs g++ and the Python headers in this
