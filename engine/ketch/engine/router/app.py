@@ -215,7 +215,7 @@ def _no_instance_message(state: RouterState) -> str:
     return f"no healthy instance can serve (need a mixed one, or a prefill and a decode): {down}"
 
 
-def _pick(
+def pick_instance(
     state: RouterState, chunks: list[bytes] | None, exclude: set[str], paired: bool = True
 ) -> tuple[Instance, Instance | None] | None:
     """(target, prefill peer or None); None when nothing healthy is left. Without ``paired``
@@ -266,7 +266,7 @@ async def forward(state: RouterState, request: Request, path: str, paired: bool 
     unreachable = ""
     hops = traced_hops(request.scope)  # a no-op unless --otlp-traces-endpoint
     for _ in range(2):
-        picked = _pick(state, chunks, tried, paired)
+        picked = pick_instance(state, chunks, tried, paired)
         if picked is None:
             break
         target = picked[0]

@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ketch.engine.router.app import RouterState, _pick
+from ketch.engine.router.app import RouterState, pick_instance
 from ketch.engine.router.epp_protocol import (
     EXT_PROC_SERVICE,
     Head,
@@ -259,7 +259,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         exclude = self._outside(head.subset, wanted.paired)
         exclude |= self._other_models(wanted.model)
         self._check_saturation(exclude, wanted.paired)
-        picked = _pick(state, wanted.chunks, exclude, wanted.paired)
+        picked = pick_instance(state, wanted.chunks, exclude, wanted.paired)
         if picked is None:
             self._check_model(wanted.model)
             where = " among the subset hint's endpoints" if head.subset is not None else ""
