@@ -29,12 +29,13 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from ketch.operator import crd, objects, ownership
+from ketch.operator import crd, gateway, objects, ownership
 from ketch.operator.apply import ChildApplier
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
 from ketch.operator.drift import DriftRepair, drifted
 from ketch.operator.events import EventRecorder
+from ketch.operator.gateway_watch import PoolWatch
 from ketch.operator.kube import KubeClient
 from ketch.operator.metrics import OperatorMetrics
 from ketch.operator.spec import InvalidSpec, parse
@@ -76,6 +77,8 @@ class Controller:
             hold=status_hold,
             recheck=self._status_changed,
         )
+        # InferencePools (spec.gateway) are watched here, not by kopf: their CRD is optional.
+        self.pools = PoolWatch(client, self.on_child_event, self._pools_served)
         self._resync_task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -92,6 +95,7 @@ class Controller:
         if event_type == "DELETED" or meta.get("deletionTimestamp"):
             tracked_all.pop(key, None)  # owner references let the GC remove the children
             self.autoscaling.stop(key)
+            self._sync_pools()
             self.queue.forget(key)
             self.metrics.services.set(len(tracked_all))
             return
@@ -132,7 +136,7 @@ class Controller:
             tracked.answers.pop((kind, name), None)  # gone: no older answer stands in for it
         if drifted(tracked, (kind, name), event_type, body):
             self.enqueue(key, Work(drift={(kind, name)}, status=kind == "Deployment"))
-        elif kind == "Deployment":
+        elif kind in ("Deployment", "InferencePool"):  # a pool's status: GatewayReady
             self.enqueue(key, Work(status=True))
 
     def enqueue(self, key: Key, work: Work) -> None:
@@ -140,6 +144,22 @@ class Controller:
 
     def _status_changed(self, key: Key) -> None:
         self.enqueue(key, Work(status=True))
+
+    def _sync_pools(self) -> None:
+        """Watches InferencePools in the namespaces with an InferenceService with a gateway."""
+        self.pools.sync(
+            {
+                key[0]
+                for key, tracked in self.cache.tracked.items()
+                if tracked.svc is not None and gateway.enabled(tracked.svc)
+            }
+        )
+
+    def _pools_served(self, namespace: str) -> None:
+        """The GAIE CRDs are now installed: apply what could not be applied."""
+        for key, tracked in self.cache.tracked.items():
+            if key[0] == namespace and tracked.unserved:
+                self.enqueue(key, Work(full=True, status=True))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,7 +189,8 @@ class Controller:
     async def stop(self) -> None:
         self.autoscaling.stop_all()
         self.status.stop()
-        tasks = [t for t in (self._resync_task, *self.queue.tasks()) if t is not None]
+        pools = self.pools.stop_all()
+        tasks = [t for t in (self._resync_task, *self.queue.tasks(), *pools) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,6 +228,7 @@ class Controller:
                 return
             await self._owning(key, tracked, self.applier.apply_all(key, tracked, generation))
             self.autoscaling.sync(key, tracked)
+            self._sync_pools()
         elif work.drift and tracked.svc is not None:
             await self._owning(key, tracked, self.drift.restore(key, tracked, work.drift))
         if tracked.svc is not None and tracked.invalid_generation != generation:
