@@ -41,13 +41,16 @@ backend addresses or errors in 502/503 bodies or /ready: those go to the log.
 A request is tried on a second instance only when the connection to the first failed (nothing
 was sent); an instance's own answer, 503 included, is passed back, and a failure after sending
 is a 502 (504 past --request-timeout). Bodies over --max-request-bytes get 413, bodies not sent
-within --body-timeout 408. Every setting can come from --config FILE (JSON or YAML); flags
-override the file."""
+within --body-timeout 408. With --epp-port (conventionally 9002) the router is also a Gateway
+API Inference Extension endpoint picker: an Envoy ext_proc gRPC service naming the instance
+for each request a gateway routes (see docs/router.md). Every setting can come from --config
+FILE (JSON or YAML); flags override the file."""
 
 _EXAMPLES = """examples:
   ketch router --mixed 10.0.0.5:8000,10.0.0.6:8000 --policy prefix-hash
   ketch router --prefill isvc-prefill-peers.default.svc --decode isvc-decode-peers.default.svc
   ketch router --config /etc/ketch/router.yaml --port 9100
+  ketch router --mixed isvc-peers.default.svc --policy prefix-hash --epp-port 9002
 """
 
 
@@ -105,7 +108,10 @@ def check_port(config: RouterConfig) -> None:
 
 
 def _listeners(config: RouterConfig) -> dict[int, Listener]:
-    return {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
+    listeners = {config.port: Listener("--port", config.host, HTTP_PROBE_PATHS)}
+    if config.epp_port is not None:  # gRPC (ext_proc and gRPC health), no HTTP probe paths
+        listeners[config.epp_port] = Listener("--epp-port", config.host)
+    return listeners
 
 
 async def serve_router(config: RouterConfig, registration_token: str | None = None) -> int:
@@ -114,6 +120,12 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
     logger.info("/v1/ketch/instances needs the admin key in %s (or the registration token)", where)
     state = RouterState.from_config(config, registration_token, admin_key)
     await state.registry.start()
+    picker = None
+    if config.epp_port is not None:
+        from ketch.engine.router.epp import EndpointPicker
+
+        picker = EndpointPicker(state)
+        await picker.start()
     server = make_server(create_app(state), config.host, config.port, config.drain_timeout)
     stop = stop_event()
     server_task = asyncio.create_task(server.serve())
@@ -133,6 +145,8 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
         code = 1  # uvicorn failed (e.g. could not bind)
     else:
         state.draining = True
+        if picker is not None:
+            await picker.refresh_health()  # readiness NOT_SERVING while draining
         logger.info("draining: %d requests in flight", state.in_flight)
         try:
             await asyncio.wait_for(state.idle.wait(), config.drain_timeout)
@@ -141,5 +155,7 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
         server.should_exit = True
     stop_task.cancel()
     await asyncio.gather(server_task, return_exceptions=True)
+    if picker is not None:
+        await picker.stop(grace=1.0)
     await state.registry.close()
     return code

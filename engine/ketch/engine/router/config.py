@@ -123,12 +123,32 @@ class RouterConfig:
     drain_timeout: float = _opt(
         10.0, "Seconds SIGTERM waits for in-flight requests before exiting.", minimum=0
     )
+    epp_port: int | None = _opt(
+        None,
+        "gRPC port of the Gateway API Inference Extension endpoint picker (Envoy ext_proc, "
+        "gRPC health; conventionally 9002), beside the HTTP API. Unset: no endpoint picker.",
+    )
+    epp_max_streams: int = _opt(
+        4096, "Endpoint picker: ext_proc streams open at once (more are refused).", minimum=1
+    )
+    epp_shed_load: int = _opt(
+        0,
+        "Endpoint picker: answer 429 when every candidate instance has at least this many "
+        "requests (running + waiting + picked since its last scrape). 0: never shed.",
+        minimum=0,
+    )
 
     def __post_init__(self) -> None:
         for name in ("port", "engine_port", "pd_comm_port"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
                 raise ValueError(f"{name} must be a port number 1-65535, got {value!r}")
+        if self.epp_port is not None:
+            port = self.epp_port
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ValueError(f"epp_port must be a port number 1-65535, got {port!r}")
+            if port == self.port:
+                raise ValueError(f"epp_port must differ from the HTTP port ({self.port})")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         for f in self.__dataclass_fields__.values():
@@ -139,7 +159,7 @@ class RouterConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{f.name} must be a number >= {least}, got {value!r}")
         for name in ("prefix_chunk_chars", "prefix_cache_entries", "prefix_slack",
-                     "max_request_bytes"):  # fmt: skip
+                     "max_request_bytes", "epp_max_streams", "epp_shed_load"):  # fmt: skip
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if bool(self.prefill) != bool(self.decode):

@@ -70,6 +70,7 @@ class Instance:
     sent_since_scrape: int = 0  # requests the router sent since that scrape
     in_flight: int = 0  # requests the router has open to it now
     last_error: str | None = None
+    model: str | None = None  # the model its /ready names (None: not said)
     last_seen: float = field(default_factory=time.monotonic)  # registration heartbeat
 
     @property
@@ -222,6 +223,9 @@ class Registry:
             inst.healthy = False
             inst.last_error = f"role mismatch: listed as {inst.role}, /ready says {said}"
             return
+        model = body.get("model")
+        if isinstance(model, str) and 0 < len(model) <= 256:
+            inst.model = model
         port = body.get("pd_comm_port")
         if isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535:
             inst.pd_comm_port = port

@@ -25,7 +25,7 @@ MAX_CHUNKS = 256
 # keys, nested lists), so no body stalls the router for more than a few tens of milliseconds;
 # a long text prompt has few separators, a token-id prompt one per token.
 MAX_PARSE_SEPARATORS = 32_768
-_SEPARATORS = (b",", b":", b"[", b"{")
+SEPARATORS = (b",", b":", b"[", b"{")
 
 
 def least_loaded(candidates: Sequence[Instance]) -> Instance:
@@ -118,12 +118,18 @@ def prompt_chunks(path: str, body: bytes, chunk_chars: int) -> list[bytes] | Non
     the parser's depth, odd types) is None: the policy falls back to least-requests and the
     instance, which gets the body unchanged, judges it.
     """
-    if sum(body.count(sep) for sep in _SEPARATORS) > MAX_PARSE_SEPARATORS:
+    if sum(body.count(sep) for sep in SEPARATORS) > MAX_PARSE_SEPARATORS:
         return None
     try:
-        units, size = _prompt_units(path, json.loads(body), chunk_chars)
+        data = json.loads(body)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
+    return chunks_of(path, data, chunk_chars)
+
+
+def chunks_of(path: str, data: object, chunk_chars: int) -> list[bytes] | None:
+    """``prompt_chunks`` of a body already parsed (the EPP parses it once for both)."""
+    units, size = _prompt_units(path, data, chunk_chars)
     if not units:
         return None
     whole = min(len(units) // size * size or len(units), MAX_CHUNKS * size)
