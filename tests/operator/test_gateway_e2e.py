@@ -11,14 +11,17 @@ installed). The case without them runs on a cluster of its own that never had th
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import os
+import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import extproc_client
 import operator_rbac
 import pytest
 from test_e2e import (
@@ -27,6 +30,7 @@ from test_e2e import (
     condition,
     cpu_example,
     fresh_namespace,
+    ready,
     running_operator,
     wait_for,
 )
@@ -245,6 +249,62 @@ def test_disaggregated_pool_selects_exactly_the_decode_pods(cluster, operator):
     decode = owned_pods(cluster, "gwpd-decode")
     assert selected_pods(cluster, pool) == decode
     assert not decode & (owned_pods(cluster, "gwpd-prefill") | owned_pods(cluster, "gwpd-router"))
+
+
+def ready_endpoints(cluster: Cluster, deployment: str, port: int) -> set[str]:
+    """``ip:port`` of the Deployment's ready pods."""
+    names = owned_pods(cluster, deployment)
+    pods = json.loads(cluster.run("get", "pods", "-o", "json").stdout)["items"]
+    return {
+        f"{p['status']['podIP']}:{port}"
+        for p in pods
+        if p["metadata"]["name"] in names
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (p.get("status") or {}).get("conditions") or []
+        )
+    }
+
+
+def test_the_routers_endpoint_picker_sends_each_request_to_a_ready_serving_pod(cluster, operator):
+    """A gateway's side of ext_proc (tests/extproc_client.py, Envoy's protos) against the
+    router's endpoint picker, through the router Service the InferencePool names: every pick
+    is a ready pod of the pool, and a shared long prompt prefix keeps to one pod."""
+    body = gateway_service("epp", {})
+    body["spec"]["router"] = {"policy": "prefix-hash"}
+    cluster.apply(body)
+    wait_for(lambda: ready(cluster, "epp"), "epp Ready (engines and router)", timeout=240)
+    pool = cluster.get(POOLS, "epp")
+    picker = pool["spec"]["endpointPickerRef"]
+    service = cluster.get("service", picker["name"])
+    target = f"{service['spec']['clusterIP']}:{picker['port']['number']}"
+    router_pod = next(iter(ready_endpoints(cluster, "epp-router", picker["port"]["number"])))
+    for where in (target, router_pod):  # the Service, and the pod itself
+        wait_for(
+            lambda w=where: extproc_client.health(w, "readiness") == "SERVING",
+            f"the picker at {where} SERVING",
+        )
+    pool_pods = selected_pods(cluster, pool)
+    assert pool_pods == owned_pods(cluster, "epp-mixed")
+    serving = ready_endpoints(cluster, "epp-mixed", pool["spec"]["targetPorts"][0]["number"])
+    assert len(serving) == 2
+
+    rng = random.Random(11)
+    words = ["tea", "queen", "dodo", "hare", "gryphon", "turtle"]
+    prefixes = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(8)]
+    order = [g for g in range(len(prefixes)) for _ in range(4)]
+    rng.shuffle(order)
+    chosen: dict[int, list[str]] = collections.defaultdict(list)
+    for g in order:
+        prompt = f"{prefixes[g]} question {rng.random()}"
+        request = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+        pick = extproc_client.pick(target, request)
+        assert pick.status is None, (pick.status, pick.immediate_body)
+        assert pick.primary in serving, (pick.primary, serving)
+        assert pick.metadata == pick.header  # the header and envoy.lb metadata agree
+        chosen[g].append(pick.primary)
+    same = sum(collections.Counter(seen).most_common(1)[0][1] for seen in chosen.values())
+    assert same / len(order) >= 0.9, dict(chosen)  # each prefix keeps to its pod
 
 
 @contextlib.contextmanager
