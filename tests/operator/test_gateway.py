@@ -265,3 +265,20 @@ def test_the_api_server_takes_a_good_gateway_section_and_defaults_it(installed):
         "inferencePool": {"failureMode": "FailClose", "eppPort": 9002},
         "path": "/",
     }
+
+
+@pytest.mark.parametrize("name", ["mixed", "disaggregated"])
+def test_rendered_gateway_children_are_wired(name):
+    """The router's --epp-port goes through the real 'ketch router' parser and config; its
+    listener matches the container port, the Service port and the readiness probe."""
+    from ketch.operator.wiring import check_wiring
+
+    rendered = render_object(with_gateway(name), owner_uid=UID)
+    assert check_wiring(rendered) == []
+    broken = copy.deepcopy(rendered)
+    router = next(
+        c for c in broken if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("router")
+    )
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    container["args"][-1] = "9003"  # the process listens where nothing is declared
+    assert check_wiring(broken) != []
