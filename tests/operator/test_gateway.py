@@ -130,6 +130,21 @@ def test_gateway_ref_namespace_section_and_path_go_to_the_route():
     assert kids[("InferencePool", "tiny")]["spec"]["endpointPickerRef"]["port"] == {"number": 9100}
 
 
+def test_another_endpoint_picker_replaces_the_router_as_picker():
+    picker = {"serviceName": "llm-d-epp", "port": 9002}
+    section = {"inferencePool": {"endpointPicker": picker}}
+    kids = children(with_gateway(section=section))
+    ref = kids[("InferencePool", "tiny")]["spec"]["endpointPickerRef"]
+    assert (ref["name"], ref["port"]) == ("llm-d-epp", {"number": 9002})
+    assert not [n for _, n in kids if n.endswith("-router")]  # mixed: no router at all
+    assert "router.yaml" not in kids[("ConfigMap", "tiny-config")]["data"]
+    pd = children(with_gateway("disaggregated", section))
+    router = pd[("Deployment", "qwen-pd-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--epp-port" not in router["args"]  # it still fronts the HTTP API
+    ports = [p["name"] for p in pd[("Service", "qwen-pd-router")]["spec"]["ports"]]
+    assert ports == ["http"]
+
+
 def test_render_is_deterministic():
     body = with_gateway()
     assert render_object(copy.deepcopy(body), owner_uid=UID) == render_object(body, owner_uid=UID)
@@ -207,6 +222,12 @@ BAD_SECTIONS = [
     ),
     ("hostname bad", {**GATEWAY, "hostnames": ["bad host"]}, "hostnames"),
     ("hostnames repeated", {**GATEWAY, "hostnames": ["a.example.com"] * 2}, "hostnames"),
+    ("picker without port", {"inferencePool": {"endpointPicker": {"serviceName": "e"}}}, "port"),
+    (
+        "picker bad name",
+        {"inferencePool": {"endpointPicker": {"serviceName": "E.p", "port": 1}}},
+        "serviceName",
+    ),
     ("path relative", {**GATEWAY, "path": "v1"}, "path"),
     ("path long", {**GATEWAY, "path": "/" + "a" * 1024}, "path"),
 ]

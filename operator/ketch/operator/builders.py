@@ -71,7 +71,7 @@ def role_config(svc: ServiceSpec, role: str) -> str:
 
 def has_router(svc: ServiceSpec) -> bool:
     """Disaggregated serving needs the router; so does a gateway (its endpoint picker)."""
-    return svc.disaggregated or gateway.enabled(svc)
+    return svc.disaggregated or gateway.router_picks(svc)
 
 
 def router_config(svc: ServiceSpec) -> str:
@@ -229,7 +229,7 @@ def router_deployment(svc: ServiceSpec) -> Obj:
     args = ["--config", f"{CONFIG_DIR}/router.yaml"]
     ports = [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}]
     readiness = http_probe("/ready", 5, 2)
-    if gateway.enabled(svc):  # the gateway's endpoint picker: gRPC ext_proc
+    if gateway.router_picks(svc):  # the gateway's endpoint picker: gRPC ext_proc
         epp = gateway.epp_port(svc)
         args += ["--epp-port", str(epp)]
         ports.append({"name": gateway.EPP_PORT_NAME, "containerPort": epp, "protocol": "TCP"})
@@ -286,7 +286,7 @@ def api_service(svc: ServiceSpec, role: str) -> Obj:
     ports = [_service_port("http", svc.ports["http"])]
     if svc.ports.get("metrics") is not None and role != "router":
         ports.append(_service_port("metrics", svc.ports["metrics"]))
-    if role == "router" and gateway.enabled(svc):
+    if role == "router" and gateway.router_picks(svc):
         epp = _service_port(gateway.EPP_PORT_NAME, gateway.epp_port(svc))
         ports.append({**epp, "appProtocol": gateway.EPP_APP_PROTOCOL})
     return {
@@ -344,7 +344,7 @@ def network_policy(svc: ServiceSpec) -> Obj:
         public.append(_policy_port(ports["metrics"]))
     if cache_manager:  # the sidecar's /health and /metrics, like the engine's
         public.append(_policy_port(ports["cacheManager"]))
-    if gateway.enabled(svc):  # the gateway's proxies call the router's endpoint picker
+    if gateway.router_picks(svc):  # the gateway's proxies call the router's endpoint picker
         public.append(_policy_port(gateway.epp_port(svc)))
     ingress: list[Obj] = []
     if svc.disaggregated:  # decode -> prefill pd-comm; prefill sidecar -> decode kv-transfer

@@ -43,6 +43,23 @@ def _inference_pool() -> dict[str, Any]:
                 minimum=1,
                 maximum=65535,
             ),
+            "endpointPicker": obj(
+                "Another endpoint picker instead of the Ketch router: a Service in this "
+                "namespace, e.g. GAIE's reference picker or llm-d's inference scheduler, which "
+                "read the engines' vLLM-compatible metrics (vllm:num_requests_waiting, "
+                "vllm:num_requests_running, vllm:kv_cache_usage_perc). The router is then not "
+                "the picker (and not run at all in mixed mode); eppPort is unused.",
+                {
+                    "serviceName": string(
+                        "Name of the picker's Service.",
+                        minLength=1,
+                        maxLength=63,
+                        pattern=DNS_LABEL,
+                    ),
+                    "port": integer("The Service's gRPC ext_proc port.", minimum=1, maximum=65535),
+                },
+                required=("serviceName", "port"),
+            ),
         },
         default={},
     )

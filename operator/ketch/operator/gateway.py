@@ -37,6 +37,11 @@ def enabled(svc: ServiceSpec) -> bool:
     return "gateway" in svc.spec
 
 
+def router_picks(svc: ServiceSpec) -> bool:
+    """True when the router is the pool's endpoint picker (the default)."""
+    return enabled(svc) and "endpointPicker" not in svc.spec["gateway"]["inferencePool"]
+
+
 def epp_port(svc: ServiceSpec) -> int:
     return int(svc.spec["gateway"]["inferencePool"]["eppPort"])
 
@@ -48,6 +53,10 @@ def serving_role(svc: ServiceSpec) -> str:
 
 def inference_pool(svc: ServiceSpec) -> Obj:
     pool = svc.spec["gateway"]["inferencePool"]
+    other = pool.get("endpointPicker")
+    picker = (
+        (other["serviceName"], other["port"]) if other else (f"{svc.name}-router", epp_port(svc))
+    )
     return {
         "apiVersion": POOL_API_VERSION,
         "kind": "InferencePool",
@@ -60,8 +69,8 @@ def inference_pool(svc: ServiceSpec) -> Obj:
             "endpointPickerRef": {
                 "group": "",
                 "kind": "Service",
-                "name": f"{svc.name}-router",
-                "port": {"number": epp_port(svc)},
+                "name": picker[0],
+                "port": {"number": picker[1]},
                 "failureMode": pool["failureMode"],
             },
         },
