@@ -352,3 +352,11 @@ def test_without_the_gaie_crds_the_condition_says_so_and_the_rest_is_served():
                 lambda: gateway_ready(cluster, "nogw").get("reason") == "NotAccepted",
                 "GatewayReady NotAccepted once the CRDs are there",
             )
+
+            # The GAIE CRD deleted again (with the pool): the condition says so once more.
+            kubectl(cluster.kube, "delete", "crd", POOLS, check=True)
+            wait_for(
+                lambda: gateway_ready(cluster, "nogw").get("reason") == "InferencePoolCRDMissing",
+                "GatewayReady InferencePoolCRDMissing after the CRD was deleted",
+            )
+            assert cluster.get("deployment", "nogw-router") is not None

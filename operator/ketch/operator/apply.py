@@ -78,6 +78,7 @@ class ChildApplier:
                     changed.append(f"{child['kind']} {child['metadata']['name']}")
         pruned = await prune.prune_watched(self.client, svc, self.cache.live(key), desired)
         pruned += await prune.prune_unwatched(self.client, tracked, svc, desired)
+        tracked.unserved &= {kind for kind, _ in desired}  # only what is still wanted counts
         tracked.desired = desired
         tracked.expected = expected
         tracked.answers = answers

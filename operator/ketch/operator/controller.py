@@ -68,6 +68,8 @@ class Controller:
         self.autoscaling = CoordinatedAutoscaling(client, self.cache, self._status_changed)
         self.applier = ChildApplier(client, self.cache, self.events, self.metrics)
         self.drift = DriftRepair(client, self.cache, self.events, self.metrics)
+        # InferencePools (spec.gateway) are watched here, not by kopf: their CRD is optional.
+        self.pools = PoolWatch(client, self.on_child_event, self._pools_served)
         self.status = StatusWriter(
             client,
             self.cache,
@@ -76,9 +78,8 @@ class Controller:
             self.autoscaling,
             hold=status_hold,
             recheck=self._status_changed,
+            unserved=lambda namespace: namespace in self.pools.unserved,
         )
-        # InferencePools (spec.gateway) are watched here, not by kopf: their CRD is optional.
-        self.pools = PoolWatch(client, self.on_child_event, self._pools_served)
         self._resync_task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -155,11 +156,16 @@ class Controller:
             }
         )
 
-    def _pools_served(self, namespace: str) -> None:
-        """The GAIE CRDs are now installed: apply what could not be applied."""
+    def _pools_served(self, namespace: str, served: bool) -> None:
+        """The GAIE CRDs are now installed: apply what could not be applied. Or they are gone:
+        status says so (``GatewayReady``)."""
         for key, tracked in self.cache.tracked.items():
-            if key[0] == namespace and tracked.unserved:
-                self.enqueue(key, Work(full=True, status=True))
+            if key[0] != namespace or tracked.svc is None or not gateway.enabled(tracked.svc):
+                continue
+            if served:
+                self.enqueue(key, Work(full=bool(tracked.unserved), status=True))
+            else:
+                self.enqueue(key, Work(status=True))
 
     # ------------------------------------------------------------------ lifecycle
 

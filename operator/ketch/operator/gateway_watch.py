@@ -7,7 +7,8 @@ list-then-watch loop per namespace that has an InferenceService with ``spec.gate
 namespaced watch: the single-namespace Role suffices), only objects labelled as the
 operator's. Its events go to ``Controller.on_child_event`` like kopf's (cache, drift repair,
 status). While the kind is not served (404) the loop asks again every ``retry_seconds``; once
-it is served, ``on_served(namespace)`` lets the controller apply what it could not.
+it is served, ``on_served(namespace, True)`` lets the controller apply what it could not
+(``on_served(namespace, False)`` when it stops being served: the CRD was deleted).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class PoolWatch:
         self,
         client: KubeClient,
         on_event: Callable[[str, Obj], None],
-        on_served: Callable[[str], None],
+        on_served: Callable[[str, bool], None],
         *,
         retry_seconds: float = 10.0,
     ):
@@ -76,7 +77,7 @@ class PoolWatch:
                 )
                 if namespace in self.unserved:
                     self.unserved.discard(namespace)
-                    self.on_served(namespace)
+                    self.on_served(namespace, True)
                 current = {}
                 for item in listing.get("items") or []:
                     item = {**item, "kind": KIND, "apiVersion": API_VERSION}
@@ -92,6 +93,9 @@ class PoolWatch:
                 raise
             except ApiError as exc:
                 if exc.status == 404:
+                    for item in seen.values():  # the CRD is gone, and its objects with it
+                        self.on_event("DELETED", item)
+                    seen = {}
                     if namespace not in self.unserved:
                         logger.warning(
                             "%s: %s is not served: is the GAIE CRD installed? (asking again "
@@ -100,7 +104,8 @@ class PoolWatch:
                             API_VERSION,
                             self.retry_seconds,
                         )
-                    self.unserved.add(namespace)
+                        self.unserved.add(namespace)
+                        self.on_served(namespace, False)
                 else:
                     logger.warning("%s: InferencePool watch: %s", namespace, exc)
                 await asyncio.sleep(self.retry_seconds)

@@ -47,6 +47,7 @@ class StatusWriter:
         *,
         hold: float = 0.0,
         recheck: Callable[[Key], None] | None = None,
+        unserved: Callable[[str], bool] | None = None,
     ):
         """``recheck(key)`` queues a status reconcile; it is called ``hold`` seconds after a
         change was held back (0: nothing is held)."""
@@ -57,6 +58,8 @@ class StatusWriter:
         self.autoscaling = autoscaling
         self.hold = hold
         self.recheck = recheck
+        # Whether InferencePools are not served in a namespace (the pool watch's 404s).
+        self.unserved = unserved or (lambda namespace: False)
         self._timers: dict[Key, asyncio.TimerHandle] = {}
 
     async def write(self, key: Key, tracked: Tracked) -> None:
@@ -96,7 +99,10 @@ class StatusWriter:
                 new["conditions"] = [*new["conditions"], state.condition]
         pool = self.cache.observed(key, ("InferencePool", svc.name))
         pool = pool if ownership.controlled_by(pool, svc.uid) else None
-        ready = gateway.condition(svc, pool, tracked.unserved, generation)
+        unserved = set(tracked.unserved)
+        if self.unserved(key[0]):
+            unserved.add("InferencePool")
+        ready = gateway.condition(svc, pool, unserved, generation)
         if ready is not None:
             old = tracked.last_status
             new["conditions"] = [*new["conditions"], *status_mod.with_times([ready], old, now)]
