@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import base64
 import collections
-import contextlib
 import json
-import os
 import random
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import extproc_client
 import operator_rbac
 import pytest
 from test_e2e import (
-    CRD_FILE,
     Cluster,
     condition,
     cpu_example,
@@ -37,7 +32,7 @@ from test_e2e import (
 
 from ketch.operator import crd
 from ketch.operator.controller import Controller
-from kubecluster import kubectl, start_cluster
+from kubecluster import kubectl
 from localcluster.controlplane import gaie_crds
 
 POOLS = "inferencepools.inference.networking.k8s.io"
@@ -305,58 +300,3 @@ def test_the_routers_endpoint_picker_sends_each_request_to_a_ready_serving_pod(c
         chosen[g].append(pick.primary)
     same = sum(collections.Counter(seen).most_common(1)[0][1] for seen in chosen.values())
     assert same / len(order) >= 0.9, dict(chosen)  # each prefix keeps to its pod
-
-
-@contextlib.contextmanager
-def cluster_without_gaie() -> Iterator[Cluster]:
-    """A cluster of this test's own (no node: pods stay Pending), which never had the GAIE
-    CRDs, with the InferenceService CRD and one namespace."""
-    if os.environ.get("KETCH_TEST_KUBECONFIG"):
-        pytest.skip("runs on a local cluster of its own, not KETCH_TEST_KUBECONFIG's")
-    directory = Path(tempfile.mkdtemp(prefix="ketch-test-gaie-"))
-    kube = start_cluster(directory, watch_pid=os.getpid(), node_agent=False, service_proxy=False)
-    try:
-        kubectl(kube, "apply", "--server-side", "-f", str(CRD_FILE), check=True)
-        kubectl(kube, "create", "namespace", "nogaie", check=True)
-        yield Cluster(kube, "nogaie")
-    finally:
-        kube.stop()
-
-
-def test_without_the_gaie_crds_the_condition_says_so_and_the_rest_is_served():
-    with cluster_without_gaie() as cluster:
-        assert kubectl(cluster.kube, "get", POOLS, "-A").returncode != 0
-        with running_operator(cluster, cluster.kube.kubeconfig) as controller:
-            controller.pools.retry_seconds = 1.0  # the test needs no 10 s waits
-            cluster.apply(gateway_service("nogw"))
-            cond = wait_for(
-                lambda: (
-                    gateway_ready(cluster, "nogw").get("reason") == "InferencePoolCRDMissing"
-                    and gateway_ready(cluster, "nogw")
-                ),
-                "GatewayReady InferencePoolCRDMissing",
-            )
-            assert cond["status"] == "False"
-            assert "install the Gateway API Inference Extension CRDs" in cond["message"]
-            for name in ("nogw-mixed", "nogw-router"):  # everything else is applied
-                assert wait_for(lambda n=name: cluster.get("deployment", n), name)
-            assert wait_for(lambda: cluster.get("service", "nogw-router"), "router Service")
-            events = json.loads(cluster.run("get", "events", "-o", "json").stdout)["items"]
-            assert "GatewayAPIUnavailable" in {e["reason"] for e in events}
-
-            # The CRDs installed later: the operator notices and applies the pool and route.
-            install_gaie(cluster.kube)
-            wait_for(lambda: cluster.get(POOLS, "nogw"), "the InferencePool, once served")
-            wait_for(lambda: cluster.get(ROUTES, "nogw"), "the HTTPRoute, once served")
-            wait_for(
-                lambda: gateway_ready(cluster, "nogw").get("reason") == "NotAccepted",
-                "GatewayReady NotAccepted once the CRDs are there",
-            )
-
-            # The GAIE CRD deleted again (with the pool): the condition says so once more.
-            kubectl(cluster.kube, "delete", "crd", POOLS, check=True)
-            wait_for(
-                lambda: gateway_ready(cluster, "nogw").get("reason") == "InferencePoolCRDMissing",
-                "GatewayReady InferencePoolCRDMissing after the CRD was deleted",
-            )
-            assert cluster.get("deployment", "nogw-router") is not None
