@@ -51,6 +51,21 @@ def test_each_request_gets_a_ready_instance(picker, instances, streamed, kind):
             assert pick.echoed == json.dumps(body).encode()
 
 
+def test_the_asyncio_client_sees_the_same_picks(picker, instances):
+    import asyncio
+
+    import grpc
+
+    async def both() -> list[extproc_client.Pick]:
+        async with grpc.aio.insecure_channel(picker.target) as channel:
+            raw = json.dumps(completion("async " * 80)).encode()
+            return [await extproc_client.apick(channel, raw, streamed=s) for s in (False, True)]
+
+    for pick in asyncio.run(both()):
+        assert pick.primary in {address(s.url) for s in instances}
+        assert pick.header == pick.metadata and pick.status is None
+
+
 def test_a_request_without_body_is_picked_at_its_headers(picker, instances):
     pick = picker.pick(b"", path="/v1/models", headers={":method": "GET"})
     assert pick.primary in {address(s.url) for s in instances}
@@ -105,6 +120,29 @@ def test_response_phases_pass_through(picker):
     echoed = [a.response_body.response.body_mutation.streamed_response for a in answers[3:5]]
     assert [e.body for e in echoed] == [b"data: 1\n\n", b"data: 2\n\n"]
     assert [e.end_of_stream for e in echoed] == [False, True]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_request_trailers_end_the_body(picker, instances, streamed):
+    pb = extproc_client.pb
+    messages = [
+        extproc_client.request_headers({":path": "/v1/completions"}, False, streamed=streamed),
+        extproc_client.body_message(b'{"model": "tiny", ', False),
+        extproc_client.body_message(b'"prompt": "x"}', False),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+    ]
+    answers = extproc_client.exchange(picker.channel, messages)
+    kinds = [a.WhichOneof("response") for a in answers]
+    pick = extproc_client.Pick()
+    for answer in answers:
+        extproc_client._read_pick(pick, answer)
+    assert pick.primary in {address(s.url) for s in instances}
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    if streamed:  # the echoed body does not end the stream: the trailers do
+        assert pick.echoed == b'{"model": "tiny", "prompt": "x"}'
+        assert not answers[1].request_body.response.body_mutation.streamed_response.end_of_stream
+    else:  # buffered: the pick answers the body
+        assert answers[1].request_body.response.header_mutation.set_headers
 
 
 def test_health_and_metrics(picker):
@@ -219,3 +257,73 @@ def test_bad_epp_settings_fail_fast(flags, message):
     done = run_router("--mixed", "127.0.0.1:1", *flags)
     assert done.returncode != 0
     assert message in done.stderr + done.stdout
+
+
+def test_listening_ports_name_the_epp_port():
+    """What the operator's wiring checks read: the EPP port is a gRPC (not HTTP) listener."""
+    from ketch.engine.cli import build_parser, listening_ports
+
+    args = build_parser().parse_args(["router"])
+    ports = listening_ports(args, {"mixed": "10.0.0.5:8000", "epp_port": 9002})
+    assert ports == {9000: "--port", 9002: "--epp-port"}
+    assert ports[9000].http and not ports[9002].http
+    assert listening_ports(args, {"mixed": "10.0.0.5:8000"}) == {9000: "--port"}
+
+
+def test_epp_port_from_the_config_file(tmp_path):
+    from ketch.engine.cli import build_parser
+    from ketch.engine.router.cli import config_from
+
+    path = tmp_path / "router.yaml"
+    path.write_text("mixed: 10.0.0.5:8000\nepp_port: 9002\nepp_shed_load: 16\n")
+    config = config_from(build_parser().parse_args(["router", "--config", str(path)]))
+    assert (config.epp_port, config.epp_shed_load, config.epp_max_streams) == (9002, 16, 4096)
+    path.write_text("mixed: 10.0.0.5:8000\nepp_port: '9002'\n")
+    with pytest.raises(ValueError, match="epp_port must be a port number"):
+        config_from(build_parser().parse_args(["router", "--config", str(path)]))
+
+
+def test_sigterm_stops_the_picker_and_frees_its_port():
+    import socket
+
+    from epp_harness import EppRouter
+
+    fake = FakeInstance()
+    try:
+        router = EppRouter("--mixed", fake.url)
+        wait_for(lambda: router.health("readiness") == "SERVING", "readiness", router)
+        assert router.pick(completion()).primary == address(fake.url)
+        assert router.stop() == 0
+        with socket.socket() as sock:  # nothing is left listening on the gRPC port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", router.epp_port))
+    finally:
+        fake.stop()
+
+
+def test_sigterm_lets_open_streams_finish():
+    """A stream in its response phases when SIGTERM comes is still answered; then the router
+    exits 0, and readiness no longer says SERVING."""
+    import signal
+
+    from epp_harness import EppRouter
+
+    fake = FakeInstance()
+    router = EppRouter("--mixed", fake.url, "--drain-timeout", "60")
+    try:
+        wait_for(lambda: router.health("readiness") == "SERVING", "readiness", router)
+        stream = extproc_client._Stream(router.channel, timeout=60)
+        stream.send(extproc_client.request_headers({":path": "/v1/models"}, True))
+        first = stream.receive()
+        assert first.request_headers.response.header_mutation.set_headers
+        router.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: router.health("readiness") != "SERVING", "readiness drop", router)
+        pb = extproc_client.pb
+        stream.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=True)))
+        assert stream.receive().WhichOneof("response") == "response_headers"
+        assert router.proc.poll() is None  # held open by the stream
+        stream.close()
+        assert router.proc.wait(60) == 0
+    finally:
+        router.stop()
+        fake.stop()

@@ -156,6 +156,6 @@ async def serve_router(config: RouterConfig, registration_token: str | None = No
     stop_task.cancel()
     await asyncio.gather(server_task, return_exceptions=True)
     if picker is not None:
-        await picker.stop(grace=1.0)
+        await picker.stop(grace=config.drain_timeout)
     await state.registry.close()
     return code

@@ -13,8 +13,10 @@ pairing. Each Envoy ``ext_proc`` ``Process`` stream is one HTTP request:
    peer (a client's own ``x-ketch-prefill`` is always dropped); streamed bodies are echoed;
 4. the response phases pass through unchanged (streamed response bodies echoed).
 
-Refusals are ImmediateResponses: 400 (bad body, bad subset hint), 413, 429 (every candidate
-at ``epp_shed_load``), 503 (no ready instance, none in the subset, draining). A stream that
+Refusals are ImmediateResponses: 400 (bad body, bad subset hint), 404 (unknown model), 413,
+429 (every candidate at ``epp_shed_load``), 503 (no ready instance, none in the subset). While
+the router drains, readiness is NOT_SERVING but picks go on: a pick is instant, and the gateway,
+not the router, carries the request. A stream that
 breaks the protocol (phases out of order, repeated headers, undecodable messages, a request
 phase slower than ``body_timeout``) ends with a gRPC error; it is the only one affected.
 """
@@ -53,7 +55,10 @@ logger = logging.getLogger("ketch.router.epp")
 
 OUTCOMES = ("picked", "no_endpoint", "rejected", "error")
 MAX_ENDPOINTS = 4  # the primary and up to three fallbacks
-_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 1)
+_DECISION_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 1,
+)  # fmt: skip
 _RESPONSE_PHASES = ("response_headers", "response_body", "response_trailers", "request_trailers")
 
 
@@ -99,15 +104,30 @@ class Picker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, state: RouterState, metrics: EppMetrics) -> None:
         self.state = state
         self.metrics = metrics
+        self.open_streams = 0
 
     async def Process(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if self.open_streams >= self.state.config.epp_max_streams:
+            self.metrics.requests.labels("error").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the endpoint picker has {self.open_streams} streams open (--epp-max-streams)",
+            )
+        self.open_streams += 1
         self.metrics.streams.inc()
         try:
             await self._stream(context)
         except ProtocolViolation as exc:
             self.metrics.requests.labels("error").inc()
             await context.abort(exc.code, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug: this stream fails, the others go on
+            logger.exception("endpoint picker stream failed")
+            self.metrics.requests.labels("error").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, "the endpoint picker failed")
         finally:
+            self.open_streams -= 1
             self.metrics.streams.dec()
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
@@ -140,15 +160,23 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         except Refusal as refusal:
             await self._refuse(context, refusal)
             return
+        if head.has_body and head.unsupported_mode:
+            raise ProtocolViolation(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request body mode {head.unsupported_mode} is not supported: configure the "
+                "gateway's ext_proc with BUFFERED or FULL_DUPLEX_STREAMED",
+            )
         if head.has_body and not head.streamed:
             await context.write(passed("request_headers"))
         body = bytearray()
+        trailers = False
         while head.has_body:
             message = await self._read(context, deadline)
             if message is None:
                 return  # abandoned mid-body: nothing to answer
-            kind = message.WhichOneof("request")
-            if kind == "request_trailers":
+            kind = message.WhichOneof("request") or "an empty message"
+            if kind == "request_trailers":  # the body ended without end_of_stream
+                trailers = True
                 break
             if kind != "request_body":
                 raise ProtocolViolation(
@@ -168,23 +196,31 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         except Refusal as refusal:
             await self._refuse(context, refusal)
             return
-        await self._send_pick(context, head, answer, bytes(body))
+        await self._send_pick(context, head, answer, bytes(body), trailers)
         self.metrics.decision.observe(time.perf_counter() - started)
         self.metrics.requests.labels("picked").inc()
         await self._pass_responses(context, head)
 
     async def _send_pick(
-        self, context: grpc.aio.ServicerContext, head: Head, answer: tuple, body: bytes
+        self,
+        context: grpc.aio.ServicerContext,
+        head: Head,
+        answer: tuple,
+        body: bytes,
+        trailers: bool,
     ) -> None:
+        """The pick answers the last phase Envoy waits on; answers it holds come in order."""
         endpoints, extra, remove = answer
         if not head.has_body:
             await context.write(decision(endpoints, extra, remove, "request_headers"))
         elif head.streamed:
             await context.write(decision(endpoints, extra, remove, "request_headers"))
-            for piece in streamed_body("request_body", body, True):
+            for piece in streamed_body("request_body", body, not trailers):
                 await context.write(piece)
         else:
             await context.write(decision(endpoints, extra, remove, "request_body"))
+        if trailers:
+            await context.write(passed("request_trailers"))
 
     async def _pass_responses(self, context: grpc.aio.ServicerContext, head: Head) -> None:
         """After the pick: response phases pass unchanged until the gateway ends the stream."""
@@ -194,7 +230,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             message = await self._read(context, deadline)
             if message is None:
                 return
-            kind = message.WhichOneof("request")
+            kind = message.WhichOneof("request") or "an empty message"
             if kind not in _RESPONSE_PHASES:
                 raise ProtocolViolation(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{kind} after the request was answered"
@@ -220,8 +256,6 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         state = self.state
         hash_prompt = isinstance(state.policy, PrefixHash)
         wanted = read_body(head.path, body, state.config.prefix_chunk_chars, hash_prompt)
-        if state.draining:
-            raise Refusal(503, "the router is shutting down; retry shortly")
         exclude = self._outside(head.subset, wanted.paired)
         exclude |= self._other_models(wanted.model)
         self._check_saturation(exclude, wanted.paired)
@@ -294,7 +328,8 @@ class EndpointPicker:
 
     async def start(self) -> None:
         cfg = self.state.config
-        limit = cfg.max_request_bytes + (64 << 10)  # a buffered body past the limit gets a 413
+        # Room for a buffered body past the limit (it gets a 413) and a large subset hint.
+        limit = cfg.max_request_bytes + (1 << 20)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -302,8 +337,7 @@ class EndpointPicker:
                 ("grpc.keepalive_time_ms", 60_000),
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=cfg.epp_max_streams,
-        )
+        )  # Picker.Process refuses streams past epp_max_streams itself
         pb_grpc.add_ExternalProcessorServicer_to_server(
             Picker(self.state, self.metrics), self.server
         )
@@ -326,10 +360,14 @@ class EndpointPicker:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(self.state.config.health_interval)
-            await self.refresh_health()
+            try:
+                await self.refresh_health()
+            except Exception:  # the loop must not die quietly
+                logger.exception("endpoint picker health update failed; continuing")
 
     async def stop(self, grace: float) -> None:
-        """Readiness turns NOT_SERVING, open streams get ``grace`` seconds."""
+        """Readiness turns NOT_SERVING, no new stream is taken, and open ones (a request's
+        response phases last as long as its answer) get ``grace`` seconds."""
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)

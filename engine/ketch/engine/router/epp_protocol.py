@@ -53,6 +53,7 @@ class Head:
     streamed: bool  # FULL_DUPLEX_STREAMED request body (else buffered, or no body)
     echo_response: bool  # response bodies are streamed: echo each chunk back
     has_body: bool
+    unsupported_mode: str | None = None  # a request body mode the EPP does not speak
 
 
 def read_head(message: pb.ProcessingRequest) -> Head:
@@ -68,12 +69,15 @@ def read_head(message: pb.ProcessingRequest) -> Head:
     announced = message.HasField("protocol_config")
     streamed = not announced or config.request_body_mode == _STREAMED
     echo = not announced or config.response_body_mode == _STREAMED
+    mode = processing_mode_pb2.ProcessingMode.BodySendMode.Name(config.request_body_mode)
+    spoken = ("BUFFERED", "FULL_DUPLEX_STREAMED", "NONE")
     return Head(
         path=path.split("?", 1)[0],
         subset=read_subset(message),
         streamed=streamed,
         echo_response=echo,
         has_body=not headers.end_of_stream,
+        unsupported_mode=None if not announced or mode in spoken else mode,
     )
 
 
