@@ -303,3 +303,22 @@ def test_rendered_gateway_children_are_wired(name):
     container = router["spec"]["template"]["spec"]["containers"][0]
     container["args"][-1] = "9003"  # the process listens where nothing is declared
     assert check_wiring(broken) != []
+
+
+def test_kubectl_explain_describes_the_gateway_section(installed):
+    import procs
+    from kubecluster import kubectl
+
+    def explain(field: str) -> str:
+        result = kubectl(installed, "explain", field)
+        return " ".join(result.stdout.split()) if result.returncode == 0 else ""
+
+    said = procs.wait_for(
+        lambda: explain("kisvc.spec.gateway.inferencePool.failureMode"), 30, "kubectl explain"
+    )
+    assert "FailClose (the default, as in GAIE) rejects the request" in said
+    assert "FailOpen" in said
+    said = explain("kisvc.spec.gateway")
+    for field in ("inferencePool", "gatewayRef", "hostnames", "path"):
+        assert field in said
+    assert "Gateway API Inference Extension" in said
