@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ketch.operator import objects
 from ketch.operator.cache import Obj
-from ketch.operator.kube import ApiError, KubeClient
+from ketch.operator.kube import ApiError, KubeClient, resource_path
 
 logger = logging.getLogger("ketch.operator")
 
@@ -71,9 +71,7 @@ class PoolWatch:
         while True:
             try:
                 listing = await self.client.request(
-                    "GET",
-                    f"/apis/{API_VERSION}/namespaces/{namespace}/inferencepools",
-                    params={"labelSelector": selector},
+                    "GET", resource_path(KIND, namespace), params={"labelSelector": selector}
                 )
                 if namespace in self.unserved:
                     self.unserved.discard(namespace)
