@@ -54,9 +54,9 @@ COMMON_GRANTS: dict[tuple[str, str], set[str]] = {
     ("keda.sh", "scaledobjects"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create"},  # core/v1 Events, posted by the operator and kopf
-    # spec.gateway (optional CRDs): the grants the Helm chart mirrors, update included.
-    ("inference.networking.k8s.io", "inferencepools"): {*ALL_WRITES, "update"},
-    ("gateway.networking.k8s.io", "httproutes"): {*ALL_WRITES, "update"},
+    # Gateway API Inference Extension (issue 32): the InferencePool and HTTPRoute children.
+    ("inference.networking.k8s.io", "inferencepools"): ALL_WRITES | {"update"},
+    ("gateway.networking.k8s.io", "httproutes"): ALL_WRITES | {"update"},
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}
 EXPECTED_GRANTS = {
