@@ -78,6 +78,7 @@ class ChildApplier:
                     changed.append(f"{child['kind']} {child['metadata']['name']}")
         pruned = await prune.prune_watched(self.client, svc, self.cache.live(key), desired)
         pruned += await prune.prune_unwatched(self.client, tracked, svc, desired)
+        tracked.unserved &= {kind for kind, _ in desired}  # only what is still wanted counts
         tracked.desired = desired
         tracked.expected = expected
         tracked.answers = answers
@@ -165,23 +166,29 @@ class ChildApplier:
         """The server's answer, or None when the child's kind is not served (KEDA missing).
         ``live`` is this InferenceService's (a forced apply) or None (created, not forced)."""
         assert tracked.svc is not None
+        kind = child["kind"]
         try:
             if live is None:
-                return await ownership.create(self.client, tracked.svc.uid, child)
-            return await self.client.apply(child)
+                result = await ownership.create(self.client, tracked.svc.uid, child)
+            else:
+                result = await self.client.apply(child)
+            tracked.unserved.discard(kind)
+            return result
         except ApiError as exc:
-            if not (exc.status == 404 and child["kind"] in prune.UNWATCHED_KINDS):
+            if not (exc.status == 404 and kind in prune.UNWATCHED_KINDS):
                 raise
+            tracked.unserved.add(kind)
             # The kind's CRD is not installed: everything else is applied; the next full
             # reconcile (resync, new generation) tries again.
             name = child["metadata"]["name"]
             logger.warning("%s/%s: cannot apply %s %s: %s", *key, child["kind"], name, exc)
+            reason = "AutoscalerUnavailable" if kind == "ScaledObject" else "GatewayAPIUnavailable"
             await self.events.post(
                 tracked.body,
                 "Warning",
-                "AutoscalerUnavailable",
-                f"{child['kind']} {name} could not be created: "
-                f"{child['apiVersion']} is not served (is KEDA installed?)",
+                reason,
+                f"{kind} {name} could not be created: "
+                f"{child['apiVersion']} is not served ({_PROVIDER[kind]})",
             )
             return None
 
@@ -196,7 +203,20 @@ class ChildApplier:
 
 # What must be in place before a kind is applied: config, policy, Services and budgets before
 # the pods that use them; Deployments before the autoscalers that target them.
-_STAGE = {"Deployment": 1, "HorizontalPodAutoscaler": 2, "ScaledObject": 2}
+# The InferencePool names the router Service (stage 0); the HTTPRoute names the pool.
+_STAGE = {
+    "Deployment": 1,
+    "HorizontalPodAutoscaler": 2,
+    "ScaledObject": 2,
+    "InferencePool": 2,
+    "HTTPRoute": 3,
+}
+# Why a kind may not be served, for the Warning Event.
+_PROVIDER = {
+    "ScaledObject": "is KEDA installed?",
+    "InferencePool": "are the Gateway API Inference Extension CRDs installed?",
+    "HTTPRoute": "are the Gateway API CRDs installed?",
+}
 
 
 def stages(children: list[Obj]) -> list[list[Obj]]:

@@ -12,7 +12,11 @@ no-op on the server. Children, per InferenceService ``N``:
 - Per autoscaled role: HorizontalPodAutoscaler ``N-<role>`` (mode ``hpa``, the default) or KEDA
   ScaledObject ``N-<role>`` (mode ``keda``), targeting Deployment ``N-<role>`` (built by
   ``autoscaling.autoscalers``).
-- Disaggregated: Deployment, Service and PodDisruptionBudget ``N-router``.
+- Disaggregated, or with ``spec.gateway``: Deployment, Service and PodDisruptionBudget
+  ``N-router`` (with a gateway the router is also its endpoint picker: ``--epp-port``, Service
+  port ``grpc-epp``).
+- With ``spec.gateway``: InferencePool ``N`` and, with ``gatewayRef``, HTTPRoute ``N``
+  (``gateway``).
 - NetworkPolicy ``N``: the API, metrics and sidecar HTTP ports open; pd-comm and kv-transfer
   only from the InferenceService's own pods; no other port.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 
+from ketch.operator import gateway
 from ketch.operator.autoscaling.autoscalers import autoscaler
 from ketch.operator.containers import (
     CONFIG_DIR,
@@ -64,23 +69,29 @@ def role_config(svc: ServiceSpec, role: str) -> str:
     return dump_yaml(svc.engine_settings(role))
 
 
+def has_router(svc: ServiceSpec) -> bool:
+    """Disaggregated serving needs the router; so does a gateway (its endpoint picker)."""
+    return svc.disaggregated or gateway.router_picks(svc)
+
+
 def router_config(svc: ServiceSpec) -> str:
     ports = svc.ports
     domain = f"{svc.namespace}.svc"
-    values = {
-        "port": ports["http"],
-        "policy": svc.spec["router"]["policy"],
-        "prefill": f"{svc.name}-prefill-peers.{domain}",
-        "decode": f"{svc.name}-decode-peers.{domain}",
-        "engine_port": ports["http"],
-        "pd_comm_port": ports["pdComm"],
-    }
+    values: Obj = {"port": ports["http"], "policy": svc.spec["router"]["policy"]}
+    if svc.disaggregated:
+        values["prefill"] = f"{svc.name}-prefill-peers.{domain}"
+        values["decode"] = f"{svc.name}-decode-peers.{domain}"
+    else:
+        values["mixed"] = f"{svc.name}-mixed-peers.{domain}"
+    values["engine_port"] = ports["http"]
+    if svc.disaggregated:
+        values["pd_comm_port"] = ports["pdComm"]
     return dump_yaml(values)
 
 
 def config_map(svc: ServiceSpec, configs: dict[str, str]) -> Obj:
     data = {f"{role}.yaml": configs[role] for role in svc.roles}
-    if svc.disaggregated:
+    if has_router(svc):
         data["router.yaml"] = router_config(svc)
     return {
         "apiVersion": "v1",
@@ -215,19 +226,32 @@ def engine_deployment(svc: ServiceSpec, role: str, config_text: str) -> Obj:
 
 def router_deployment(svc: ServiceSpec) -> Obj:
     text = router_config(svc)
+    args = ["--config", f"{CONFIG_DIR}/router.yaml"]
+    ports = [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}]
+    readiness = http_probe("/ready", 5, 2)
+    if gateway.router_picks(svc):  # the gateway's endpoint picker: gRPC ext_proc
+        epp = gateway.epp_port(svc)
+        args += ["--epp-port", str(epp)]
+        ports.append({"name": gateway.EPP_PORT_NAME, "containerPort": epp, "protocol": "TCP"})
+        # The node agent runs no grpc probes; the picker's port taking connections it can see.
+        readiness = {
+            "tcpSocket": {"port": gateway.EPP_PORT_NAME},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        }
     container = {
         "name": "router",
         "image": svc.spec["engine"]["image"],
         "imagePullPolicy": svc.spec["engine"]["imagePullPolicy"],
         "command": ["ketch", "router"],
-        "args": ["--config", f"{CONFIG_DIR}/router.yaml"],
-        "ports": [{"name": "http", "containerPort": svc.ports["http"], "protocol": "TCP"}],
+        "args": args,
+        "ports": ports,
         "env": [home_env()],
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             tmp_mount(),
         ],
-        "readinessProbe": http_probe("/ready", 5, 2),
+        "readinessProbe": readiness,
         "livenessProbe": http_probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP}}},
         "securityContext": container_security(),
@@ -262,6 +286,9 @@ def api_service(svc: ServiceSpec, role: str) -> Obj:
     ports = [_service_port("http", svc.ports["http"])]
     if svc.ports.get("metrics") is not None and role != "router":
         ports.append(_service_port("metrics", svc.ports["metrics"]))
+    if role == "router" and gateway.router_picks(svc):
+        epp = _service_port(gateway.EPP_PORT_NAME, gateway.epp_port(svc))
+        ports.append({**epp, "appProtocol": gateway.EPP_APP_PROTOCOL})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -317,6 +344,8 @@ def network_policy(svc: ServiceSpec) -> Obj:
         public.append(_policy_port(ports["metrics"]))
     if cache_manager:  # the sidecar's /health and /metrics, like the engine's
         public.append(_policy_port(ports["cacheManager"]))
+    if gateway.router_picks(svc):  # the gateway's proxies call the router's endpoint picker
+        public.append(_policy_port(gateway.epp_port(svc)))
     ingress: list[Obj] = []
     if svc.disaggregated:  # decode -> prefill pd-comm; prefill sidecar -> decode kv-transfer
         internal = [_policy_port(ports["pdComm"])]
@@ -342,7 +371,7 @@ def _policy_port(port: int) -> Obj:
 def build(svc: ServiceSpec) -> list[Obj]:
     """Every child, in apply order: config first, then what selects pods, then the pods."""
     roles = list(svc.roles)
-    pod_roles = [*roles, "router"] if svc.disaggregated else roles
+    pod_roles = [*roles, "router"] if has_router(svc) else roles
     configs = {role: role_config(svc, role) for role in roles}
     children: list[Obj] = [config_map(svc, configs), network_policy(svc)]
     for role in pod_roles:
@@ -351,9 +380,10 @@ def build(svc: ServiceSpec) -> list[Obj]:
             children.append(peers_service(svc, role))
         children.append(disruption_budget(svc, role))
     children += [engine_deployment(svc, role, configs[role]) for role in roles]
-    if svc.disaggregated:
+    if has_router(svc):
         children.append(router_deployment(svc))
     children += [a for a in (autoscaler(svc, role) for role in roles) if a is not None]
+    children += gateway.children(svc)
     return children
 
 

@@ -37,6 +37,9 @@ class Tracked:
     # Children whose names are taken by objects this InferenceService does not control, with
     # what status says of each (``ownership``); empty once every child is applied.
     conflicts: dict[ChildKey, str] = dataclasses.field(default_factory=dict)
+    # Child kinds whose last apply the API server answered 404 for: their CRDs are missing
+    # (KEDA's ScaledObject, GAIE's InferencePool, Gateway API's HTTPRoute).
+    unserved: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def last_status(self) -> Obj | None:

@@ -29,12 +29,13 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from ketch.operator import crd, objects, ownership
+from ketch.operator import crd, gateway, objects, ownership
 from ketch.operator.apply import ChildApplier
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
 from ketch.operator.drift import DriftRepair, drifted
 from ketch.operator.events import EventRecorder
+from ketch.operator.gateway_watch import PoolWatch
 from ketch.operator.kube import KubeClient
 from ketch.operator.metrics import OperatorMetrics
 from ketch.operator.spec import InvalidSpec, parse
@@ -67,6 +68,8 @@ class Controller:
         self.autoscaling = CoordinatedAutoscaling(client, self.cache, self._status_changed)
         self.applier = ChildApplier(client, self.cache, self.events, self.metrics)
         self.drift = DriftRepair(client, self.cache, self.events, self.metrics)
+        # InferencePools (spec.gateway) are watched here, not by kopf: their CRD is optional.
+        self.pools = PoolWatch(client, self.on_child_event, self._pools_served)
         self.status = StatusWriter(
             client,
             self.cache,
@@ -75,6 +78,7 @@ class Controller:
             self.autoscaling,
             hold=status_hold,
             recheck=self._status_changed,
+            unserved=lambda namespace: namespace in self.pools.unserved,
         )
         self._resync_task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -92,6 +96,7 @@ class Controller:
         if event_type == "DELETED" or meta.get("deletionTimestamp"):
             tracked_all.pop(key, None)  # owner references let the GC remove the children
             self.autoscaling.stop(key)
+            self._sync_pools()
             self.queue.forget(key)
             self.metrics.services.set(len(tracked_all))
             return
@@ -132,7 +137,7 @@ class Controller:
             tracked.answers.pop((kind, name), None)  # gone: no older answer stands in for it
         if drifted(tracked, (kind, name), event_type, body):
             self.enqueue(key, Work(drift={(kind, name)}, status=kind == "Deployment"))
-        elif kind == "Deployment":
+        elif kind in ("Deployment", "InferencePool"):  # a pool's status: GatewayReady
             self.enqueue(key, Work(status=True))
 
     def enqueue(self, key: Key, work: Work) -> None:
@@ -140,6 +145,27 @@ class Controller:
 
     def _status_changed(self, key: Key) -> None:
         self.enqueue(key, Work(status=True))
+
+    def _sync_pools(self) -> None:
+        """Watches InferencePools in the namespaces with an InferenceService with a gateway."""
+        self.pools.sync(
+            {
+                key[0]
+                for key, tracked in self.cache.tracked.items()
+                if tracked.svc is not None and gateway.enabled(tracked.svc)
+            }
+        )
+
+    def _pools_served(self, namespace: str, served: bool) -> None:
+        """The GAIE CRDs are now installed: apply what could not be applied. Or they are gone:
+        status says so (``GatewayReady``)."""
+        for key, tracked in self.cache.tracked.items():
+            if key[0] != namespace or tracked.svc is None or not gateway.enabled(tracked.svc):
+                continue
+            if served:
+                self.enqueue(key, Work(full=bool(tracked.unserved), status=True))
+            else:
+                self.enqueue(key, Work(status=True))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,7 +195,8 @@ class Controller:
     async def stop(self) -> None:
         self.autoscaling.stop_all()
         self.status.stop()
-        tasks = [t for t in (self._resync_task, *self.queue.tasks()) if t is not None]
+        pools = self.pools.stop_all()
+        tasks = [t for t in (self._resync_task, *self.queue.tasks(), *pools) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,6 +234,7 @@ class Controller:
                 return
             await self._owning(key, tracked, self.applier.apply_all(key, tracked, generation))
             self.autoscaling.sync(key, tracked)
+            self._sync_pools()
         elif work.drift and tracked.svc is not None:
             await self._owning(key, tracked, self.drift.restore(key, tracked, work.drift))
         if tracked.svc is not None and tracked.invalid_generation != generation:

@@ -1,6 +1,7 @@
 """The ``spec`` of the InferenceService CRD: the roles and their pods, the router, access
-control, and the rules that tie the parts together (either ``mixed`` or ``prefill`` and
-``decode``; what disaggregated serving needs; one GPU per tensor-parallel rank).
+control, the gateway (``crd_gateway``), and the rules that tie the parts together (either
+``mixed`` or ``prefill`` and ``decode``; what disaggregated serving needs; one GPU per
+tensor-parallel rank).
 
 The parts that run in an engine pod are in ``crd_engine``, autoscaling in ``crd_autoscaling``.
 """
@@ -16,6 +17,7 @@ from ketch.operator.crd_engine import (
     model_schema,
     ports_schema,
 )
+from ketch.operator.crd_gateway import EPP_PORT_RULE, gateway_schema
 from ketch.operator.crd_schema import (
     MAX_TOLERATIONS,
     NAME_MAX_LENGTH,
@@ -115,7 +117,8 @@ def _role(name: str) -> dict[str, Any]:
 
 def _router() -> dict[str, Any]:
     return obj(
-        "The router in front of prefill and decode pods (disaggregated mode only).",
+        "The router: in front of prefill and decode pods (disaggregated mode), and with "
+        "spec.gateway the gateway's endpoint picker (in mixed mode too).",
         {
             "replicas": integer("Router pods.", default=1, minimum=1),
             "policy": string(
@@ -211,6 +214,7 @@ def spec_schema() -> dict[str, Any]:
             "ports": ports_schema(),
             "auth": _auth(),
             "autoscaling": coordinated_schema(),
+            "gateway": gateway_schema(),
         },
         required=("model", "roles"),
         rules=(
@@ -226,5 +230,6 @@ def spec_schema() -> dict[str, Any]:
                 PEER_KEY_REQUIRED,
                 ".auth",
             ),
+            EPP_PORT_RULE,
         ),
     )

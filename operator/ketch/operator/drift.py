@@ -15,8 +15,9 @@ from typing import Any
 from ketch.operator import ownership
 from ketch.operator.cache import Cache, ChildKey, Key, Tracked
 from ketch.operator.events import EventRecorder
-from ketch.operator.kube import KubeClient
+from ketch.operator.kube import ApiError, KubeClient
 from ketch.operator.metrics import OperatorMetrics
+from ketch.operator.prune import UNWATCHED_KINDS
 
 logger = logging.getLogger("ketch.operator")
 
@@ -93,6 +94,11 @@ class DriftRepair:
                     raise ownership.ChildConflict({child_key: description})
             except ownership.ChildConflict as exc:
                 conflicts.update(exc.conflicts)
+                continue
+            except ApiError as exc:
+                if exc.status != 404 or child_key[0] not in UNWATCHED_KINDS:
+                    raise
+                tracked.unserved.add(child_key[0])  # its CRD was deleted: status says so
                 continue
             tracked.conflicts.pop(child_key, None)
             tracked.expected[child_key] = project(child, result)

@@ -12,6 +12,7 @@ import json
 import os
 import ssl
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
@@ -35,6 +36,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
     crd.KIND: (crd.API_VERSION, crd.PLURAL),
 }
 
@@ -191,6 +194,22 @@ class KubeClient:
             "GET", resource_path(kind, namespace), params={"labelSelector": label_selector}
         )
         return payload.get("items") or []
+
+    async def watch(
+        self, kind: str, namespace: str, params: dict[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events of a watch (``?watch=1``), one JSON object a line, until the server ends
+        it; an ``ApiError`` when it is refused (404: the kind is not served)."""
+        query = {**params, "watch": "1"}
+        headers = dict(self._authorization)
+        async with self._session.get(
+            self.server + resource_path(kind, namespace), params=query, headers=headers
+        ) as response:
+            if response.status >= 400:
+                self._decode(response.status, await response.text())
+            async for line in response.content:
+                if line.strip():
+                    yield json.loads(line)
 
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
         """Deletes the object; with ``uid``, only if it is still that object (a precondition:

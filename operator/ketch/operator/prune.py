@@ -21,12 +21,16 @@ CHILD_KINDS = (
     "NetworkPolicy",
     "HorizontalPodAutoscaler",
     "ScaledObject",
+    "InferencePool",
+    "HTTPRoute",
 )
 # Child kinds kopf does not watch (handlers.CHILD_RESOURCES): KEDA's ScaledObject is a custom
 # kind that may not be installed, and a watch on a missing resource fails forever. Without
 # events, a ScaledObject edited by hand is put back by the next full reconcile (resync) rather
 # than at once, and pruning looks such children up by name (see ``prune_unwatched``).
-UNWATCHED_KINDS = ("ScaledObject",)
+# GAIE's InferencePool and Gateway API's HTTPRoute likewise (the operator watches its
+# InferencePools itself, namespace by namespace: ``gateway_watch``).
+UNWATCHED_KINDS = ("ScaledObject", "InferencePool", "HTTPRoute")
 
 
 async def prune_watched(
@@ -45,20 +49,20 @@ async def prune_watched(
 async def prune_unwatched(
     client: KubeClient, tracked: Tracked, svc: ServiceSpec, desired: dict[ChildKey, Obj]
 ) -> list[str]:
-    """Deletes unwatched children (ScaledObjects) no longer wanted. They are looked up by
-    their names (``<name>-<role>``), and only where one may exist."""
+    """Deletes unwatched children (ScaledObjects, InferencePools, HTTPRoutes) no longer wanted.
+    They are looked up by their names (``<name>-<role>``, ``<name>``), only where one may
+    exist, and only where their kind is served."""
     deleted = []
     first = tracked.applied_generation is None
     for kind in UNWATCHED_KINDS:
         # After a start-up nothing is known: look at the spec's roles; else at what the
         # last applied generation had.
-        names = (
-            {f"{svc.name}-{role}" for role in svc.roles}
-            if first
-            else {n for k, n in tracked.desired if k == kind}
-        )
+        if first:
+            names = {svc.name} if kind != "ScaledObject" else {f"{svc.name}-{r}" for r in svc.roles}
+        else:
+            names = {n for k, n in tracked.desired if k == kind}
         for name in sorted(names):
-            if (kind, name) in desired:
+            if (kind, name) in desired or kind in tracked.unserved:
                 continue
             obj = await client.get(kind, svc.namespace, name)  # None: 404
             if not controlled_by(obj, svc.uid):

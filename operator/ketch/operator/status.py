@@ -218,7 +218,7 @@ def compute(
         "url": url,
         "replicas": f"{ready_pods}/{desired_pods}",
         "roles": roles,
-        "conditions": _with_times([ready, progressing, degraded], old, now),
+        "conditions": with_times([ready, progressing, degraded], old, now),
     }
 
 
@@ -232,11 +232,11 @@ def invalid(*, generation: int, message: str, old: Obj | None, now: str) -> Obj:
         _condition("Degraded", True, "InvalidSpec", message, generation),
     ]
     base["observedGeneration"] = generation
-    base["conditions"] = _with_times(conditions, old, now)
+    base["conditions"] = with_times(conditions, old, now)
     return base
 
 
-def _with_times(conditions: list[Obj], old: Obj | None, now: str) -> list[Obj]:
+def with_times(conditions: list[Obj], old: Obj | None, now: str) -> list[Obj]:
     previous = {c.get("type"): c for c in (old or {}).get("conditions") or []}
     out = []
     for cond in conditions:

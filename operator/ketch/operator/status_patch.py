@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ketch.operator import builders, crd, ownership
+from ketch.operator import builders, crd, gateway, ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
@@ -47,6 +47,7 @@ class StatusWriter:
         *,
         hold: float = 0.0,
         recheck: Callable[[Key], None] | None = None,
+        unserved: Callable[[str], bool] | None = None,
     ):
         """``recheck(key)`` queues a status reconcile; it is called ``hold`` seconds after a
         change was held back (0: nothing is held)."""
@@ -57,13 +58,15 @@ class StatusWriter:
         self.autoscaling = autoscaling
         self.hold = hold
         self.recheck = recheck
+        # Whether InferencePools are not served in a namespace (the pool watch's 404s).
+        self.unserved = unserved or (lambda namespace: False)
         self._timers: dict[Key, asyncio.TimerHandle] = {}
 
     async def write(self, key: Key, tracked: Tracked) -> None:
         """Status from the observed children, written if it changed."""
         svc = tracked.svc
         assert svc is not None
-        roles = [*svc.roles, "router"] if svc.disaggregated else svc.roles
+        roles = [*svc.roles, "router"] if builders.has_router(svc) else svc.roles
         deployments = {
             role: self.cache.observed(key, ("Deployment", f"{svc.name}-{role}")) for role in roles
         }
@@ -74,6 +77,7 @@ class StatusWriter:
         }
         generation = tracked.applied_generation or 0
         conflict = None
+        now = status_mod.now()
         if tracked.conflicts:  # this generation was seen, and refused
             generation = int(tracked.body["metadata"].get("generation") or generation)
             conflict = ownership.summary(tracked.conflicts)
@@ -84,7 +88,7 @@ class StatusWriter:
             deployments=deployments,
             pods=self.cache.live_pods(key),
             old=tracked.last_status,
-            now=status_mod.now(),
+            now=now,
             conflict=conflict,
         )
         state = self.autoscaling.states.get(key)
@@ -93,6 +97,15 @@ class StatusWriter:
             new["autoscaling"] = copy.deepcopy(state.status)
             if state.condition is not None:
                 new["conditions"] = [*new["conditions"], state.condition]
+        pool = self.cache.observed(key, ("InferencePool", svc.name))
+        pool = pool if ownership.controlled_by(pool, svc.uid) else None
+        unserved = set(tracked.unserved)
+        if self.unserved(key[0]):
+            unserved.add("InferencePool")
+        ready = gateway.condition(svc, pool, unserved, generation)
+        if ready is not None:
+            old = tracked.last_status
+            new["conditions"] = [*new["conditions"], *status_mod.with_times([ready], old, now)]
         await self.patch(key, tracked, new)
 
     async def invalid(self, key: Key, tracked: Tracked, generation: int, exc: InvalidSpec) -> None:
