@@ -16,11 +16,8 @@ EXPECTED = {"engine.json", "router.json", "cache-manager.json", "operator.json"}
 
 # The EPP's series on the router's /metrics (ketch.engine.router.epp.EppMetrics): a router has
 # them only when started with --epp-port, which the operator does for an InferenceService with
-# a gateway section (branch wip-gaie). Until that is merged, the real-Prometheus test skips the
-# targets that use them. After merging: empty this set, give test_dashboards_real.service()
-# `"gateway": {"inferencePool": {}}` and apply `localcluster.controlplane.gaie_crds()` at the
-# test's start (tried on a trial merge of wip-gaie: all 64 targets then return data).
-NEEDS_EPP_MERGE = frozenset(
+# a gateway section (test_dashboards_real's has one).
+EPP_SERIES = frozenset(
     {"ketch:epp_requests_total", "ketch:epp_decision_seconds_bucket", "ketch:epp_streams"}
 )
 

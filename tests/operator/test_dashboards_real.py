@@ -8,7 +8,8 @@ sidecars' and routers' ports and the operator. Then each dashboard's variables a
 Grafana would (label_values and the variable's regex) and each panel target, variables filled
 in, is evaluated by Prometheus' HTTP API: every one must return data, and every metric name in
 it (found by Prometheus' own parser, /api/v1/parse_query) must be a series Prometheus has.
-Targets on the EPP's series are skipped until that branch is merged (dashboards.NEEDS_EPP_MERGE).
+The service has a gateway section (the GAIE CRDs installed first), so its router is also the
+endpoint picker and serves the EPP's series the router dashboard queries.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from test_e2e import (  # noqa: F401 (fixtures)
     running_operator,
     wait_for,
 )
+from test_gateway_e2e import install_gaie
 
 from localcluster import metrics as monitoring
 
@@ -77,6 +79,8 @@ def service(peer_key: str) -> dict[str, Any]:
             "roles": {"prefill": role, "decode": role},
             "cacheManager": {"enabled": True, "hostSwapSpace": "256Mi", "cpu": "250m"},
             "router": {"replicas": 1, "policy": "prefix-hash"},
+            # the router is also the GAIE endpoint picker: the EPP row's series
+            "gateway": {"inferencePool": {}},
             "auth": {"peerKeySecretRef": {"name": peer_key}},
         },
     }
@@ -110,6 +114,7 @@ def operator_endpoint(cluster: Cluster) -> tuple[str, int]:  # noqa: F811
 def operator(cluster, operator_endpoint, tmp_path_factory):  # noqa: F811
     """The operator as test_e2e runs it (its ServiceAccount's RBAC), serving /metrics on the
     node's address so that the Prometheus pod reaches it."""
+    install_gaie(cluster.kube)  # before the operator starts: it renders the InferencePool
     kubeconfig = operator_rbac.install(
         cluster.kube, cluster.namespace, tmp_path_factory.mktemp("operator")
     )
@@ -289,13 +294,11 @@ def test_every_panel_query_returns_data_from_real_pods(cluster, operator, promet
             )
             for name, board in boards.items()
         }
-        checked, skipped, failures = _evaluate_all(prometheus, boards, values)
+        checked, failures = _evaluate_all(prometheus, boards, values)
     assert not load.errors, load.errors[:3]
     assert not failures, "\n".join(failures)
     assert checked >= 40, checked
-    assert checked + len(skipped) == len(dash.targets(boards))
-    # Skipped: exactly the targets on the EPP's series, while that branch is not merged.
-    assert bool(skipped) == bool(dash.NEEDS_EPP_MERGE)
+    assert checked == len(dash.targets(boards))
 
 
 def _try(fn, *args):
@@ -308,16 +311,13 @@ def _try(fn, *args):
 
 def _evaluate_all(
     base: str, boards: dict[str, dict[str, Any]], values: dict[str, dict[str, str]]
-) -> tuple[int, list[dash.Target], list[str]]:
+) -> tuple[int, list[str]]:
     """Each target evaluated (retried for a while: a rate needs two scrapes of a series)."""
-    checked, skipped, failures = 0, [], []
+    checked, failures = 0, []
     for target in dash.targets(boards):
         expr = dash.substitute(target.expr, values[target.dashboard])
         names = dash.ast_names(api(base, "parse_query", query=expr))
         assert names == dash.metric_names(target.expr), (target, names)  # the tokenizer agrees
-        if names & dash.NEEDS_EPP_MERGE:
-            skipped.append(target)
-            continue
 
         def answered(expr: str = expr, names: set[str] = names) -> bool:
             known = set(api(base, "label/__name__/values"))
@@ -329,4 +329,4 @@ def _evaluate_all(
         except (TimeoutError, AssertionError) as exc:
             known = set(api(base, "label/__name__/values"))
             failures.append(f"{target}\n  -> {expr}\n  missing names: {names - known}: {exc}")
-    return checked, skipped, failures
+    return checked, failures
