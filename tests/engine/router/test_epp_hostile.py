@@ -200,11 +200,16 @@ def test_thousands_of_streams_are_bounded(picker, fakes):
     outcomes = asyncio.run(_flood(picker.target, 2000))
     counts = collections.Counter(outcomes)
     assert set(counts) <= {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "CANCELLED"}
-    assert counts["RESOURCE_EXHAUSTED"] >= 1, counts
-    assert counts["DEADLINE_EXCEEDED"] < 500, counts  # unbounded, all 2000 would be held
+    held = counts["DEADLINE_EXCEEDED"]
+    assert held < 500, counts  # unbounded, all 2000 would be held until --body-timeout
+    # The rest were refused at once. How the client names a refusal depends on the race with its
+    # own write (under load nearly all show as INTERNAL, and some never reach the picker), so
+    # the picker's own count is checked: every held stream and every RESOURCE_EXHAUSTED, and
+    # refusals of its own beyond the held ones (the bound is the picker's, not the transport's).
     wait_for(lambda: picker.epp_metrics()["ketch:epp_streams"] == 0, "streams closed", picker)
-    after = picker.epp_metrics()["ketch:epp_requests_total{outcome=error}"]
-    assert after - before >= counts["RESOURCE_EXHAUSTED"] + counts["DEADLINE_EXCEEDED"]
+    errors = picker.epp_metrics()["ketch:epp_requests_total{outcome=error}"] - before
+    assert errors >= held + counts["RESOURCE_EXHAUSTED"], (counts, errors)
+    assert errors - held >= 1, (counts, errors)
     still_answers(picker, fakes)
 
 
