@@ -334,22 +334,25 @@ def test_podmonitor_overlay_selects_engine_pods():
     assert spec["namespaceSelector"] == {"any": True}
     engine, sidecar = spec["podMetricsEndpoints"]
     assert engine["path"] == sidecar["path"] == "/metrics"
-    # It selects exactly the engine pods the operator builds, on a port they name.
+    # It selects every pod Deployment the operator builds (engines and the router), on a port
+    # they name: the engine's and the sidecar's, the router's own metrics on `http`.
     kids = children(body(disaggregated=True))
-    for (kind, name), child in kids.items():
-        if kind != "Deployment":
-            continue
+    deployments = [(n, c) for (k, n), c in kids.items() if k == "Deployment"]
+    assert {n for n, _ in deployments} >= {"chat-prefill", "chat-decode", "chat-router"}
+    for name, child in deployments:
         template = child["spec"]["template"]
         pod_labels = template["metadata"]["labels"]
         selected = spec["selector"]["matchLabels"].items() <= pod_labels.items() and all(
             pod_labels.get(e["key"]) in e["values"]
             for e in spec["selector"].get("matchExpressions", [])
         )
-        assert selected == (name != "chat-router"), name
-        if selected:
-            containers = {c["name"]: c for c in template["spec"]["containers"]}
-            assert engine["port"] in {p["name"] for p in containers["engine"]["ports"]}
-            assert sidecar["port"] in {p["name"] for p in containers["cache-manager"]["ports"]}
+        assert selected, name
+        containers = {c["name"]: c for c in template["spec"]["containers"]}
+        if name == "chat-router":
+            assert engine["port"] in {p["name"] for p in containers["router"]["ports"]}
+            continue
+        assert engine["port"] in {p["name"] for p in containers["engine"]["ports"]}
+        assert sidecar["port"] in {p["name"] for p in containers["cache-manager"]["ports"]}
 
 
 def test_example_is_autoscaled_with_an_hpa():

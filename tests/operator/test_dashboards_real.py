@@ -255,19 +255,8 @@ def test_every_panel_query_returns_data_from_real_pods(cluster, operator, promet
     bad["spec"]["engine"]["kvCacheMemory"] = "0MiB"
     c.apply(bad)
 
-    def ready_pods(role: str) -> list[dict[str, Any]]:
-        pods = c.items("pods", f"app.kubernetes.io/instance={NAME},serving.ketch.dev/role={role}")
-        return [
-            p
-            for p in pods
-            if any(
-                x["type"] == "Ready" and x["status"] == "True"
-                for x in (p.get("status") or {}).get("conditions") or []
-            )
-        ]
-
     wait_for(
-        lambda: all(ready_pods(r) for r in ("prefill", "decode", "router")),
+        lambda: all(c.ready_pods(NAME, r) for r in ("prefill", "decode", "router")),
         "one ready pod per role",
         timeout=300,
     )

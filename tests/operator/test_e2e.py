@@ -74,6 +74,19 @@ class Cluster:
         result = self.run("get", kind, "-l", selector, "-o", "json")
         return json.loads(result.stdout)["items"]
 
+    def ready_pods(self, instance: str, role: str) -> list[dict[str, Any]]:
+        """The pods of an InferenceService's role whose Ready condition is True."""
+        selector = f"app.kubernetes.io/instance={instance},serving.ketch.dev/role={role}"
+        pods = self.items("pods", selector)
+        return [
+            p
+            for p in pods
+            if any(
+                x["type"] == "Ready" and x["status"] == "True"
+                for x in (p.get("status") or {}).get("conditions") or []
+            )
+        ]
+
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 120.0) -> Any:
     """Polls until ``predicate`` is truthy; 120 s by default: a rollout of real engine pods

@@ -255,19 +255,8 @@ def test_coordinated_prefill_decode_scaling_under_load(cluster, operator):  # no
         roles = (status.get("autoscaling") or {}).get("roles") or {}
         return (roles.get(role) or {}).get("decisions") or []
 
-    def ready_pods(role: str) -> list[dict[str, Any]]:
-        pods = c.items("pods", f"app.kubernetes.io/instance={PD},serving.ketch.dev/role={role}")
-        return [
-            p
-            for p in pods
-            if any(
-                x["type"] == "Ready" and x["status"] == "True"
-                for x in (p.get("status") or {}).get("conditions") or []
-            )
-        ]
-
     wait_for(
-        lambda: all(ready_pods(r) for r in ("prefill", "decode", "router")),
+        lambda: all(c.ready_pods(PD, r) for r in ("prefill", "decode", "router")),
         "one ready pod per role",
         timeout=240,
     )
@@ -275,7 +264,7 @@ def test_coordinated_prefill_decode_scaling_under_load(cluster, operator):  # no
     with Load(f"http://{ip}:8000/v1", CONCURRENCY) as load:
         wait_for(lambda: replicas("decode") == 2, "decode scaled up", timeout=120)
         wait_for(lambda: replicas("prefill") == 2, "prefill raised by the ratio", timeout=60)
-        wait_for(lambda: len(ready_pods("decode")) == 2, "the second decode pod", timeout=240)
+        wait_for(lambda: len(c.ready_pods(PD, "decode")) == 2, "the second decode pod", timeout=240)
         served_before = load.done
         wait_for(lambda: load.done > served_before + 2, "requests served after the scale-up")
     assert not load.errors, load.errors[:3]
