@@ -86,26 +86,6 @@ def binaries() -> dict[str, Path]:
     return out
 
 
-def helm_binary() -> Path:
-    """The helm CLI built from hack/helm; says how to build it when it is missing."""
-    binary = bin_cache() / "helm" / module_version("helm", "helm.sh/helm/v4") / "bin" / "helm"
-    if not os.access(binary, os.X_OK):
-        raise RuntimeError(f"not built: {binary}; run hack/build-control-plane.sh helm (needs Go)")
-    return binary
-
-
-def gaie_crds() -> list[Path]:
-    """The Gateway API (standard channel: GatewayClass, Gateway, HTTPRoute, ReferenceGrant) and
-    Gateway API Inference Extension (InferencePool...) CRD manifests, as their modules ship them."""
-    version = module_version("gaie", "sigs.k8s.io/gateway-api-inference-extension")
-    files = sorted((bin_cache() / "gaie" / version / "crds").glob("*.yaml"))
-    if not files:
-        raise RuntimeError(
-            f"no CRDs in {bin_cache() / 'gaie' / version}; run hack/build-control-plane.sh gaie"
-        )
-    return files
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from localcluster import controlplane
+from localcluster import tools
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ketch"
@@ -30,7 +30,7 @@ def helm(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(controlplane.helm_binary()), *args],
+        [str(tools.helm_binary()), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
 import time
 import urllib.parse
@@ -38,6 +37,7 @@ from test_e2e import (  # noqa: F401 (fixtures)
 from test_gateway_e2e import install_gaie
 
 from localcluster import metrics as monitoring
+from localcluster.controlplane import free_port
 
 NAME = "dash"
 OPERATOR_JOB = "ketch-operator"
@@ -96,12 +96,6 @@ def node_address(c: Cluster) -> str:
         if address["type"] == "InternalIP":
             return address["address"]
     raise AssertionError("the node has no InternalIP")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """spec.gateway end to end: the operator (kopf's KopfRunner, signed in with the manifests' RBAC)
 against the real control plane with the Gateway API and GAIE CRDs installed
-(``localcluster.controlplane.gaie_crds()``). No gateway implementation runs here: the tests
+(``localcluster.tools.gaie_crds()``). No gateway implementation runs here: the tests
 write the InferencePool's ``status.parents`` as a gateway controller would, through the status
 subresource, and check what the InferenceService reports.
 
@@ -33,7 +33,7 @@ from test_e2e import (
 from ketch.operator import crd
 from ketch.operator.controller import Controller
 from kubecluster import kubectl
-from localcluster.controlplane import gaie_crds
+from localcluster.tools import gaie_crds
 
 POOLS = "inferencepools.inference.networking.k8s.io"
 ROUTES = "httproutes.gateway.networking.k8s.io"

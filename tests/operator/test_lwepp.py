@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,6 @@ from typing import Any
 
 import extproc_client
 import httpx
-import pytest
 from test_e2e import (  # noqa: F401 (fixtures)
     Cluster,
     _delete_what_the_test_made,
@@ -34,28 +31,13 @@ from test_e2e import (  # noqa: F401 (fixtures)
     ready,
     wait_for,
 )
+from test_gateway_e2e import install_gaie
 
-from localcluster import controlplane
+from localcluster.controlplane import free_port
+from localcluster.tools import lwepp_binary
 
 NAME = "lw"
 POOL = f"{NAME}-pool"
-
-
-def lwepp_binary() -> Path:
-    version = controlplane.module_version("lwepp", "sigs.k8s.io/gateway-api-inference-extension")
-    return controlplane.bin_cache() / "lwepp" / version / "bin" / "lwepp"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _built() -> None:
-    if not os.access(lwepp_binary(), os.X_OK):
-        pytest.fail(f"not built: {lwepp_binary()}; run hack/build-control-plane.sh lwepp")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service() -> dict[str, Any]:
@@ -124,8 +106,7 @@ def _health(target: str) -> str | None:
 
 def test_lwepp_picks_ketch_pods_from_an_inference_pool(cluster, operator, tmp_path):  # noqa: F811
     c: Cluster = cluster
-    for crd in controlplane.gaie_crds():
-        c.run("apply", "--server-side", "--force-conflicts", "-f", str(crd), ns=False)
+    install_gaie(c.kube)
     c.apply(service())
     wait_for(lambda: ready(c, NAME), f"{NAME} Ready", timeout=300)
     pods = c.items("pods", f"app.kubernetes.io/instance={NAME}")
