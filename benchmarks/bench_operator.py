@@ -111,9 +111,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kwok import NODE_SELECTOR, TOLERATIONS, Kwok, start_kwok  # noqa: E402
 from operator_floor import floor_burst, prerender  # noqa: E402
 
-from ketch.operator import crd, objects  # noqa: E402
+from ketch.operator import api_names, crd  # noqa: E402
 from ketch.operator.handlers import make_registry  # noqa: E402
 from ketch.operator.kube import ssl_context  # noqa: E402
+from ketch.operator.labels import LABEL_INSTANCE  # noqa: E402
 from kubecluster import KubeCluster, controlplane, start_cluster  # noqa: E402
 
 USER_AGENT = "ketch-bench"
@@ -304,7 +305,7 @@ def start_ready_watcher(namespace: str, count: int) -> tuple[Any, Any]:
     ready: dict[str, float] = {}
 
     async def watch() -> None:
-        url = f"apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}"
+        url = f"apis/{api_names.API_VERSION}/namespaces/{namespace}/{api_names.PLURAL}"
         async with session(timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as http:
             while True:
                 params = {"watch": "true", "timeoutSeconds": "30"}
@@ -347,7 +348,9 @@ def run_ketch(count: int) -> dict[str, Any]:
         watcher, results = start_ready_watcher(namespace, count)
         time.sleep(1.0)
         created = asyncio.run(
-            create_burst(f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}", bodies)
+            create_burst(
+                f"/apis/{api_names.API_VERSION}/namespaces/{namespace}/{api_names.PLURAL}", bodies
+            )
         )
         ready = collect_ready(watcher, results)
     return summarise("ketch operator (create -> Ready)", created, ready, count)
@@ -431,10 +434,10 @@ def phases(events: list[dict[str, Any]], namespace: str) -> dict[str, dict[str, 
         resource, sub, verb = ref.get("resource"), ref.get("subresource", ""), ev["verb"]
         body = ev.get("requestObject") or {}
         labels = (body.get("metadata") or {}).get("labels") or {}
-        instance = labels.get(objects.LABEL_INSTANCE)
-        if resource == crd.PLURAL and verb == "create" and not sub:
+        instance = labels.get(LABEL_INSTANCE)
+        if resource == api_names.PLURAL and verb == "create" and not sub:
             note(ref.get("name"), "created", ev)
-        elif resource == crd.PLURAL and sub == "status":
+        elif resource == api_names.PLURAL and sub == "status":
             if _conditions(ev).get("Ready") == "True":
                 note(ref.get("name"), "status Ready written", ev)
         elif resource == "deployments" and not sub and verb == "patch" and instance:

@@ -26,10 +26,11 @@ from typing import Any
 import aiohttp
 import kopf
 
-from ketch.operator import crd, objects
+from ketch.operator import api_names
 from ketch.operator.cli import PLACEHOLDER_UID, render_object
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import KubeClient, resource_path
+from ketch.operator.labels import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
 
 
 def prerender(bodies: list[dict[str, Any]]) -> dict[str, list[tuple[str, str, str]]]:
@@ -89,7 +90,7 @@ async def floor_burst(
     async def mark_ready(name: str) -> None:
         body = stored[name]
         await client.patch_status(
-            crd.KIND, namespace, name, ready_status(body["metadata"]["generation"])
+            api_names.KIND, namespace, name, ready_status(body["metadata"]["generation"])
         )
         await events.post(body, "Normal", "Ready", "1/1 pods ready")
         if len(done) == len(bodies):
@@ -99,7 +100,7 @@ async def floor_burst(
         url = client.server + resource_path("Deployment", namespace)
         params = {
             "watch": "true",
-            "labelSelector": f"{objects.LABEL_MANAGED_BY}={objects.MANAGER}",
+            "labelSelector": f"{LABEL_MANAGED_BY}={MANAGER}",
             "timeoutSeconds": "300",
         }
         timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
@@ -111,7 +112,7 @@ async def floor_burst(
                 raise RuntimeError(f"watch {url}: {response.status} {await response.text()}")
             async for line in response.content:
                 obj = json.loads(line).get("object") or {}
-                owner = (obj["metadata"].get("labels") or {}).get(objects.LABEL_INSTANCE)
+                owner = (obj["metadata"].get("labels") or {}).get(LABEL_INSTANCE)
                 ready = (obj.get("status") or {}).get("readyReplicas") or 0
                 if owner in stored and owner not in done and ready >= 1:
                     done.add(owner)
@@ -126,7 +127,7 @@ async def floor_burst(
             body = queue.get_nowait()
             name = body["metadata"]["name"]
             created[name] = loop.time()
-            obj = await client.post(crd.KIND, namespace, body)
+            obj = await client.post(api_names.KIND, namespace, body)
             stored[name] = obj
             uid = obj["metadata"]["uid"]
             await asyncio.gather(

@@ -30,7 +30,7 @@ from argocd_health import DATA, expected, health
 from test_coordinated_e2e import FAKE_IMAGE, base, ketch_role, metrics  # noqa: F401 (fixture)
 from test_e2e import cluster, condition, operator, ready, wait_for  # noqa: F401 (fixtures)
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from watching import Recorder
 
 Obj = dict[str, Any]
@@ -77,7 +77,7 @@ def _phase(cluster, isvc: str, name: str, act, until, what: str) -> list[Obj]:  
     since = cluster.kube.get(isvc).ok()["metadata"]["resourceVersion"]
     with Recorder(cluster.kube, [isvc], since=since) as record:
         act()
-        wait_for(lambda: until(cluster.get(crd.PLURAL, name)), what, timeout=180)
+        wait_for(lambda: until(cluster.get(api_names.PLURAL, name)), what, timeout=180)
     out: list[Obj] = []
     seen: set[str] = set()
     for obj in record.objects(name):
@@ -97,7 +97,7 @@ def _healthy(cluster, name: str):  # noqa: F811
 
 def test_record(cluster, operator, metrics):  # noqa: F811
     ns = cluster.namespace
-    isvc = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{ns}/{crd.PLURAL}"
+    isvc = f"/apis/{api_names.GROUP}/{api_names.VERSION}/namespaces/{ns}/{api_names.PLURAL}"
     metrics.load["mixed"] = 0
     body = _spec()
     phases: dict[str, list[Obj]] = {}
@@ -145,7 +145,7 @@ def test_record(cluster, operator, metrics):  # noqa: F811
         "Degraded/InvalidSpec",
     )
     metrics.load["mixed"] = 0
-    cluster.run("delete", crd.PLURAL, NAME, "--wait=false")
+    cluster.run("delete", api_names.PLURAL, NAME, "--wait=false")
     zero = base(ZERO)
     zero["spec"]["roles"]["mixed"] = {**ketch_role(), "replicas": 0}
     del zero["spec"]["roles"]["mixed"]["autoscaling"]
@@ -181,4 +181,4 @@ def test_record(cluster, operator, metrics):  # noqa: F811
     for phase, versions in phases.items():
         path = DATA / f"{phase}.json"
         path.write_text(json.dumps({"phase": phase, "versions": versions}, indent=1) + "\n")
-    cluster.run("delete", crd.PLURAL, ZERO, "--wait=false")
+    cluster.run("delete", api_names.PLURAL, ZERO, "--wait=false")

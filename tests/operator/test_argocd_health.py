@@ -25,7 +25,7 @@ from lupa.lua51 import LuaError
 from test_coordinated_e2e import base, ketch_role, metrics  # noqa: F401 (fixture)
 from test_e2e import cluster, operator, ready, wait_for  # noqa: F401 (fixtures)
 
-from ketch.operator import crd
+from ketch.operator import api_names
 
 Obj = dict[str, Any]
 DOC = ROOT / "docs" / "install-argocd.md"
@@ -85,8 +85,8 @@ def _svc(status: Any, generation: Any = 2, **extra: Any) -> Obj:
     meta: Obj = {"name": "x", "namespace": "llm"}
     if generation is not None:
         meta["generation"] = generation
-    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "metadata": meta,
-            "status": status, **extra}  # fmt: skip
+    api = f"{api_names.GROUP}/{api_names.VERSION}"
+    return {"apiVersion": api, "kind": api_names.KIND, "metadata": meta, "status": status, **extra}
 
 
 def _cond(kind: str, status: Any, reason: Any = "R", message: Any = "m") -> Obj:
@@ -243,7 +243,7 @@ def test_the_documented_configmap_carries_the_script():
         "docs/install-argocd.md and manifests/argocd/health.lua differ: copy the file into "
         "the ConfigMap (indented by 4 spaces)"
     )
-    assert f"{crd.GROUP}_{crd.KIND}" in KEY
+    assert f"{api_names.GROUP}_{api_names.KIND}" in KEY
 
 
 def test_the_documented_patch_command_installs_the_script(cluster):  # noqa: F811
@@ -274,4 +274,4 @@ def test_a_live_ready_inferenceservice_is_healthy(cluster, operator, metrics):  
     cluster.apply(body)
     live = wait_for(lambda: ready(cluster, "argolive"), "argolive Ready", timeout=180)
     assert health(copy.deepcopy(live)) == ("Healthy", "1/1 pods ready")
-    cluster.run("delete", crd.PLURAL, "argolive")
+    cluster.run("delete", api_names.PLURAL, "argolive")

@@ -12,7 +12,7 @@ import json
 import yaml
 from test_e2e import Cluster, cluster, operator, settle, wait_for  # noqa: F401 (fixtures)
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.workqueue import Work
 
 SCALED_OBJECT_CRD = {
@@ -95,7 +95,8 @@ def test_reapplying_does_not_reset_replicas_the_autoscaler_set(cluster, operator
     cluster.apply(changed)
     wait_for(
         lambda: (
-            (cluster.get(crd.PLURAL, "scaled").get("status") or {}).get("observedGeneration") == 2
+            (cluster.get(api_names.PLURAL, "scaled").get("status") or {}).get("observedGeneration")
+            == 2
         ),
         "generation 2 observed",
     )
@@ -109,7 +110,7 @@ def test_reapplying_does_not_reset_replicas_the_autoscaler_set(cluster, operator
     # Editing the HPA by hand is drift: the operator puts it back.
     cluster.run("patch", "hpa", "scaled-mixed", "--type=merge", "-p", '{"spec":{"maxReplicas":9}}')
     wait_for(lambda: cluster.get("hpa", "scaled-mixed")["spec"]["maxReplicas"] == 5, "HPA restored")
-    cluster.run("delete", crd.PLURAL, "scaled")
+    cluster.run("delete", api_names.PLURAL, "scaled")
 
 
 def test_keda_mode_without_and_with_the_keda_crd(cluster, operator):  # noqa: F811
@@ -171,5 +172,5 @@ def test_keda_mode_without_and_with_the_keda_crd(cluster, operator):  # noqa: F8
         )
     finally:
         for name in ("kedasvc", "hpasvc"):
-            cluster.run("delete", crd.PLURAL, name, check=False)
+            cluster.run("delete", api_names.PLURAL, name, check=False)
         cluster.run("delete", "crd", "scaledobjects.keda.sh", ns=False, check=False)

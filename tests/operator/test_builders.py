@@ -14,9 +14,10 @@ import yaml
 from ketch.engine.cli_args import read_config_file
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, crd_engine, objects
+from ketch.operator import api_names, pod_layout
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
+from ketch.operator.labels import ANNOTATION_CONFIG_HASH
 from ketch.operator.spec import InvalidSpec, parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +75,8 @@ def test_mixed_children_and_wiring():
         meta = child["metadata"]
         assert meta["ownerReferences"] == [
             {
-                "apiVersion": crd.API_VERSION,
-                "kind": crd.KIND,
+                "apiVersion": api_names.API_VERSION,
+                "kind": api_names.KIND,
                 "name": "tiny",
                 "uid": UID,
                 "controller": True,
@@ -263,7 +264,7 @@ def test_fetch_container_gets_no_engine_env():
     ("uri", "keys"),
     [
         ("hf://org/model", ["HF_TOKEN", "HF_ENDPOINT"]),
-        ("s3://bucket/prefix", list(crd_engine.FETCH_CREDENTIAL_KEYS["s3"])),
+        ("s3://bucket/prefix", list(pod_layout.FETCH_CREDENTIAL_KEYS["s3"])),
     ],
 )
 def test_fetch_container_gets_its_credentials_from_the_named_secret_only(uri, keys):
@@ -412,7 +413,7 @@ def test_config_change_changes_the_pod_template_hash_and_nothing_else_does():
     changed = copy.deepcopy(body)
     changed["spec"]["engine"]["maxNumSeqs"] = 16
     after = children(changed)[("Deployment", "tiny-mixed")]
-    key = objects.ANNOTATION_CONFIG_HASH
+    key = ANNOTATION_CONFIG_HASH
     assert (
         before["spec"]["template"]["metadata"]["annotations"][key]
         != after["spec"]["template"]["metadata"]["annotations"][key]
@@ -583,7 +584,7 @@ def test_operator_rejects_invalid_specs_naming_the_field(case, patch, field):
 
 def test_name_too_long_for_children():
     body = example("mixed")
-    body["metadata"]["name"] = "n" * (crd.MAX_NAME_LENGTH + 1)
+    body["metadata"]["name"] = "n" * (api_names.MAX_NAME_LENGTH + 1)
     with pytest.raises(InvalidSpec, match=r"metadata\.name"):
         parse(body)
 

@@ -27,7 +27,8 @@ import pytest
 from test_e2e import Cluster, cluster, condition, operator, wait_for  # noqa: F401 (fixtures)
 
 from ketch.engine.metrics import PREFIX
-from ketch.operator import crd, objects
+from ketch.operator import api_names
+from ketch.operator.labels import LABEL_ROLE
 
 FAKE_IMAGE = "localhost/ketch-fake-engine:test"
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine"
@@ -99,14 +100,14 @@ class FakeMetrics:
         if not mine:
             return 404, f"no pod has address {ip}\n".encode()
         labels = mine[0]["metadata"].get("labels") or {}
-        group = {k: labels.get(k) for k in (objects.LABEL_ROLE, "app.kubernetes.io/instance")}
+        group = {k: labels.get(k) for k in (LABEL_ROLE, "app.kubernetes.io/instance")}
         peers = sum(
             1
             for p in pods
             if _ready(p) and all((p["metadata"].get("labels") or {}).get(k) == v
                                  for k, v in group.items())
         )  # fmt: skip
-        share = self.load.get(labels.get(objects.LABEL_ROLE, ""), 0.0) / max(peers, 1)
+        share = self.load.get(labels.get(LABEL_ROLE, ""), 0.0) / max(peers, 1)
         name = PREFIX + "num_requests_waiting"
         text = (
             f"# HELP {name} Requests waiting.\n# TYPE {name} gauge\n"
@@ -165,7 +166,7 @@ def _delete_what_the_test_made(cluster) -> Iterator[None]:  # noqa: F811
     """Every InferenceService (and Secret) a test made is deleted after it, and its pods are
     waited out: the next test starts from an empty namespace."""
     yield
-    cluster.run("delete", crd.PLURAL, "--all", check=False)
+    cluster.run("delete", api_names.PLURAL, "--all", check=False)
     # and their Deployments at once: on a cluster just started the garbage collector finds the
     # InferenceService resource (a CRD) only at its next discovery, up to 30 s later
     cluster.run("delete", "deployments", "-l", ENGINE_PODS, "--wait=false", check=False)
@@ -210,14 +211,14 @@ def replicas(cluster: Cluster, name: str = NAME) -> int:  # noqa: F811
 
 
 def decisions(cluster: Cluster) -> list[dict]:  # noqa: F811
-    status = (cluster.get(crd.PLURAL, NAME) or {}).get("status") or {}
+    status = (cluster.get(api_names.PLURAL, NAME) or {}).get("status") or {}
     return ((status.get("autoscaling") or {}).get("roles") or {}).get("mixed", {}).get(
         "decisions"
     ) or []
 
 
 def scaling(cluster: Cluster, name: str = NAME) -> dict:  # noqa: F811
-    return condition(cluster.get(crd.PLURAL, name), "ScalingActive")
+    return condition(cluster.get(api_names.PLURAL, name), "ScalingActive")
 
 
 def ready_pods(cluster: Cluster, name: str) -> list[str]:  # noqa: F811
@@ -263,7 +264,7 @@ def test_coordinated_scaling(cluster, operator, metrics):  # noqa: F811
     metrics.load["mixed"] = 12
     cluster.apply(body(advisory=True))
     wait_for(
-        lambda: cluster.get(crd.PLURAL, NAME)["status"]["autoscaling"]["advisory"],
+        lambda: cluster.get(api_names.PLURAL, NAME)["status"]["autoscaling"]["advisory"],
         "the advisory loop",
     )
     metrics.up = True  # only now: the loop before it would scale
@@ -274,7 +275,7 @@ def test_coordinated_scaling(cluster, operator, metrics):  # noqa: F811
     assert advised["from"] == 1 and "scale up" in advised["rule"]
     metrics.scraped(left, 2)  # and later periods do not scale either
     assert replicas(cluster) == 1
-    assert cluster.get(crd.PLURAL, NAME)["status"]["autoscaling"]["advisory"] is True
+    assert cluster.get(api_names.PLURAL, NAME)["status"]["autoscaling"]["advisory"] is True
 
 
 def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics):  # noqa: F811
@@ -301,7 +302,7 @@ def test_prefill_follows_decode_within_the_ratio(cluster, operator, metrics):  #
         return cluster.get("deployments", f"{name}-{r}")["spec"]["replicas"]
 
     def status() -> dict:
-        return (cluster.get(crd.PLURAL, name) or {}).get("status") or {}
+        return (cluster.get(api_names.PLURAL, name) or {}).get("status") or {}
 
     wait_for(lambda: condition({"status": status()}, "ScalingActive").get("status") == "True", "on")
     # decode load only: decode goes to 4 pods, prefill is raised to 2 to keep prefill/decode >= 0.5
@@ -322,7 +323,7 @@ def test_leaving_mode_ketch_stops_it_and_clears_its_status(cluster, operator, me
     cluster.apply(b)
 
     def status() -> dict:
-        return (cluster.get(crd.PLURAL, name) or {}).get("status") or {}
+        return (cluster.get(api_names.PLURAL, name) or {}).get("status") or {}
 
     wait_for(
         lambda: condition({"status": status()}, "ScalingActive").get("status"), "ScalingActive"
@@ -369,6 +370,6 @@ def test_sawtooth_load_does_not_flap(cluster, operator, metrics):  # noqa: F811
     changes = [b for a, b in itertools.pairwise(samples) if a != b]
     assert changes == [], samples  # after the first scale-up: no change at all
     assert samples[0] == 3
-    status = cluster.get(crd.PLURAL, name)["status"]["autoscaling"]["roles"]["mixed"]
+    status = cluster.get(api_names.PLURAL, name)["status"]["autoscaling"]["roles"]["mixed"]
     moves = [(d["from"], d["to"]) for d in status["decisions"] if d["from"] != d["to"]]
     assert moves == [(1, 3)], status["decisions"]

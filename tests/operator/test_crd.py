@@ -23,12 +23,12 @@ import procs
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, engine_fields
+from ketch.operator import api_names, crd, engine_fields
 from ketch.operator.cli import main as operator_main
 from kubecluster import kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
@@ -292,8 +292,8 @@ def installed(kube):
     """The committed CRD, applied server-side (as tests/operator/test_e2e.py does) and
     Established."""
     _kubectl(kube, "apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    _wait_established(kube, crd.CRD_NAME)
-    collection = f"/apis/{crd.API_VERSION}/{crd.PLURAL}"
+    _wait_established(kube, api_names.CRD_NAME)
+    collection = f"/apis/{api_names.API_VERSION}/{api_names.PLURAL}"
     procs.wait_for(  # a new CRD's storage answers 429 "storage is (re)initializing" at first
         lambda: kube.get(collection).status != 429, 30, "the CRD's storage", interval=0.2
     )
@@ -307,7 +307,7 @@ def installed(kube):
 
 
 def test_the_committed_crd_installs_and_is_established(installed):
-    body = installed.get(f"{CRDS}/{crd.CRD_NAME}").ok()
+    body = installed.get(f"{CRDS}/{api_names.CRD_NAME}").ok()
     conditions = {c["type"]: c["status"] for c in body["status"]["conditions"]}
     assert conditions["Established"] == conditions["NamesAccepted"] == "True"
     assert body["status"]["acceptedNames"]["shortNames"] == ["kisvc"]
@@ -334,7 +334,7 @@ def test_kubectl_explain_gives_each_fields_description(installed, field, kind, s
     node = _schema()
     for part in field.split(".")[1:]:
         node = node["properties"][part]
-    assert f"KIND: {crd.KIND} VERSION: v1alpha1" in text
+    assert f"KIND: {api_names.KIND} VERSION: v1alpha1" in text
     assert f"FIELD: {field.split('.')[-1]} <{kind}>" in text
     assert " ".join(node["description"].split()) in text
     if says:
@@ -367,7 +367,7 @@ def test_kubectl_get_shows_the_printer_columns(installed, namespace):
             },
         ],
     }
-    path = f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}/cols/status"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/{namespace}/{api_names.PLURAL}/cols/status"
     installed.patch(path, {"status": status}).ok()
     header, row, *rest = _kubectl(installed, "-n", namespace, "get", "kisvc").splitlines()
     assert rest == []
@@ -457,7 +457,7 @@ def test_a_spec_breaking_a_rule_is_refused_with_its_message(installed, case, pat
     fieldPath) and says the rule's message, to the API client and to kubectl's user."""
     body = invalid_body(patch)
     body["metadata"]["name"] = "bad"
-    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     refused = installed.post(f"{path}?dryRun=All", body)
     assert refused.status == 422, refused.body
     wanted = [(field, f"Invalid value: {_rule_message(start)}") for field, start in expected]
@@ -500,7 +500,7 @@ def test_the_api_server_refuses_a_bad_speculative_config_naming_the_field(
     from SpeculativeConfig) the API server enforces, each refusal naming the key."""
     body = invalid_body({"engine": {"speculativeConfig": value}})
     body["metadata"]["name"] = "bad-spec"
-    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     refused = installed.post(f"{path}?dryRun=All", body)
     assert refused.status == 422, refused.body
     causes = [(c["field"], c["reason"]) for c in refused.body["details"]["causes"]]
@@ -516,7 +516,7 @@ def test_the_api_server_takes_a_speculative_config_and_refuses_unknown_keys(inst
     """A valid object is stored with its defaults filled in; an unknown key (a typo, or the
     engine's snake_case spelling) is refused by a strict client, as kubectl is by default, and
     dropped (with a warning) for one that asks for no field validation."""
-    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     body = invalid_body({"engine": {"speculativeConfig": dict(NGRAM)}})
     body["metadata"]["name"] = "spec-ok"
     stored = installed.post(f"{path}?dryRun=All&fieldValidation=Strict", body).ok()

@@ -27,14 +27,15 @@ import yaml
 from test_builders import INVALID, invalid_body
 
 import procs
-from ketch.operator import crd, crd_engine, objects
+from ketch.operator import api_names, crd_engine
 from ketch.operator.cli import render_documents, render_object
 from ketch.operator.controller import Controller
 from ketch.operator.handlers import make_registry
+from ketch.operator.labels import ANNOTATION_CONFIG_HASH, MANAGER
 from ketch.operator.workqueue import Work
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
 PSA_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 
@@ -124,7 +125,7 @@ def children(cluster: Cluster, name: str) -> dict[tuple[str, str], dict[str, Any
 
 
 def ready(cluster: Cluster, name: str) -> dict[str, Any] | None:
-    body = cluster.get(crd.PLURAL, name)
+    body = cluster.get(api_names.PLURAL, name)
     gen = (body or {}).get("metadata", {}).get("generation")
     if (
         condition(body, "Ready").get("status") == "True"
@@ -167,7 +168,7 @@ def _delete_what_the_test_made(request: pytest.FixtureRequest) -> Iterator[None]
     yield
     if "cluster" in request.fixturenames:
         c = request.getfixturevalue("cluster")
-        c.run("delete", crd.PLURAL, "--all", "--wait=false", check=False)
+        c.run("delete", api_names.PLURAL, "--all", "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -274,15 +275,15 @@ def test_render_is_byte_identical_to_what_the_operator_applied(cluster, operator
     for example_name, name in names.items():
         cluster.apply(example(example_name, name))
     for name in names.values():
-        wait_for(lambda n=name: cluster.get(crd.PLURAL, n), f"{name} created")
+        wait_for(lambda n=name: cluster.get(api_names.PLURAL, n), f"{name} created")
         wait_for(lambda n=name: len(children(cluster, n)) >= 6, f"{name} children")
     settle(operator)
     applied: dict[tuple[str, str], Any] = {}
-    for entry in cluster.kube.applied(manager=objects.MANAGER):
+    for entry in cluster.kube.applied(manager=MANAGER):
         if entry["namespace"] == cluster.namespace:
             applied[(entry["kind"], entry["name"])] = entry["body"]
     for example_name, name in names.items():
-        live = cluster.get(crd.PLURAL, name)
+        live = cluster.get(api_names.PLURAL, name)
         source = example(example_name, name)
         rendered = subprocess.run(
             [
@@ -327,10 +328,10 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
     cluster.apply(cpu_example("beta"))
     before = wait_for(lambda: ready(cluster, "beta"), "beta Ready")
     dep = cluster.get("deployments", "beta-mixed")
-    old_hash = dep["spec"]["template"]["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH]
+    old_hash = dep["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
     cluster.run(
         "patch",
-        crd.PLURAL,
+        api_names.PLURAL,
         "beta",
         "--type",
         "merge",
@@ -347,7 +348,7 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
     )
     assert after["status"]["observedGeneration"] == after["metadata"]["generation"]
     dep = cluster.get("deployments", "beta-mixed")
-    new_hash = dep["spec"]["template"]["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH]
+    new_hash = dep["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
     assert new_hash != old_hash
     config = cluster.get("configmaps", "beta-config")["data"]["mixed.yaml"]
     assert yaml.safe_load(config)["max_num_seqs"] == 8
@@ -356,7 +357,7 @@ def test_spec_change_rolls_pods_and_is_observed(cluster, operator):
     pods = cluster.items("pods", "app.kubernetes.io/instance=beta")
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     assert len(live) == 2 and all(
-        p["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH] == new_hash for p in live
+        p["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == new_hash for p in live
     )
 
 
@@ -407,13 +408,13 @@ def test_applying_the_same_object_twice_changes_no_child(cluster, operator):
     wait_for(lambda: ready(cluster, "delta"), "delta Ready")
     settle(operator)
     before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, "delta").items()}
-    isvc_rv = cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"]
+    isvc_rv = cluster.get(api_names.PLURAL, "delta")["metadata"]["resourceVersion"]
     cluster.apply(body)  # kubectl apply, unchanged: the object does not change at all
-    assert cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
+    assert cluster.get(api_names.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
     # GitOps tools apply server-side; switching field managers changes managedFields (a new
     # resourceVersion) but no spec field: the operator must not touch any child.
     cluster.apply(body, "--server-side", "--force-conflicts", "--field-manager", "argocd")
-    isvc_rv = cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"]
+    isvc_rv = cluster.get(api_names.PLURAL, "delta")["metadata"]["resourceVersion"]
     cluster.apply(body, "--server-side", "--force-conflicts", "--field-manager", "argocd")
     # and a full reconcile, as after an operator restart or a resync
     operator.loop.call_soon_threadsafe(
@@ -422,7 +423,7 @@ def test_applying_the_same_object_twice_changes_no_child(cluster, operator):
     settle(operator)
     after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, "delta").items()}
     assert after == before
-    assert cluster.get(crd.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
+    assert cluster.get(api_names.PLURAL, "delta")["metadata"]["resourceVersion"] == isvc_rv
 
 
 # Real faults, each made by the spec: a flag the engine refuses (it exits, the node agent
@@ -448,7 +449,7 @@ def test_pod_problems_degrade_with_a_reason(cluster, operator, mode):
     # Deployment controllers sync after the kubelet), so wait for both.
     body = wait_for(
         lambda: (
-            (b := cluster.get(crd.PLURAL, name))
+            (b := cluster.get(api_names.PLURAL, name))
             and condition(b, "Degraded").get("reason") == reason
             and condition(b, "Ready").get("status") == "False"
             and b
@@ -486,7 +487,7 @@ def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 def test_deleting_the_service_garbage_collects_children(cluster, operator):
     cluster.apply(cpu_example("epsilon"))
     wait_for(lambda: ready(cluster, "epsilon"), "epsilon Ready")
-    cluster.run("delete", crd.PLURAL, "epsilon")
+    cluster.run("delete", api_names.PLURAL, "epsilon")
     wait_for(lambda: not children(cluster, "epsilon"), "children to be garbage-collected")
     settle(operator)
     assert not children(cluster, "epsilon")  # and the operator did not re-create them
@@ -511,7 +512,7 @@ def test_switching_to_disaggregated_prunes_the_mixed_role(cluster, operator):
             "auth": {"peerKeySecretRef": {"name": "zeta-peer-key"}},
         }
     }
-    cluster.run("patch", crd.PLURAL, "zeta", "--type", "merge", "-p", json.dumps(patch))
+    cluster.run("patch", api_names.PLURAL, "zeta", "--type", "merge", "-p", json.dumps(patch))
     wait_for(
         lambda: (
             ("Deployment", "zeta-mixed") not in children(cluster, "zeta")
@@ -534,7 +535,7 @@ def test_invalid_objects_are_rejected_by_the_api_server_naming_the_field(
     result = cluster.apply(body, check=False)
     assert result.returncode != 0, f"{case}: accepted"
     assert field.removeprefix("spec.").split(".")[-1] in result.stderr, result.stderr
-    assert cluster.get(crd.PLURAL, body["metadata"]["name"]) is None
+    assert cluster.get(api_names.PLURAL, body["metadata"]["name"]) is None
 
 
 def test_unknown_fields_and_bad_names_are_rejected(cluster):
@@ -542,12 +543,12 @@ def test_unknown_fields_and_bad_names_are_rejected(cluster):
     body["spec"]["engine"]["maxNumSeq"] = 3  # a typo
     result = cluster.apply(body, check=False)
     assert result.returncode != 0 and "maxNumSeq" in result.stderr
-    long = cpu_example("n" * (crd.MAX_NAME_LENGTH + 1))
+    long = cpu_example("n" * (api_names.MAX_NAME_LENGTH + 1))
     result = cluster.apply(long, check=False)
     assert result.returncode != 0 and "metadata.name" in result.stderr
     result = cluster.apply(cpu_example("theta"), "--dry-run=server")
     assert result.returncode == 0
-    assert cluster.get(crd.PLURAL, "theta") is None
+    assert cluster.get(api_names.PLURAL, "theta") is None
 
 
 def test_a_spec_the_engine_refuses_degrades_without_hurting_others(cluster, operator):
@@ -558,7 +559,7 @@ def test_a_spec_the_engine_refuses_degrades_without_hurting_others(cluster, oper
     cluster.apply(bad)
     body = wait_for(
         lambda: (
-            (b := cluster.get(crd.PLURAL, "iota"))
+            (b := cluster.get(api_names.PLURAL, "iota"))
             and condition(b, "Degraded").get("reason") == "InvalidSpec"
             and b
         ),

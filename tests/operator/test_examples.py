@@ -41,7 +41,7 @@ from example_pods import (
 )
 from test_e2e import Cluster, fresh_namespace, ready, running_operator, wait_for
 
-from ketch.operator import crd
+from ketch.operator import api_names
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -97,7 +97,7 @@ def serve(cluster, operator) -> Iterator:
 
     yield run
     for name in names:
-        cluster.run("delete", crd.PLURAL, name, "--wait=false", check=False)
+        cluster.run("delete", api_names.PLURAL, name, "--wait=false", check=False)
     for name in names:
         wait_for(
             lambda n=name: not cluster.items("pods", f"app.kubernetes.io/instance={n}"),

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_builders import ROOT, UID, children, example, invalid_body
 
-from ketch.operator import crd, gateway
+from ketch.operator import api_names, gateway
 from ketch.operator.cli import render_object
 from ketch.operator.spec import InvalidSpec, parse
 
@@ -253,7 +253,7 @@ def installed(kube):
     """The committed CRD (the session's cluster applied it; again, in case it is older)."""
     from kubecluster import kubectl
 
-    path = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+    path = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
     kubectl(kube, "apply", "--server-side", "--force-conflicts", "-f", str(path), check=True)
     return kube
 
@@ -265,7 +265,7 @@ def test_the_api_server_refuses_a_bad_gateway_section(installed, case, section, 
     body = invalid_body({"gateway": section})
     body["metadata"]["name"] = "bad-gateway"
     # Strict, as kubectl sends: an unknown field is refused (400), not dropped.
-    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     refused = installed.post(f"{path}?dryRun=All&fieldValidation=Strict", body)
     assert refused.status in (400, 422), refused.body
     if refused.status == 400:
@@ -279,7 +279,7 @@ def test_the_api_server_refuses_a_bad_gateway_section(installed, case, section, 
 def test_the_api_server_takes_a_good_gateway_section_and_defaults_it(installed):
     body = with_gateway()
     body["metadata"]["name"] = "good-gateway"
-    path = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}?dryRun=All"
+    path = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}?dryRun=All"
     taken = installed.post(path, body).ok()
     assert taken["spec"]["gateway"] == {
         **GATEWAY,

@@ -30,7 +30,7 @@ from test_e2e import (
     wait_for,
 )
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.controller import Controller
 from kubecluster import kubectl
 from localcluster.tools import gaie_crds
@@ -87,7 +87,7 @@ def _delete_what_the_test_made(request: pytest.FixtureRequest) -> Iterator[None]
     yield
     if "cluster" in request.fixturenames:
         c = request.getfixturevalue("cluster")
-        c.run("delete", crd.PLURAL, "--all", "--wait=false", check=False)
+        c.run("delete", api_names.PLURAL, "--all", "--wait=false", check=False)
 
 
 def gateway_service(name: str, section: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def write_pool_status(cluster: Cluster, name: str, **conditions: tuple[str, str]
 
 
 def gateway_ready(cluster: Cluster, name: str) -> dict[str, Any]:
-    return condition(cluster.get(crd.PLURAL, name), "GatewayReady")
+    return condition(cluster.get(api_names.PLURAL, name), "GatewayReady")
 
 
 # --------------------------------------------------------------------------- tests

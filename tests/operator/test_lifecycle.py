@@ -38,7 +38,7 @@ import pytest
 from apiproxy import HoldingProxy
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.kube import FIELD_MANAGER, HANDOFF_FIELD_MANAGER
 from kubecluster import ApiResponse, KubeCluster, stream_events
 from localcluster.kubeapi import ApiError
@@ -46,7 +46,7 @@ from procs import free_ports
 
 EXE = str(Path(sys.executable).parent / "ketch-operator")
 OWNED_KINDS = ("configmaps", "services", "deployments", "poddisruptionbudgets", "networkpolicies")
-ISVC_PATH = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
+ISVC_PATH = f"/apis/{api_names.GROUP}/{api_names.VERSION}/namespaces/{{ns}}/{api_names.PLURAL}"
 ROLLOUT = 300  # s: engine pods take 10-20 s each to turn Ready, more on a busy machine
 
 
@@ -119,7 +119,7 @@ class Operator:
 def cleaned_up(c: Cluster) -> None:
     """Deletes the namespace's InferenceServices and waits until their pods are gone (the
     garbage collector deletes the children), so that the next test has the memory."""
-    c.run("delete", crd.PLURAL, "--all", "--wait=true", "--timeout=60s", check=False)
+    c.run("delete", api_names.PLURAL, "--all", "--wait=true", "--timeout=60s", check=False)
     c.run("wait", "--for=delete", "pods", "--all", "--timeout=180s", check=False)
 
 
@@ -275,7 +275,7 @@ def ready_flaps(versions: list[dict[str, Any]]) -> list[str]:
 
 
 def merge_patch(cluster: Cluster, name: str, patch: dict[str, Any]) -> None:
-    cluster.run("patch", crd.PLURAL, name, "--type", "merge", "-p", json.dumps(patch))
+    cluster.run("patch", api_names.PLURAL, name, "--type", "merge", "-p", json.dumps(patch))
 
 
 # --------------------------------------------------------------------------- the proxy
@@ -482,7 +482,7 @@ def test_cluster_wide_same_name_in_two_namespaces(
         assert dep["spec"]["replicas"] == replicas
     assert got[east.namespace]["metadata"]["uid"] != got[west.namespace]["metadata"]["uid"]
 
-    east.run("delete", crd.PLURAL, "twin", "--wait=true")
+    east.run("delete", api_names.PLURAL, "twin", "--wait=true")
     wait_for(lambda: not east.items("deployments", "app.kubernetes.io/instance=twin"), "GC")
     assert ready(west, "twin")
     west_owned = owned(west, west.namespace)

@@ -21,12 +21,13 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ketch.operator import crd, handlers, kube, objects, prune
+from ketch.operator import api_names, handlers, kube, prune
 from ketch.operator.cli import build_parser, render_object
+from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
-CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
 OVERLAYS = ("cluster-wide", "single-namespace")
 VERSIONS = ("1.30.0", "1.33.0")
 SYSTEM_NAMESPACE = "ketch-system"
@@ -229,7 +230,7 @@ def test_custom_resource_validation_catches_mistakes(built):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_inferenceservice_crd_is_the_generated_file(built, overlay):
-    installed = one(built[overlay], "CustomResourceDefinition", crd.CRD_NAME)
+    installed = one(built[overlay], "CustomResourceDefinition", api_names.CRD_NAME)
     assert installed == yaml.safe_load(CRD_FILE.read_text()), (
         f"the CRD in manifests/overlays/{overlay} differs from {CRD_FILE.relative_to(ROOT)}"
     )
@@ -240,7 +241,7 @@ def test_one_copy_of_the_inferenceservice_crd():
     for path in MANIFESTS.rglob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "CustomResourceDefinition":
-                assert doc["metadata"]["name"] != crd.CRD_NAME, f"{path} copies the CRD"
+                assert doc["metadata"]["name"] != api_names.CRD_NAME, f"{path} copies the CRD"
     assert (ROOT / "crds" / "kustomization.yaml").exists()
 
 
@@ -326,9 +327,11 @@ def test_rbac_covers_everything_the_code_touches():
         assert needed <= COMMON_GRANTS[key], kind
     for api_version, plural in handlers.CHILD_RESOURCES:
         assert {"list", "watch"} <= COMMON_GRANTS[_group_plural(api_version, plural)]
-    status = _group_plural(crd.API_VERSION, crd.PLURAL + "/status")
+    status = _group_plural(api_names.API_VERSION, api_names.PLURAL + "/status")
     assert "patch" in COMMON_GRANTS[status]
-    assert {"list", "watch"} <= COMMON_GRANTS[_group_plural(crd.API_VERSION, crd.PLURAL)]
+    assert {"list", "watch"} <= COMMON_GRANTS[
+        _group_plural(api_names.API_VERSION, api_names.PLURAL)
+    ]
     assert "create" in COMMON_GRANTS[_group_plural(*kube.RESOURCES["Event"])]
     scale = _group_plural(*kube.RESOURCES["Deployment"])
     assert "patch" in COMMON_GRANTS[(scale[0], scale[1] + "/scale")]
@@ -389,7 +392,7 @@ def test_operator_deployment(built, overlay):
     assert labels["app.kubernetes.io/part-of"] == "ketch"
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     # The operator watches pods labelled managed-by=ketch-operator as InferenceService children.
-    assert labels.get(objects.LABEL_MANAGED_BY) != objects.MANAGER
+    assert labels.get(LABEL_MANAGED_BY) != MANAGER
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 

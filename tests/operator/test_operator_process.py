@@ -16,7 +16,7 @@ import operator_rbac
 import pytest
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from procs import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def test_two_replicas_with_peering_one_acts_and_the_other_takes_over(cluster, tm
         )
         cluster.run(
             "patch",
-            crd.PLURAL,
+            api_names.PLURAL,
             "led",
             "--type",
             "merge",

@@ -25,7 +25,7 @@ from test_e2e import (
     wait_for,
 )
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.cli import render_object
 
 
@@ -56,7 +56,7 @@ def test_the_operator_signs_in_as_its_service_account(cluster: Cluster, tmp_path
         command = ["kubectl", "--kubeconfig", str(kubeconfig), "-n", cluster.namespace, *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
-    assert as_operator("get", crd.PLURAL).returncode == 0
+    assert as_operator("get", api_names.PLURAL).returncode == 0
     secrets = as_operator("get", "secrets")  # the API key and peer key stay unread
     assert secrets.returncode != 0
     assert (
@@ -73,10 +73,10 @@ def test_the_operator_signs_in_as_its_service_account(cluster: Cluster, tmp_path
         (("apps", "deployments", "create"), "create", "deployments", "apps", "-mixed"),
         (("", "configmaps", "patch"), "patch", "configmaps", "", "-config"),
         (
-            (crd.GROUP, f"{crd.PLURAL}/status", "patch"),
+            (api_names.GROUP, f"{api_names.PLURAL}/status", "patch"),
             "patch",
-            f"{crd.PLURAL}/status",
-            crd.GROUP,
+            f"{api_names.PLURAL}/status",
+            api_names.GROUP,
             "",
         ),
     ],
@@ -100,7 +100,7 @@ def test_a_verb_missing_from_the_role_fails_with_the_403_named(
             ),
             "the operator's log line",
         )
-        body = cluster.get(crd.PLURAL, name)
+        body = cluster.get(api_names.PLURAL, name)
         assert condition(body, "Ready").get("status") != "True"
     if cluster.kube.layout is not None:  # the API server's own record (its audit log)
         answers = [
@@ -136,7 +136,7 @@ def test_cluster_wide_the_clusterrole_is_enough(tmp_path: Path, refusals):
             wait_for(lambda: set(children(cluster, "wide")) == wanted, "wide's children")
 
             def observed() -> bool:
-                got = cluster.get(crd.PLURAL, "wide") or {"metadata": {}}
+                got = cluster.get(api_names.PLURAL, "wide") or {"metadata": {}}
                 seen = (got.get("status") or {}).get("observedGeneration")
                 return seen is not None and seen == got["metadata"].get("generation")
 

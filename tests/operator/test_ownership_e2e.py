@@ -19,7 +19,7 @@ import operator_rbac
 import pytest
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, running_operator, wait_for
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.controller import Controller
 
 NAME = "own"
@@ -88,7 +88,7 @@ def test_objects_it_did_not_create_are_left_alone_and_outlive_the_service(cluste
     cluster.apply(cpu_example(NAME))
 
     def conflicted() -> dict[str, Any] | None:
-        body = cluster.get(crd.PLURAL, NAME)
+        body = cluster.get(api_names.PLURAL, NAME)
         degraded = condition(body, "Degraded")
         return body if degraded.get("reason") == "ChildConflict" else None
 
@@ -124,8 +124,8 @@ def test_objects_it_did_not_create_are_left_alone_and_outlive_the_service(cluste
 
     # Deleting the InferenceService leaves them: no owner reference for the garbage collector.
     uid = body["metadata"]["uid"]
-    cluster.run("delete", crd.PLURAL, NAME, "--wait=true")
-    wait_for(lambda: cluster.get(crd.PLURAL, NAME) is None, f"{NAME} deleted", timeout=60)
+    cluster.run("delete", api_names.PLURAL, NAME, "--wait=true")
+    wait_for(lambda: cluster.get(api_names.PLURAL, NAME) is None, f"{NAME} deleted", timeout=60)
     time.sleep(5)  # the garbage collector acts within a second or two on what it owns
     assert snapshot(cluster) == before
     leftovers = [

@@ -21,7 +21,7 @@ from test_e2e import (  # noqa: F401  (fixtures)
     wait_for,
 )
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator.workqueue import Work
 
 QUIET_SECONDS = 4.0
@@ -65,7 +65,7 @@ def test_non_canonical_quantities_settle(cluster, operator):  # noqa: F811
     time.sleep(QUIET_SECONDS)  # a quiet period: nothing may happen in it
     writes = {p: _operator_writes(cluster, p) for p in ("deployments", "horizontalpodautoscalers")}
     assert writes == {"deployments": 0, "horizontalpodautoscalers": 0}
-    body = cluster.get(crd.PLURAL, "quant")
+    body = cluster.get(api_names.PLURAL, "quant")
     assert condition(body, "Ready")["status"] == "True"
     assert not condition(body, "Degraded") or condition(body, "Degraded")["status"] == "False"
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from test_e2e import cluster, condition, cpu_example, operator, ready, wait_for  # noqa: F401
 
-from ketch.operator import crd, objects
+from ketch.operator import api_names
+from ketch.operator.labels import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE
 from watching import Recorder
 
 Obj = dict[str, Any]
@@ -35,13 +36,13 @@ def _claims_complete(body: Obj) -> bool:
 
 def _pods(c, name: str) -> list[Obj]:
     path = f"/api/v1/namespaces/{c.namespace}/pods"
-    selector = {"labelSelector": f"{objects.LABEL_INSTANCE}={name}"}
+    selector = {"labelSelector": f"{LABEL_INSTANCE}={name}"}
     items = c.kube.get(path, params=selector).ok()["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
 def _config_hash(pod: Obj) -> str:
-    return pod["metadata"]["annotations"][objects.ANNOTATION_CONFIG_HASH]
+    return pod["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
 
 
 def test_status_does_not_claim_completion_during_a_slow_rollout(cluster, operator):  # noqa: F811
@@ -52,16 +53,14 @@ def test_status_does_not_claim_completion_during_a_slow_rollout(cluster, operato
     cluster.apply(cpu_example(name))
     wait_for(lambda: ready(cluster, name), f"{name} Ready")
     ns = cluster.namespace
-    isvc = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{ns}/{crd.PLURAL}"
+    isvc = f"/apis/{api_names.GROUP}/{api_names.VERSION}/namespaces/{ns}/{api_names.PLURAL}"
     start = cluster.kube.get(f"/api/v1/namespaces/{ns}/pods").ok()
     since = start["metadata"]["resourceVersion"]
-    before = [
-        p for p in start["items"] if p["metadata"]["labels"].get(objects.LABEL_INSTANCE) == name
-    ]
+    before = [p for p in start["items"] if p["metadata"]["labels"].get(LABEL_INSTANCE) == name]
     old_hash = _config_hash(before[0])
     patch = {"spec": {"engine": {"maxNumSeqs": 8}}}
     with Recorder(cluster.kube, [isvc, f"/api/v1/namespaces/{ns}/pods"], since=since) as record:
-        cluster.run("patch", crd.PLURAL, name, "--type", "merge", "-p", json.dumps(patch))
+        cluster.run("patch", api_names.PLURAL, name, "--type", "merge", "-p", json.dumps(patch))
         seen_rolling = False
         deadline = time.monotonic() + 240
         while True:
@@ -90,7 +89,7 @@ def test_status_does_not_claim_completion_during_a_slow_rollout(cluster, operato
     assert condition(body, "Progressing")["reason"] == "Complete"
     assert body["status"]["replicas"] == "2/2"
     _check_every_status_version(record.sorted(), before, old_hash, name)
-    cluster.run("delete", crd.PLURAL, name)
+    cluster.run("delete", api_names.PLURAL, name)
 
 
 def _check_every_status_version(events: list[Obj], before: list[Obj], old_hash: str, name: str):
@@ -101,7 +100,7 @@ def _check_every_status_version(events: list[Obj], before: list[Obj], old_hash: 
         ev
         for ev in events
         if ev["object"]["metadata"]["name"] == name
-        or (ev["object"]["metadata"].get("labels") or {}).get(objects.LABEL_INSTANCE) == name
+        or (ev["object"]["metadata"].get("labels") or {}).get(LABEL_INSTANCE) == name
     ]
     live = {p["metadata"]["name"]: p for p in before}
     versions = 0
@@ -134,7 +133,7 @@ def test_a_failing_model_fetch_init_container_degrades_naming_it(cluster, operat
     cluster.apply(body)
     isvc = wait_for(
         lambda: (
-            (b := cluster.get(crd.PLURAL, name))
+            (b := cluster.get(api_names.PLURAL, name))
             and condition(b, "Degraded").get("reason") == "ModelFetchFailed"
             and b
         ),
@@ -152,4 +151,4 @@ def test_a_failing_model_fetch_init_container_degrades_naming_it(cluster, operat
     body["spec"]["model"]["uri"] = "tiny"
     cluster.apply(body)
     wait_for(lambda: ready(cluster, name), f"{name} Ready with a model that needs no fetch")
-    cluster.run("delete", crd.PLURAL, name)
+    cluster.run("delete", api_names.PLURAL, name)

@@ -16,7 +16,7 @@ import yaml
 
 from ketch.engine.capabilities import MAX_GPUS, refusals
 from ketch.engine.config import EngineConfig
-from ketch.operator import crd
+from ketch.operator import api_names, crd
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.runnable import quantity_bytes
@@ -30,8 +30,8 @@ PEER_KEY = {"peerKeySecretRef": {"name": "peer-key"}}
 
 def body(spec: dict, name: str = "svc") -> dict:
     return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
+        "apiVersion": api_names.API_VERSION,
+        "kind": api_names.KIND,
         "metadata": {"name": name, "namespace": "default"},
         "spec": copy.deepcopy(spec),
     }

@@ -20,7 +20,7 @@ import yaml
 import procs
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
-from ketch.operator import crd, runnable, spec
+from ketch.operator import api_names, runnable, spec
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.wiring import check_wiring
@@ -28,7 +28,7 @@ from ketch.operator.wiring.pods import read_pods
 from kubecluster import kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = ROOT / "crds" / f"{crd.CRD_NAME}.yaml"
+CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
 PEER_KEY = {"peerKeySecretRef": {"name": "peer-key"}}
 RULE = (
     "engine.tensorParallelSize must equal roles.{role}.resources.gpus when that is above 0 (one "
@@ -45,8 +45,8 @@ landed = pytest.mark.skipif(
 
 def body(spec_: dict) -> dict:
     return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
+        "apiVersion": api_names.API_VERSION,
+        "kind": api_names.KIND,
         "metadata": {"name": "svc", "namespace": "default"},
         "spec": copy.deepcopy(spec_),
     }
@@ -104,18 +104,18 @@ def apiserver(kube) -> Callable[[dict], dict[str, Any]]:
     the server's answer: the object as it would be stored, or the Status of the refusal."""
     for args in (
         ("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE)),
-        ("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd.CRD_NAME}"),
+        ("wait", "--for=condition=Established", "--timeout=60s", f"crd/{api_names.CRD_NAME}"),
     ):
         result = kubectl(kube, *args)
         assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    collection = f"/apis/{crd.API_VERSION}/namespaces/default/{crd.PLURAL}"
+    collection = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     procs.wait_for(  # a new CRD's storage answers 429 "storage is (re)initializing" at first
         lambda: kube.get(collection).status != 429, 30, "the CRD's storage", interval=0.2
     )
 
     def create(obj: dict) -> dict[str, Any]:
         ns = obj["metadata"]["namespace"]
-        path = f"/apis/{crd.API_VERSION}/namespaces/{ns}/{crd.PLURAL}"
+        path = f"/apis/{api_names.API_VERSION}/namespaces/{ns}/{api_names.PLURAL}"
         answer = kube.post(path, obj, params={"dryRun": "All"})
         assert answer.status in (200, 201, 422), answer.body
         return answer.body
@@ -127,7 +127,7 @@ def apiserver(kube) -> Callable[[dict], dict[str, Any]]:
 def test_cel_accepts(case, obj, apiserver):
     assert operator_cel(obj) == []
     created = apiserver(obj)
-    assert created["kind"] == crd.KIND, created
+    assert created["kind"] == api_names.KIND, created
     # both ran the rules on the same object: the operator defaults the spec as the server does
     schema = spec._schema()["properties"]["spec"]
     assert created["spec"] == spec.apply_defaults(schema, obj["spec"])
@@ -147,7 +147,7 @@ def test_cel_refuses_naming_both_fields(case, obj, role, apiserver):
         }
     ]
     assert refused["message"] == (
-        f'{crd.KIND}.{crd.GROUP} "svc" is invalid: spec.engine.tensorParallelSize: '
+        f'{api_names.KIND}.{api_names.GROUP} "svc" is invalid: spec.engine.tensorParallelSize: '
         f"Invalid value: {message}"
     )
     with pytest.raises(spec.InvalidSpec, match="must equal roles"):

@@ -381,11 +381,11 @@ def _docs_precision_example() -> dict:
     section = text[text.index("### Precision on the CPU") :]
     snippet = section[section.index("```yaml\n") + 8 : section.index("```\n", 8)]
     spec = yaml.safe_load(snippet)["spec"]
-    from ketch.operator import crd
+    from ketch.operator import api_names
 
     return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
+        "apiVersion": api_names.API_VERSION,
+        "kind": api_names.KIND,
         "metadata": {"name": "llama-bf16", "namespace": "default"},
         "spec": spec,
     }

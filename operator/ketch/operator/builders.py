@@ -28,11 +28,6 @@ import hashlib
 from ketch.operator import gateway
 from ketch.operator.autoscaling.autoscalers import autoscaler
 from ketch.operator.containers import (
-    CONFIG_DIR,
-    PEER_KEY_VOLUME,
-    PORT_HTTP,
-    PORT_KV_TRANSFER,
-    PORT_PD_COMM,
     PRESTOP_SLEEP,
     cache_manager_container,
     container_security,
@@ -44,20 +39,19 @@ from ketch.operator.containers import (
     needs_model_volume,
     tmp_mount,
 )
-from ketch.operator.objects import (
-    ANNOTATION_CONFIG_HASH,
-    LABEL_INSTANCE,
-    LABEL_MANAGED_BY,
-    MANAGER,
-    Obj,
-    dump_yaml,
-    instance_labels,
-    labels,
-    metadata,
-    selector,
+from ketch.operator.labels import ANNOTATION_CONFIG_HASH, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER
+from ketch.operator.objects import Obj, instance_labels, labels, metadata, selector
+from ketch.operator.pod_layout import API_KEY_PATH, CONFIG_DIR, PEER_KEY_PATH, PEER_KEY_VOLUME
+from ketch.operator.port_names import (
+    EPP_APP_PROTOCOL,
+    EPP_PORT_NAME,
+    PORT_HTTP,
+    PORT_KV_TRANSFER,
+    PORT_PD_COMM,
 )
 from ketch.operator.quantity import canonical
-from ketch.operator.spec import API_KEY_PATH, PEER_KEY_PATH, ServiceSpec
+from ketch.operator.spec import ServiceSpec
+from ketch.operator.yaml_text import dump_yaml
 
 RUN_AS_USER = 1000
 
@@ -232,10 +226,10 @@ def router_deployment(svc: ServiceSpec) -> Obj:
     if gateway.router_picks(svc):  # the gateway's endpoint picker: gRPC ext_proc
         epp = gateway.epp_port(svc)
         args += ["--epp-port", str(epp)]
-        ports.append({"name": gateway.EPP_PORT_NAME, "containerPort": epp, "protocol": "TCP"})
+        ports.append({"name": EPP_PORT_NAME, "containerPort": epp, "protocol": "TCP"})
         # The node agent runs no grpc probes; the picker's port taking connections it can see.
         readiness = {
-            "tcpSocket": {"port": gateway.EPP_PORT_NAME},
+            "tcpSocket": {"port": EPP_PORT_NAME},
             "periodSeconds": 5,
             "failureThreshold": 2,
         }
@@ -287,8 +281,8 @@ def api_service(svc: ServiceSpec, role: str) -> Obj:
     if svc.ports.get("metrics") is not None and role != "router":
         ports.append(_service_port("metrics", svc.ports["metrics"]))
     if role == "router" and gateway.router_picks(svc):
-        epp = _service_port(gateway.EPP_PORT_NAME, gateway.epp_port(svc))
-        ports.append({**epp, "appProtocol": gateway.EPP_APP_PROTOCOL})
+        epp = _service_port(EPP_PORT_NAME, gateway.epp_port(svc))
+        ports.append({**epp, "appProtocol": EPP_APP_PROTOCOL})
     return {
         "apiVersion": "v1",
         "kind": "Service",

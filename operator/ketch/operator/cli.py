@@ -13,9 +13,10 @@ from typing import Any
 import yaml
 
 from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
-from ketch.operator import builders, crd, objects
+from ketch.operator import api_names, builders, crd
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.yaml_text import dump_yaml
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ketch-operator",
         allow_abbrev=False,
         description="The Ketch Kubernetes operator: reconciles InferenceService objects "
-        f"({crd.CRD_NAME}) into engine Deployments, Services and policies.",
+        f"({api_names.CRD_NAME}) into engine Deployments, Services and policies.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -169,7 +170,7 @@ def _priority(value: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "crd":
-        sys.stdout.write(objects.dump_yaml(crd.crd()))
+        sys.stdout.write(dump_yaml(crd.crd()))
         return 0
     if args.command == "adapter-rules":
         sys.stdout.write(metric_table.adapter_values())
@@ -197,10 +198,10 @@ def render_object(
     body: dict[str, Any], *, namespace: str | None = None, owner_uid: str | None = None
 ) -> list[dict[str, Any]]:
     """The children of one InferenceService object, as the operator builds them."""
-    if body.get("apiVersion") != crd.API_VERSION or body.get("kind") != crd.KIND:
+    if body.get("apiVersion") != api_names.API_VERSION or body.get("kind") != api_names.KIND:
         raise ValueError(
             f"not an InferenceService: apiVersion {body.get('apiVersion')!r}, kind "
-            f"{body.get('kind')!r} (want {crd.API_VERSION}, {crd.KIND})"
+            f"{body.get('kind')!r} (want {api_names.API_VERSION}, {api_names.KIND})"
         )
     body = dict(body)
     meta = dict(body.get("metadata") or {})
@@ -274,7 +275,7 @@ def _check_wiring(args: argparse.Namespace) -> int:
 
 
 def render_documents(children: list[dict[str, Any]]) -> str:
-    return "".join("---\n" + objects.dump_yaml(obj) for obj in children)
+    return "".join("---\n" + dump_yaml(obj) for obj in children)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -8,22 +8,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from ketch.operator.crd_engine import FETCH_CREDENTIAL_KEYS
+from ketch.operator.pod_layout import (
+    API_KEY_PATH,
+    CONFIG_DIR,
+    FETCH_CREDENTIAL_KEYS,
+    MODEL_FETCH,
+    MODEL_MOUNT,
+    PEER_KEY_PATH,
+    PEER_KEY_VOLUME,
+)
+from ketch.operator.port_names import (
+    PORT_CM_HTTP,
+    PORT_HTTP,
+    PORT_KV_TRANSFER,
+    PORT_METRICS,
+    PORT_PD_COMM,
+)
 from ketch.operator.quantity import canonical, plus_gi
-from ketch.operator.spec import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH, ServiceSpec
+from ketch.operator.spec import ServiceSpec
 
-CONFIG_DIR = "/etc/ketch"
 # Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
 PRESTOP_SLEEP = 5
-# Container port names (at most 15 characters, DNS-label style): Services and probes use them.
-PORT_HTTP = "http"
-PORT_PD_COMM = "pd-comm"
-PORT_KV_TRANSFER = "kv-transfer"
-PORT_CM_HTTP = "cm-http"
-
-PEER_KEY_VOLUME = "peer-key"
-# The init container that fetches hf:// and s3:// weights; status names it when it fails.
-MODEL_FETCH = "model-fetch"
 
 Obj = dict[str, Any]
 
@@ -86,7 +91,7 @@ def engine_container(svc: ServiceSpec, role: str) -> Obj:
     res = svc.role(role)["resources"]
     container_ports = [_port(PORT_HTTP, ports["http"])]
     if ports.get("metrics") is not None:
-        container_ports.append(_port("metrics", ports["metrics"]))
+        container_ports.append(_port(PORT_METRICS, ports["metrics"]))
     if role != "mixed":
         container_ports.append(_port(PORT_PD_COMM, ports["pdComm"]))
     limits: dict[str, str] = {}

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from ketch.operator import crd, gateway, objects, ownership
+from ketch.operator import api_names, gateway, ownership
 from ketch.operator.apply import ChildApplier
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
@@ -37,6 +37,7 @@ from ketch.operator.drift import DriftRepair, drifted
 from ketch.operator.events import EventRecorder
 from ketch.operator.gateway_watch import PoolWatch
 from ketch.operator.kube import KubeClient
+from ketch.operator.labels import LABEL_INSTANCE
 from ketch.operator.metrics import OperatorMetrics
 from ketch.operator.spec import InvalidSpec, parse
 from ketch.operator.status_patch import StatusWriter
@@ -111,7 +112,7 @@ class Controller:
 
     def on_child_event(self, event_type: str, body: Obj) -> None:
         meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(objects.LABEL_INSTANCE)
+        owner = (meta.get("labels") or {}).get(LABEL_INSTANCE)
         if not owner:
             return
         key = (meta.get("namespace") or "", owner)
@@ -179,7 +180,7 @@ class Controller:
             await asyncio.sleep(self.resync_seconds)
             for key in list(self.cache.tracked):
                 try:
-                    body = await self.client.get(crd.KIND, *key)
+                    body = await self.client.get(api_names.KIND, *key)
                 except Exception as exc:  # next round; a failing API shows in /healthz
                     logger.warning("%s/%s: resync read failed: %s", *key, exc)
                     continue

@@ -6,7 +6,7 @@ generates ``ketch serve``'s flags. A CRD field and the flag it sets therefore sh
 type, default, bounds and description (the table is ``engine_fields.py``, which also walks the
 metadata the other way, turning a spec back into the engine's config file).
 
-This module holds the CRD's names and assembles the object; the schema comes from
+This module assembles the object (its names are ``api_names``'s); the schema comes from
 ``crd_spec`` (the spec, with ``crd_engine`` and ``crd_autoscaling``), ``crd_status`` and the
 building blocks of ``crd_schema``.
 
@@ -17,23 +17,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.operator.api_names import (
+    CRD_NAME,
+    GROUP,
+    KIND,
+    LONGEST_CHILD_SUFFIX,
+    MAX_NAME_LENGTH,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
 from ketch.operator.crd_schema import NAME_MAX_LENGTH, cel_rule
 from ketch.operator.crd_spec import spec_schema
 from ketch.operator.crd_status import status_schema
-
-GROUP = "serving.ketch.dev"
-VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-SINGULAR = "inferenceservice"
-SHORT_NAMES = ["kisvc"]
-API_VERSION = f"{GROUP}/{VERSION}"
-CRD_NAME = f"{PLURAL}.{GROUP}"
-
-# Longest suffix the operator adds to the name: "-prefill-peers" (Service names are DNS-1035
-# labels of at most 63 characters).
-LONGEST_CHILD_SUFFIX = len("-prefill-peers")
-MAX_NAME_LENGTH = 63 - LONGEST_CHILD_SUFFIX
+from ketch.operator.labels import APP, LABEL_NAME, LABEL_PART_OF
 
 
 def crd() -> dict[str, Any]:
@@ -77,7 +75,7 @@ def crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
-            "labels": {"app.kubernetes.io/name": "ketch", "app.kubernetes.io/part-of": "ketch"},
+            "labels": {LABEL_NAME: APP, LABEL_PART_OF: APP},
         },
         "spec": {
             "group": GROUP,

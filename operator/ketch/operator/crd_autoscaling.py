@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.operator.autoscaling import decisions, metric_table
 from ketch.operator.crd_schema import QUANTITY_MAX_LENGTH, boolean, cel_rule, integer, obj, string
 
 POSITIVE_QUANTITY_PATTERN = (
@@ -34,8 +35,6 @@ def _scaling_rules(direction: str, default_window: str) -> dict[str, Any]:
 
 
 def role_autoscaling_schema() -> dict[str, Any]:
-    from ketch.operator.autoscaling import metric_table
-
     metric_types = "; ".join(f"{m.type}: {m.description}" for m in metric_table.METRICS)
     return obj(
         "Scale this role on the engine's metrics. When set, the operator leaves the "
@@ -123,8 +122,6 @@ def role_autoscaling_schema() -> dict[str, Any]:
 
 
 def coordinated_schema() -> dict[str, Any]:
-    from ketch.operator.autoscaling import decisions
-
     ratio_bound = {
         "type": "number",
         "description": "",

@@ -27,23 +27,9 @@ from ketch.operator.crd_schema import (
     string,
 )
 from ketch.operator.engine_fields import config_field_schemas, owned_flags
+from ketch.operator.pod_layout import FETCH_CREDENTIAL_KEYS
 
 DEFAULT_IMAGE = "ghcr.io/ketch-dev/ketch-engine:0.1.0"
-
-# What the model-fetch init container reads, per URI scheme: the keys of
-# model.credentialsSecretRef it gets as environment variables. An endpoint comes from the same
-# Secret as the credentials it receives, so no spec field can send them elsewhere.
-FETCH_CREDENTIAL_KEYS = {
-    "hf": ("HF_TOKEN", "HF_ENDPOINT"),
-    "s3": (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_REGION",
-        "AWS_DEFAULT_REGION",
-        "AWS_ENDPOINT_URL",
-    ),
-}
 
 # Units both Kubernetes (the sidecar's memory limit) and 'ketch cache-manager --swap-space' read
 # alike: a plain number is bytes to one and GiB to the other, 'm' milli to one, mega to the other.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.operator.api_names import ROLE_NAMES
 from ketch.operator.crd_autoscaling import coordinated_schema, role_autoscaling_schema
 from ketch.operator.crd_engine import (
     cache_manager_schema,
@@ -30,7 +31,6 @@ from ketch.operator.crd_schema import (
     string_map,
 )
 
-ROLE_NAMES = ("mixed", "prefill", "decode")
 ROUTER_POLICIES = ("least-requests", "round-robin", "prefix-hash")
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 
-from ketch.operator import crd
+from ketch.operator import api_names
 from ketch.operator import status as status_mod
 from ketch.operator.cache import Obj
 from ketch.operator.kube import ApiError, KubeClient
@@ -34,8 +34,8 @@ class EventRecorder:
             "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
-                "apiVersion": crd.API_VERSION,
-                "kind": crd.KIND,
+                "apiVersion": api_names.API_VERSION,
+                "kind": api_names.KIND,
                 "name": meta["name"],
                 "namespace": meta["namespace"],
                 "uid": meta.get("uid"),

@@ -17,9 +17,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ketch.operator import objects
 from ketch.operator.cache import Obj
 from ketch.operator.kube import ApiError, KubeClient, resource_path
+from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
 
 logger = logging.getLogger("ketch.operator")
 
@@ -67,7 +67,7 @@ class PoolWatch:
 
     async def _run(self, namespace: str) -> None:
         seen: dict[str, Obj] = {}
-        selector = f"{objects.LABEL_MANAGED_BY}={objects.MANAGER}"
+        selector = f"{LABEL_MANAGED_BY}={MANAGER}"
         while True:
             try:
                 listing = await self.client.request(

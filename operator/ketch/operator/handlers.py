@@ -17,9 +17,10 @@ from typing import Any
 
 import kopf
 
-from ketch.operator import crd, objects
+from ketch.operator import api_names
 from ketch.operator.controller import Controller
 from ketch.operator.kube import KubeClient
+from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
 from ketch.operator.metrics import OperatorMetrics, start_http
 
 logger = logging.getLogger("ketch.operator")
@@ -127,12 +128,14 @@ def make_registry(
         if http is not None:
             await http.cleanup()
 
-    @kopf.on.event(group=crd.GROUP, version=crd.VERSION, plural=crd.PLURAL, registry=registry)
+    @kopf.on.event(
+        group=api_names.GROUP, version=api_names.VERSION, plural=api_names.PLURAL, registry=registry
+    )
     async def service_event(event: dict[str, Any], **_: Any) -> None:
         controller = await _controller(state)
         controller.on_service_event(event.get("type") or "MODIFIED", event["object"])
 
-    managed = {objects.LABEL_MANAGED_BY: objects.MANAGER}
+    managed = {LABEL_MANAGED_BY: MANAGER}
     for api_version, plural in CHILD_RESOURCES:
         group, _, version = api_version.rpartition("/")
 

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ketch.operator import crd
+from ketch.operator import api_names
 
 FIELD_MANAGER = "ketch-operator"
 AUTOSCALER_FIELD_MANAGER = "ketch-autoscaler"  # the coordinated autoscaler's replica changes
@@ -38,7 +38,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
-    crd.KIND: (crd.API_VERSION, crd.PLURAL),
+    api_names.KIND: (api_names.API_VERSION, api_names.PLURAL),
 }
 
 

@@ -1,34 +1,24 @@
-"""What every child object of an InferenceService shares: labels, selectors, owner metadata,
-and the YAML they are written as (config files and ``ketch-operator render``)."""
+"""What every child object of an InferenceService shares: labels, selectors and owner metadata
+(the label keys are ``labels``'s, the owner's API names ``api_names``'s)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
-from ketch.operator import crd
+from ketch.operator import api_names
+from ketch.operator.labels import (
+    APP,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    LABEL_ROLE,
+    MANAGER,
+)
 from ketch.operator.spec import ServiceSpec
 
-MANAGER = "ketch-operator"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ROLE = "serving.ketch.dev/role"
-ANNOTATION_CONFIG_HASH = "serving.ketch.dev/config-hash"
-
 Obj = dict[str, Any]
-
-
-class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # libyaml's emitter when present
-    """Plain YAML: no anchors/aliases even where builders share a sub-object."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def dump_yaml(value: Any) -> str:
-    return yaml.dump(value, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
 def component(role: str) -> str:
@@ -39,7 +29,7 @@ def labels(svc: ServiceSpec, role: str) -> dict[str, str]:
     out = selector(svc, role)
     out.update(
         {
-            "app.kubernetes.io/part-of": "ketch",
+            LABEL_PART_OF: APP,
             LABEL_MANAGED_BY: MANAGER,
             LABEL_ROLE: role,
         }
@@ -50,7 +40,7 @@ def labels(svc: ServiceSpec, role: str) -> dict[str, str]:
 def selector(svc: ServiceSpec, role: str) -> dict[str, str]:
     """Labels that pick one role's pods; never changes for a given InferenceService and role."""
     return {
-        "app.kubernetes.io/name": "ketch",
+        LABEL_NAME: APP,
         LABEL_INSTANCE: svc.name,
         LABEL_COMPONENT: component(role),
     }
@@ -58,9 +48,9 @@ def selector(svc: ServiceSpec, role: str) -> dict[str, str]:
 
 def instance_labels(svc: ServiceSpec) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "ketch",
+        LABEL_NAME: APP,
         LABEL_INSTANCE: svc.name,
-        "app.kubernetes.io/part-of": "ketch",
+        LABEL_PART_OF: APP,
         LABEL_MANAGED_BY: MANAGER,
     }
 
@@ -72,8 +62,8 @@ def metadata(svc: ServiceSpec, name: str, lbls: dict[str, str]) -> Obj:
         "labels": lbls,
         "ownerReferences": [
             {
-                "apiVersion": crd.API_VERSION,
-                "kind": crd.KIND,
+                "apiVersion": api_names.API_VERSION,
+                "kind": api_names.KIND,
                 "name": svc.name,
                 "uid": svc.uid,
                 "controller": True,

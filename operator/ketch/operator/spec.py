@@ -19,6 +19,8 @@ from typing import Any
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
 from ketch.operator import crd, crd_spec, engine_fields, runnable
+from ketch.operator.api_names import ROLE_NAMES
+from ketch.operator.pod_layout import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH
 
 
 class InvalidSpec(ValueError):
@@ -130,7 +132,7 @@ class ServiceSpec:
 
     @property
     def roles(self) -> list[str]:
-        return [r for r in crd_spec.ROLE_NAMES if r in self.spec["roles"]]
+        return [r for r in ROLE_NAMES if r in self.spec["roles"]]
 
     @property
     def disaggregated(self) -> bool:
@@ -171,11 +173,6 @@ class ServiceSpec:
         if role != "mixed" and "peerKeySecretRef" in self.spec.get("auth", {}):
             values["peer_key_file"] = PEER_KEY_PATH  # read by the engine and its cache manager
         return dict(sorted(values.items()))
-
-
-MODEL_MOUNT = "/models"
-API_KEY_PATH = "/var/run/secrets/ketch/api-key"
-PEER_KEY_PATH = "/var/run/secrets/ketch-peer/peer-key"
 
 
 def model_path(uri: str) -> str:

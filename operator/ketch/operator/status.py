@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from ketch.operator.containers import MODEL_FETCH
+from ketch.operator.pod_layout import MODEL_FETCH
 
 Obj = dict[str, Any]
 

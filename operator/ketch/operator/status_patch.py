@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ketch.operator import builders, crd, gateway, ownership
+from ketch.operator import api_names, builders, gateway, ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
 from ketch.operator.cache import Cache, Key, Obj, Tracked
@@ -130,7 +130,7 @@ class StatusWriter:
             return
         if self._held(key, tracked, old, new):
             return
-        await self.client.patch_status(crd.KIND, key[0], key[1], merge_patch(old, new))
+        await self.client.patch_status(api_names.KIND, key[0], key[1], merge_patch(old, new))
         tracked.written_status = new
         tracked.held_since = None
         await self._announce(tracked, old, new)

@@ -19,12 +19,13 @@ from typing import Any
 
 import aiohttp
 
-from ketch.operator import objects, ownership
+from ketch.operator import ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling import decisions, scrape
 from ketch.operator.autoscaling.settings import CoordinatedSettings
 from ketch.operator.cache import Cache, Key, Obj, Tracked
 from ketch.operator.kube import ApiError, KubeClient
+from ketch.operator.labels import LABEL_ROLE
 
 logger = logging.getLogger("ketch.operator")
 
@@ -161,7 +162,7 @@ class CoordinatedAutoscaling:
             role_pods = [
                 p
                 for p in pods
-                if ((p.get("metadata") or {}).get("labels") or {}).get(objects.LABEL_ROLE) == role
+                if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE) == role
             ]
             got = await scrape.scrape_role(
                 run.session,

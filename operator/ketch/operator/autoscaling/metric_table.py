@@ -26,6 +26,7 @@ from typing import Any
 
 from ketch.engine.metrics import PREFIX
 from ketch.operator.quantity import canonical
+from ketch.operator.yaml_text import dump_yaml
 
 MODES = ("hpa", "keda", "ketch")  # ketch: the operator scales the roles itself (loop.py)
 DEFAULT_MODE = "hpa"
@@ -205,6 +206,4 @@ ADAPTER_HEADER = """\
 
 
 def adapter_values() -> str:
-    from ketch.operator.builders import dump_yaml
-
     return ADAPTER_HEADER + dump_yaml({"rules": {"custom": adapter_rules()}})
