@@ -111,7 +111,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kwok import NODE_SELECTOR, TOLERATIONS, Kwok, start_kwok  # noqa: E402
 from operator_floor import floor_burst, prerender  # noqa: E402
 
-from ketch.operator import api_names, crd  # noqa: E402
+from ketch.operator import api_names  # noqa: E402
+from ketch.operator.crd.document import crd_document  # noqa: E402
 from ketch.operator.handlers import make_registry  # noqa: E402
 from ketch.operator.kube import ssl_context  # noqa: E402
 from ketch.operator.labels import LABEL_INSTANCE  # noqa: E402
@@ -340,7 +341,7 @@ def collect_ready(watcher: Any, results: Any) -> dict[str, float]:
 def run_ketch(count: int) -> dict[str, Any]:
     namespace = "bench-ketch"
     bodies = isvc_bodies(namespace, count)
-    asyncio.run(setup(namespace, [crd.crd()], bodies[0]))
+    asyncio.run(setup(namespace, [crd_document()], bodies[0]))
     registry = make_registry(resync_seconds=0)
     with KopfRunner(
         ["run", "--quiet", "--standalone", "--namespace", namespace], registry=registry
@@ -360,7 +361,7 @@ def run_floor(count: int) -> dict[str, Any]:
     """The same requests as the operator's, pre-rendered (``operator_floor``)."""
     namespace = "bench-floor"
     bodies = isvc_bodies(namespace, count)
-    asyncio.run(setup(namespace, [crd.crd()], bodies[0]))
+    asyncio.run(setup(namespace, [crd_document()], bodies[0]))
     rendered = prerender(bodies)
     watcher, results = start_ready_watcher(namespace, count)
     time.sleep(1.0)

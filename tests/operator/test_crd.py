@@ -23,8 +23,10 @@ import procs
 from ketch.engine.cli_args import flag_name
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import api_names, crd, engine_fields
+from ketch.operator import api_names
 from ketch.operator.cli import main as operator_main
+from ketch.operator.crd import engine_fields
+from ketch.operator.crd.document import crd_document
 from kubecluster import kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +35,7 @@ CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 def _schema() -> dict:
-    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 def _walk(schema: dict, path: str = ""):
@@ -112,7 +114,7 @@ def test_every_field_is_described():
 
 
 def test_structure_names_and_printer_columns():
-    obj = crd.crd()
+    obj = crd_document()
     assert obj["metadata"]["name"] == "inferenceservices.serving.ketch.dev"
     names = obj["spec"]["names"]
     assert (names["kind"], names["plural"], names["shortNames"]) == (
@@ -225,7 +227,7 @@ def test_every_string_list_and_map_of_the_spec_is_bounded():
 def _with_the_old_extra_args_rule(tag: str, *, max_length: bool) -> dict:
     """The CRD with extraArgs' rule as it was, a regex of every owned flag; its strings keep
     their maxLength or lose it."""
-    definition = _renamed(crd.crd(), tag)
+    definition = _renamed(crd_document(), tag)
     schema = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     extra = schema["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]
     if not max_length:
@@ -374,7 +376,7 @@ def test_kubectl_get_shows_the_printer_columns(installed, namespace):
     assert header.split() == ["NAME", "READY", "MODE", "REPLICAS", "URL", "AGE"]
     assert row.split()[:5] == ["cols", "False", "mixed", "1/2", status["url"]]
     columns = [
-        c["name"].upper() for c in crd.crd()["spec"]["versions"][0]["additionalPrinterColumns"]
+        c["name"].upper() for c in crd_document()["spec"]["versions"][0]["additionalPrinterColumns"]
     ]
     assert header.split() == ["NAME", *columns]
     # its categories: `kubectl get ketch` and `kubectl get all` list it
@@ -545,7 +547,7 @@ def test_the_api_server_takes_a_speculative_config_and_refuses_unknown_keys(inst
 @pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
 def test_crd_passes_kubernetes_schema(version, tmp_path):
     path = tmp_path / "crd.yaml"
-    path.write_text(yaml.safe_dump(crd.crd()))
+    path.write_text(yaml.safe_dump(crd_document()))
     exe = shutil.which("kubernetes-validate") or str(ROOT / ".venv/bin/kubernetes-validate")
     result = subprocess.run(
         [exe, "--strict", "-k", version, str(path)], capture_output=True, text=True

@@ -27,9 +27,10 @@ import yaml
 from test_builders import INVALID, invalid_body
 
 import procs
-from ketch.operator import api_names, crd_engine
+from ketch.operator import api_names
 from ketch.operator.cli import render_documents, render_object
 from ketch.operator.controller import Controller
+from ketch.operator.crd.engine import DEFAULT_IMAGE
 from ketch.operator.handlers import make_registry
 from ketch.operator.labels import ANNOTATION_CONFIG_HASH, MANAGER
 from ketch.operator.workqueue import Work
@@ -379,7 +380,7 @@ def test_children_edited_or_deleted_by_hand_are_put_back(cluster, operator):
             cluster.get("deployments", "gamma-mixed")["spec"]["template"]["spec"]["containers"][0][
                 "image"
             ]
-            == crd_engine.DEFAULT_IMAGE
+            == DEFAULT_IMAGE
         ),
         "the edited image to be put back",
     )

@@ -18,15 +18,16 @@ import yaml
 from test_builders import ROOT, example
 
 from ketch.engine.cli import build_parser as ketch_parser
-from ketch.operator import crd, engine_fields
 from ketch.operator.cli import build_parser as operator_parser
 from ketch.operator.cli import render_object
+from ketch.operator.crd import engine_fields
+from ketch.operator.crd.document import crd_document
 from ketch.operator.spec import InvalidSpec, extra_args_problems, parse
 from ketch.operator.wiring import check_wiring
 
 
 def _extra_args_schema() -> dict:
-    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     return spec["properties"]["engine"]["properties"]["extraArgs"]
 
 

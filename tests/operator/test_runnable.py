@@ -16,9 +16,10 @@ import yaml
 
 from ketch.engine.capabilities import MAX_GPUS, refusals
 from ketch.engine.config import EngineConfig
-from ketch.operator import api_names, crd
+from ketch.operator import api_names
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
+from ketch.operator.crd.document import crd_document
 from ketch.operator.runnable import quantity_bytes
 from ketch.operator.spec import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
@@ -79,7 +80,9 @@ def test_the_crds_defaults_run(spec):
 
 
 def test_crd_describes_what_runs_and_what_has_not():
-    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    schema = crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"
+    ]
     resources = schema["properties"]["roles"]["properties"]["mixed"]["properties"]["resources"]
     gpus = resources["properties"]["gpus"]
     assert gpus["default"] == 0

@@ -15,8 +15,11 @@ from test_builders import example, invalid_body
 from test_wiring_engine import serve_configs
 
 from ketch.engine.spec_decode.config import METHODS, SpeculativeConfig
-from ketch.operator import crd, crd_engine, engine_fields, runnable
+from ketch.operator import runnable
 from ketch.operator.cli import render_object
+from ketch.operator.crd import engine_fields
+from ketch.operator.crd.document import crd_document
+from ketch.operator.crd.engine import DRAFT_MODEL_PATTERN
 from ketch.operator.spec import InvalidSpec, _evaluate_rule, apply_defaults, parse
 from ketch.operator.wiring import check_wiring
 
@@ -24,7 +27,7 @@ NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
 
 
 def _schema() -> dict:
-    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     return spec["properties"]["engine"]["properties"]["speculativeConfig"]
 
 
@@ -68,7 +71,7 @@ def test_the_object_is_generated_from_the_dataclass():
         "minimum": 1,
         "maximum": 16,
     }
-    assert schema["properties"]["model"]["pattern"] == crd_engine.DRAFT_MODEL_PATTERN
+    assert schema["properties"]["model"]["pattern"] == DRAFT_MODEL_PATTERN
 
 
 def test_it_is_an_engine_field_whose_flag_names_it():

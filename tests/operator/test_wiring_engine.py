@@ -194,9 +194,11 @@ def test_auto_follows_the_checkpoint_so_an_unknown_one_is_checked_both_ways(tmp_
 def test_both_roles_take_the_one_spec_engine():
     """Roles cannot override engine settings: the CRD's roles have no engine field, and both
     roles' rendered engines resolve the same dtype, KV dtype and quantization."""
-    from ketch.operator import crd
+    from ketch.operator.crd.document import crd_document
 
-    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    schema = crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"
+    ]
     for role in ("mixed", "prefill", "decode"):
         assert "engine" not in schema["properties"]["roles"]["properties"][role]["properties"]
     doc = yaml.safe_load((EXAMPLES / "disaggregated.yaml").read_text())

@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 
 from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
-from ketch.operator import api_names, builders, crd
+from ketch.operator import api_names, builders
 from ketch.operator.autoscaling import metric_table
+from ketch.operator.crd.document import crd_document
 from ketch.operator.spec import InvalidSpec, parse
 from ketch.operator.yaml_text import dump_yaml
 
@@ -170,7 +171,7 @@ def _priority(value: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "crd":
-        sys.stdout.write(dump_yaml(crd.crd()))
+        sys.stdout.write(dump_yaml(crd_document()))
         return 0
     if args.command == "adapter-rules":
         sys.stdout.write(metric_table.adapter_values())

@@ -29,7 +29,7 @@ from ketch.engine.cpu_sizing import cpu_memory
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import TINY_MODEL_DIR
 from ketch.kernels.collective import ShmGroup
-from ketch.operator import engine_fields
+from ketch.operator.crd import engine_fields
 from ketch.operator.quantity import QuantityError, parse
 
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti)?")

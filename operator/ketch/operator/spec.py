@@ -18,8 +18,11 @@ from typing import Any
 
 from ketch.engine.config import EngineConfig
 from ketch.engine.serving.config import ServerConfig
-from ketch.operator import crd, crd_spec, engine_fields, runnable
+from ketch.operator import runnable
 from ketch.operator.api_names import ROLE_NAMES
+from ketch.operator.crd import engine_fields
+from ketch.operator.crd.document import crd_document
+from ketch.operator.crd.spec import PEER_KEY_REQUIRED
 from ketch.operator.pod_layout import API_KEY_PATH, MODEL_MOUNT, PEER_KEY_PATH
 
 
@@ -52,7 +55,7 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 
 @functools.cache
 def _schema() -> dict[str, Any]:
-    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return crd_document()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 @functools.cache
@@ -288,7 +291,7 @@ def parse(body: dict[str, Any], *, cel: bool = True) -> ServiceSpec:
     # without a peer key would take pd-comm and KV transfers from anyone who reaches it.
     disaggregated = any(r in spec["roles"] for r in ("prefill", "decode"))
     if disaggregated and "peerKeySecretRef" not in spec.get("auth", {}):
-        problem = f"spec.auth: {crd_spec.PEER_KEY_REQUIRED}"
+        problem = f"spec.auth: {PEER_KEY_REQUIRED}"
         if problem not in problems:
             problems.append(problem)
     if problems:

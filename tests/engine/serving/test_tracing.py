@@ -20,7 +20,7 @@ from serve_harness import running_server
 from ketch.engine.router.config import RouterConfig
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.tracing import check_endpoint, exporter_protocol, service_name
-from ketch.operator.engine_fields import OTLP_ENDPOINT_PATTERN
+from ketch.operator.crd.engine_fields import OTLP_ENDPOINT_PATTERN
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # the batch processor's delay, ms

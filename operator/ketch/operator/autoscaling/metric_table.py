@@ -4,7 +4,7 @@
 engine ``/metrics`` -> Prometheus -> prometheus-adapter (custom metrics API) -> HPA, and
 engine ``/metrics`` -> Prometheus -> KEDA. From it come:
 
-- the CRD's ``autoscaling.metrics[].type`` enum (``crd_autoscaling``);
+- the CRD's ``autoscaling.metrics[].type`` enum (``crd.autoscaling``);
 - the HorizontalPodAutoscaler's ``Pods`` metric names and the ScaledObject's PromQL queries
   (``autoscalers.hpa`` / ``autoscalers.scaled_object``);
 - the prometheus-adapter rules that expose the engine metrics under those names

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ketch.operator.crd_schema import integer, obj, string
+from ketch.operator.crd.schema import integer, obj, string
 
 FAILURE_MODES = ("FailOpen", "FailClose")
 DEFAULT_EPP_PORT = 9002
@@ -140,7 +140,7 @@ def gateway_schema() -> dict[str, Any]:
     )
 
 
-# The rule on spec (it reads spec.ports): see crd_spec.spec_schema.
+# The rule on spec (it reads spec.ports): see crd.spec.spec_schema.
 EPP_PORT_RULE = (
     "!has(self.gateway) || self.gateway.inferencePool.eppPort != self.ports.http",
     EPP_PORT_CLASHES,

@@ -1,14 +1,6 @@
-"""The InferenceService CRD, generated from Python: one definition for the schema and the flags.
-
-The ``spec.engine``, ``spec.ports`` and ``spec.model.name`` fields are not written here: they are
-generated from ``EngineConfig`` and ``ServerConfig`` (``ketch.engine``), whose field metadata also
-generates ``ketch serve``'s flags. A CRD field and the flag it sets therefore share their name,
-type, default, bounds and description (the table is ``engine_fields.py``, which also walks the
-metadata the other way, turning a spec back into the engine's config file).
-
-This module assembles the object (its names are ``api_names``'s); the schema comes from
-``crd_spec`` (the spec, with ``crd_engine`` and ``crd_autoscaling``), ``crd_status`` and the
-building blocks of ``crd_schema``.
+"""The whole InferenceService CustomResourceDefinition document (``ketch-operator crd``): its
+names (``api_names``), printer columns and root rules around the ``spec`` (``crd.spec``) and
+``status`` (``crd.status``) schemas.
 
 ``crds/`` holds the output of ``ketch-operator crd``; a test fails when it is stale.
 """
@@ -28,13 +20,13 @@ from ketch.operator.api_names import (
     SINGULAR,
     VERSION,
 )
-from ketch.operator.crd_schema import NAME_MAX_LENGTH, cel_rule
-from ketch.operator.crd_spec import spec_schema
-from ketch.operator.crd_status import status_schema
+from ketch.operator.crd.schema import NAME_MAX_LENGTH, cel_rule
+from ketch.operator.crd.spec import spec_schema
+from ketch.operator.crd.status import status_schema
 from ketch.operator.labels import APP, LABEL_NAME, LABEL_PART_OF
 
 
-def crd() -> dict[str, Any]:
+def crd_document() -> dict[str, Any]:
     """The CustomResourceDefinition object, as applied to a cluster."""
     root = {
         "type": "object",

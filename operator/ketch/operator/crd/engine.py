@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
-from ketch.operator.crd_schema import (
+from ketch.operator.crd.engine_fields import config_field_schemas, owned_flags
+from ketch.operator.crd.schema import (
     ENV_VALUE_MAX_LENGTH,
     MAX_ENV,
     NAME_MAX_LENGTH,
@@ -26,7 +27,6 @@ from ketch.operator.crd_schema import (
     obj,
     string,
 )
-from ketch.operator.engine_fields import config_field_schemas, owned_flags
 from ketch.operator.pod_layout import FETCH_CREDENTIAL_KEYS
 
 DEFAULT_IMAGE = "ghcr.io/ketch-dev/ketch-engine:0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ketch.operator.crd_schema import boolean, integer, obj, string
+from ketch.operator.crd.schema import boolean, integer, obj, string
 
 
 def status_schema() -> dict[str, Any]:

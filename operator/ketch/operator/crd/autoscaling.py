@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.operator.autoscaling import decisions, metric_table
-from ketch.operator.crd_schema import QUANTITY_MAX_LENGTH, boolean, cel_rule, integer, obj, string
+from ketch.operator.crd.schema import QUANTITY_MAX_LENGTH, boolean, cel_rule, integer, obj, string
 
 POSITIVE_QUANTITY_PATTERN = (
     r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"

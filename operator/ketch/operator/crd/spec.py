@@ -1,9 +1,9 @@
 """The ``spec`` of the InferenceService CRD: the roles and their pods, the router, access
-control, the gateway (``crd_gateway``), and the rules that tie the parts together (either
+control, the gateway (``crd.gateway``), and the rules that tie the parts together (either
 ``mixed`` or ``prefill`` and ``decode``; what disaggregated serving needs; one GPU per
 tensor-parallel rank).
 
-The parts that run in an engine pod are in ``crd_engine``, autoscaling in ``crd_autoscaling``.
+The parts that run in an engine pod are in ``crd.engine``, autoscaling in ``crd.autoscaling``.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.operator.api_names import ROLE_NAMES
-from ketch.operator.crd_autoscaling import coordinated_schema, role_autoscaling_schema
-from ketch.operator.crd_engine import (
+from ketch.operator.crd.autoscaling import coordinated_schema, role_autoscaling_schema
+from ketch.operator.crd.engine import (
     cache_manager_schema,
     engine_schema,
     model_schema,
     ports_schema,
 )
-from ketch.operator.crd_gateway import EPP_PORT_RULE, gateway_schema
-from ketch.operator.crd_schema import (
+from ketch.operator.crd.gateway import EPP_PORT_RULE, gateway_schema
+from ketch.operator.crd.schema import (
     MAX_TOLERATIONS,
     NAME_MAX_LENGTH,
     QUANTITY_MAX_LENGTH,
