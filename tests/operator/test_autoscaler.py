@@ -162,7 +162,7 @@ def test_status_writes_carry_new_decisions():
     from ketch.operator.autoscaling.loop import Autoscale
     from ketch.operator.cache import Tracked
     from ketch.operator.controller import Controller
-    from ketch.operator.spec import parse
+    from ketch.operator.spec.parse import parse
 
     class Client:
         def __init__(self):

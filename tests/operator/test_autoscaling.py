@@ -20,7 +20,7 @@ from test_builders import UID, _validator, children
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.parse import InvalidSpec, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTER_FILE = ROOT / "manifests" / "metrics" / "prometheus-adapter-values.yaml"

@@ -18,7 +18,7 @@ from ketch.operator import api_names, pod_layout
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.labels import ANNOTATION_CONFIG_HASH
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.parse import InvalidSpec, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

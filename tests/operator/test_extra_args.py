@@ -22,7 +22,8 @@ from ketch.operator.cli import build_parser as operator_parser
 from ketch.operator.cli import render_object
 from ketch.operator.crd import engine_fields
 from ketch.operator.crd.document import crd_document
-from ketch.operator.spec import InvalidSpec, extra_args_problems, parse
+from ketch.operator.spec.checks import extra_args_problems
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
 
 

@@ -12,7 +12,7 @@ from test_builders import ROOT, UID, children, example, invalid_body
 
 from ketch.operator import api_names, gateway
 from ketch.operator.cli import render_object
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.parse import InvalidSpec, parse
 
 GATEWAY = {"gatewayRef": {"name": "inference-gateway"}, "hostnames": ["llm.example.com"]}
 

@@ -14,7 +14,7 @@ from ketch.operator.cache import Cache, Tracked
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import FIELD_MANAGER, HANDOFF_FIELD_MANAGER, ApiError
 from ketch.operator.metrics import OperatorMetrics
-from ketch.operator.spec import parse
+from ketch.operator.spec.parse import parse
 
 
 def managed(manager: str, operation: str = "Apply", subresource: str = "") -> dict[str, Any]:

@@ -22,7 +22,7 @@ from ketch.operator.cache import Tracked
 from ketch.operator.controller import Controller
 from ketch.operator.kube import FIELD_MANAGER
 from ketch.operator.ownership import ChildConflict
-from ketch.operator.spec import parse
+from ketch.operator.spec.parse import parse
 from ketch.operator.workqueue import Work, error_reason
 
 KEY = ("n", "s")

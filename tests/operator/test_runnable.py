@@ -21,7 +21,8 @@ from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
 from ketch.operator.crd.document import crd_document
 from ketch.operator.runnable import quantity_bytes
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.engine_config import role_settings
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +200,7 @@ def test_cpu_roles_run_bfloat16_and_int8(engine):
     linear layers: accepted, rendered into the role file, and the rendered pods check clean."""
     obj = mixed(engine, {"cpu": "2", "memory": "2Gi"})
     svc = parse(obj)
-    settings = svc.engine_settings("mixed")
+    settings = role_settings(svc, "mixed")
     for field, key in (("dtype", "dtype"), ("kvCacheDtype", "kv_cache_dtype"),
                        ("quantization", "quantization")):  # fmt: skip
         assert settings[key] == engine.get(field, svc.spec["engine"][field])

@@ -20,7 +20,9 @@ from ketch.operator.cli import render_object
 from ketch.operator.crd import engine_fields
 from ketch.operator.crd.document import crd_document
 from ketch.operator.crd.engine import DRAFT_MODEL_PATTERN
-from ketch.operator.spec import InvalidSpec, _evaluate_rule, apply_defaults, parse
+from ketch.operator.spec.admission import evaluate_rule
+from ketch.operator.spec.defaults import apply_defaults
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
 
 NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
@@ -103,7 +105,7 @@ def _id(value: dict) -> str:
 def test_the_cel_rules_agree_with_the_engine(value):
     schema = _schema()
     defaulted = apply_defaults(schema, value)
-    cel_ok = all(_evaluate_rule(r["rule"], defaulted) for r in schema["x-kubernetes-validations"])
+    cel_ok = all(evaluate_rule(r["rule"], defaulted) for r in schema["x-kubernetes-validations"])
     try:
         _engine_config(defaulted)
         engine_ok = True

@@ -3,8 +3,9 @@
 The CRD's CEL rules (a GPU role holds one GPU per rank; a CPU role's ranks are worker processes),
 what a CPU role's engine container is given (the size in its role file, the threads of each rank
 from ``resources.cpu``), and what ``check-wiring`` says about a size the engine cannot run. The
-CEL rules are evaluated twice: by the operator's own interpreter (``spec``) and by the session's
-real kube-apiserver (tests/kubecluster.py), with server-side dry-run creates of the objects.
+CEL rules are evaluated twice: by the operator's own interpreter (``spec.admission``) and by the
+session's real kube-apiserver (tests/kubecluster.py), with server-side dry-run creates of the
+objects.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import yaml
 import procs
 from ketch.engine.capabilities import refusals
 from ketch.engine.config import EngineConfig
-from ketch.operator import api_names, runnable, spec
+from ketch.operator import api_names, runnable
 from ketch.operator.cli import main as operator_main
 from ketch.operator.cli import render_object
+from ketch.operator.spec import admission
+from ketch.operator.spec.defaults import apply_defaults
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
 from ketch.operator.wiring.pods import read_pods
 from kubecluster import kubectl
@@ -93,8 +97,8 @@ REFUSED = [
 
 
 def operator_cel(obj: dict) -> list[str]:
-    schema = spec._schema()["properties"]["spec"]
-    return spec._cel_problems(schema, spec.apply_defaults(schema, obj["spec"]), "spec")
+    schema = admission.openapi_schema()["properties"]["spec"]
+    return admission.cel_problems(schema, apply_defaults(schema, obj["spec"]), "spec")
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +133,8 @@ def test_cel_accepts(case, obj, apiserver):
     created = apiserver(obj)
     assert created["kind"] == api_names.KIND, created
     # both ran the rules on the same object: the operator defaults the spec as the server does
-    schema = spec._schema()["properties"]["spec"]
-    assert created["spec"] == spec.apply_defaults(schema, obj["spec"])
+    schema = admission.openapi_schema()["properties"]["spec"]
+    assert created["spec"] == apply_defaults(schema, obj["spec"])
 
 
 @pytest.mark.parametrize(("case", "obj", "role"), REFUSED, ids=[c[0] for c in REFUSED])
@@ -150,14 +154,14 @@ def test_cel_refuses_naming_both_fields(case, obj, role, apiserver):
         f'{api_names.KIND}.{api_names.GROUP} "svc" is invalid: spec.engine.tensorParallelSize: '
         f"Invalid value: {message}"
     )
-    with pytest.raises(spec.InvalidSpec, match="must equal roles"):
-        spec.parse(obj)
+    with pytest.raises(InvalidSpec, match="must equal roles"):
+        parse(obj)
 
 
 def test_an_older_crd_without_the_rule_still_gets_the_operators_refusal():
     """The reconciler skips CEL (the API server ran it): the same rule is in ``runnable``."""
-    with pytest.raises(spec.InvalidSpec) as info:
-        spec.parse(mixed({"tensorParallelSize": 1}, {"gpus": 2}), cel=False)
+    with pytest.raises(InvalidSpec) as info:
+        parse(mixed({"tensorParallelSize": 1}, {"gpus": 2}), cel=False)
     assert (
         "spec.engine.tensorParallelSize: 1: must equal spec.roles.mixed.resources.gpus (2) when "
         "that is above 0: one GPU per tensor-parallel rank"
@@ -243,15 +247,15 @@ def test_no_cpus_no_threads_and_gpu_roles_leave_threads_alone(engine_runs_tp):
 
 
 def test_fewer_cpus_than_ranks_is_refused(engine_runs_tp):
-    with pytest.raises(spec.InvalidSpec) as info:
-        spec.parse(mixed({"tensorParallelSize": 4}, {"cpu": "3"}))
+    with pytest.raises(InvalidSpec) as info:
+        parse(mixed({"tensorParallelSize": 4}, {"cpu": "3"}))
     assert info.value.problems == [
         "spec.roles.mixed.resources.cpu: 3: 4 tensor-parallel ranks "
         "(spec.engine.tensorParallelSize) need at least 4 CPUs, one per worker process: the "
         "ranks meet in an all_reduce in every layer, so one waiting for CPU time stalls them all"
     ]
-    spec.parse(mixed({"tensorParallelSize": 4}, {"cpu": "4"}))
-    spec.parse(mixed({"tensorParallelSize": 1}, {"cpu": "500m"}))  # one process may share a core
+    parse(mixed({"tensorParallelSize": 4}, {"cpu": "4"}))
+    parse(mixed({"tensorParallelSize": 1}, {"cpu": "500m"}))  # one process may share a core
 
 
 # --------------------------------------------------------------------------- check-wiring

@@ -50,7 +50,8 @@ from ketch.operator.port_names import (
     PORT_PD_COMM,
 )
 from ketch.operator.quantity import canonical
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.engine_config import role_settings
+from ketch.operator.spec.model import ServiceSpec
 from ketch.operator.yaml_text import dump_yaml
 
 RUN_AS_USER = 1000
@@ -60,7 +61,7 @@ RUN_AS_USER = 1000
 
 
 def role_config(svc: ServiceSpec, role: str) -> str:
-    return dump_yaml(svc.engine_settings(role))
+    return dump_yaml(role_settings(svc, role))
 
 
 def has_router(svc: ServiceSpec) -> bool:

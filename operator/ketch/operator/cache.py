@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 Key = tuple[str, str]  # (namespace, name) of an InferenceService
 ChildKey = tuple[str, str]  # (kind, name) of one of its children

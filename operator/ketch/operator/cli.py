@@ -16,7 +16,7 @@ from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
 from ketch.operator import api_names, builders
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.crd.document import crd_document
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.yaml_text import dump_yaml
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"

@@ -25,7 +25,7 @@ from ketch.operator.port_names import (
     PORT_PD_COMM,
 )
 from ketch.operator.quantity import canonical, plus_gi
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 # Seconds the preStop hook waits before SIGTERM, so endpoints stop sending new requests first.
 PRESTOP_SLEEP = 5

@@ -39,7 +39,7 @@ from ketch.operator.gateway_watch import PoolWatch
 from ketch.operator.kube import KubeClient
 from ketch.operator.labels import LABEL_INSTANCE
 from ketch.operator.metrics import OperatorMetrics
-from ketch.operator.spec import InvalidSpec, parse
+from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.status_patch import StatusWriter
 from ketch.operator.workqueue import Work, WorkQueue
 

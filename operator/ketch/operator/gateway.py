@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ketch.operator.objects import instance_labels, metadata, selector
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 Obj = dict[str, Any]
 

@@ -16,7 +16,7 @@ from ketch.operator.labels import (
     LABEL_ROLE,
     MANAGER,
 )
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 Obj = dict[str, Any]
 

@@ -2,8 +2,8 @@
 the names of the volumes and containers other parts look for, and what the model-fetch init
 container reads.
 
-A leaf: the config file the operator renders (``spec``) names these paths, the containers
-(``containers``) mount them, and status (``status``) names the model-fetch container.
+A leaf: the config file the operator renders (``spec.engine_config``) names these paths, the
+containers (``containers``) mount them, and status (``status``) names the model-fetch container.
 """
 
 from __future__ import annotations

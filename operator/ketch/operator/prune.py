@@ -11,7 +11,7 @@ from __future__ import annotations
 from ketch.operator.cache import ChildKey, Obj, Tracked
 from ketch.operator.kube import KubeClient
 from ketch.operator.ownership import controlled_by
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 CHILD_KINDS = (
     "ConfigMap",

@@ -29,7 +29,7 @@ from ketch.operator.cache import Cache, Key, Obj, Tracked
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import KubeClient
 from ketch.operator.metrics import OperatorMetrics
-from ketch.operator.spec import InvalidSpec
+from ketch.operator.spec.parse import InvalidSpec
 
 logger = logging.getLogger("ketch.operator")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.objects import Obj, labels, metadata
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
 

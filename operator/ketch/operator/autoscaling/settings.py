@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from ketch.operator.autoscaling import decisions
-from ketch.operator.spec import ServiceSpec
+from ketch.operator.spec.model import ServiceSpec
 
 _SUFFIXES = (
     ("Ki", 2**10),

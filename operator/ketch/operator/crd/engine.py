@@ -169,7 +169,7 @@ def engine_schema() -> dict[str, Any]:
 def _extra_args() -> dict[str, Any]:
     """``engine.extraArgs``, with a CEL rule that refuses the flags the operator owns, as
     written, as ``--flag=value`` or abbreviated (without ``=``). The operator's own check
-    (``spec.extra_args_problems``) refuses abbreviations with ``=`` too. Bounded items and
+    (``spec.checks.extra_args_problems``) refuses abbreviations with ``=`` too. Bounded items and
     prefix tests keep the rule's estimated cost far below the API server's budget, which a
     regex over unbounded strings exceeds."""
     owned = "[" + ", ".join(f"'{flag}'" for flag in owned_flags()) + "]"
