@@ -160,7 +160,7 @@ def test_status_writes_carry_new_decisions():
     from test_autoscaling import ROOT, UID
 
     from ketch.operator.autoscaling.loop import Autoscale
-    from ketch.operator.cache import Tracked
+    from ketch.operator.cache import ServiceState
     from ketch.operator.controller import Controller
     from ketch.operator.spec.parse import parse
 
@@ -182,7 +182,9 @@ def test_status_writes_carry_new_decisions():
         client = Client()
         c = Controller(client, resync_seconds=0)
         key = ("n", "s")
-        tracked = c.cache.tracked[key] = Tracked(body=body, svc=parse(body), applied_generation=1)
+        tracked = c.cache.tracked[key] = ServiceState(
+            body=body, svc=parse(body), applied_generation=1
+        )
         state = c.autoscaling.states[key] = Autoscale(settings=None)
         state.status = {"advisory": False, "roles": {"mixed": {"decisions": []}}}
         await c.status.write(key, tracked)

@@ -163,8 +163,7 @@ def test_keda_mode_without_and_with_the_keda_crd(cluster, operator):  # noqa: F8
         settle(operator)
         tracked = operator.cache.tracked[(cluster.namespace, "kedasvc")]
         tracked.applied_generation = None
-        tracked.desired = {}
-        tracked.expected = {}
+        tracked.applied = {}
         cluster.apply(hpa_mode)
         wait_for(
             lambda: cluster.get("scaledobjects.keda.sh", "kedasvc-mixed") is None,

@@ -1,4 +1,5 @@
-"""The replica hand-over (ketch.operator.handoff) and where the applier does it, with a fake API."""
+"""The replica hand-over (ketch.operator.children.handoff) and where the applier does it, with a
+fake API."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 import yaml
 from test_autoscaling import ROOT, UID
 
-from ketch.operator import handoff
-from ketch.operator.apply import ChildApplier
-from ketch.operator.cache import Cache, Tracked
+from ketch.operator.cache import Cache, ServiceState
+from ketch.operator.children import handoff
 from ketch.operator.events import EventRecorder
-from ketch.operator.kube import FIELD_MANAGER, HANDOFF_FIELD_MANAGER, ApiError
+from ketch.operator.kube import ApiError
+from ketch.operator.managers import FIELD_MANAGER, HANDOFF_FIELD_MANAGER
 from ketch.operator.metrics import OperatorMetrics
+from ketch.operator.reconcile.child import ChildReconciler
+from ketch.operator.reconcile.full import ChildApplier
 from ketch.operator.spec.parse import parse
 
 
@@ -92,21 +95,25 @@ def test_only_the_operators_own_apply_of_replicas_calls_for_a_handoff():
 
 
 def test_hand_over_applies_the_live_count_alone_and_gives_way_to_a_conflict():
+    def hand_over(api: FakeApi, replicas: int = 3) -> bool:
+        prepared = handoff.prepare(None, desired(), live(managed(FIELD_MANAGER), replicas=replicas))  # type: ignore[arg-type]
+        return asyncio.run(ChildReconciler(api, Cache(), OperatorMetrics()).apply_first(prepared))  # type: ignore[arg-type]
+
     api = FakeApi()
-    assert asyncio.run(handoff.hand_over(api, desired(), live(replicas=5)))  # type: ignore[arg-type]
+    assert hand_over(api, replicas=5)
     assert api.calls == [("apply", HANDOFF_FIELD_MANAGER, "Deployment", {"replicas": 5})]
     taken = FakeApi(conflicts=(HANDOFF_FIELD_MANAGER,))
-    assert not asyncio.run(handoff.hand_over(taken, desired(), live()))  # type: ignore[arg-type]
+    assert not hand_over(taken)
 
 
-def autoscaled_service() -> Tracked:
+def autoscaled_service() -> ServiceState:
     body = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
     body["metadata"].update(name="s", namespace="n", uid=UID, generation=2)
     body["spec"]["roles"]["mixed"]["autoscaling"] = {"mode": "hpa", "maxReplicas": 4}
-    return Tracked(body=body, svc=parse(body), applied_generation=1)
+    return ServiceState(body=body, svc=parse(body), applied_generation=1)
 
 
-def applies(api: FakeApi, cache: Cache, tracked: Tracked) -> list[tuple[str, str, str]]:
+def applies(api: FakeApi, cache: Cache, tracked: ServiceState) -> list[tuple[str, str, str]]:
     applier = ChildApplier(api, cache, EventRecorder(api), OperatorMetrics())  # type: ignore[arg-type]
     asyncio.run(applier.apply_all(("n", "s"), tracked, 2))
     return [(verb, manager, kind) for verb, manager, kind, _ in api.calls if kind == "Deployment"]

@@ -12,7 +12,7 @@ test run's control plane (tests/kubecluster.py), signed in as its ServiceAccount
 - cluster-wide (no --namespace): two InferenceServices of one name in two namespaces are
   reconciled independently, and deleting one leaves the other;
 - a role switched from fixed replicas to autoscaling keeps its replica count: the Deployment
-  never drops below it (server-side apply hand-over, operator/ketch/operator/handoff.py).
+  never drops below it (server-side apply hand-over, operator/ketch/operator/children/handoff.py).
 
 Every test deletes what it made (engine pods hold about 1 GB each) and waits for its pods to go.
 """
@@ -39,7 +39,7 @@ from apiproxy import HoldingProxy
 from test_e2e import Cluster, condition, cpu_example, fresh_namespace, ready, wait_for
 
 from ketch.operator import api_names
-from ketch.operator.kube import FIELD_MANAGER, HANDOFF_FIELD_MANAGER
+from ketch.operator.managers import FIELD_MANAGER, HANDOFF_FIELD_MANAGER
 from kubecluster import ApiResponse, KubeCluster, stream_events
 from localcluster.kubeapi import ApiError
 from procs import free_ports

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ketch.operator import api_names, handlers, kube, prune
+from ketch.operator import api_names, children, handlers, kube
 from ketch.operator.cli import build_parser, render_object
 from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
 
@@ -318,14 +318,14 @@ def test_rbac_covers_everything_the_code_touches():
         for path in sorted((ROOT / "examples").glob("*.yaml"))
         for child in render_object(yaml.safe_load(path.read_text()), owner_uid="u")
     }
-    assert applied <= set(prune.CHILD_KINDS)
-    for kind in prune.CHILD_KINDS:  # server-side applied, pruned, watched
-        key = _group_plural(*kube.RESOURCES[kind])
+    assert applied <= set(children.BY_KIND)
+    for kind in children.KINDS:  # server-side applied, pruned, watched
+        key = _group_plural(*kube.RESOURCES[kind.kind])
         needed = {"get", "create", "patch", "delete"}
-        if kind not in prune.UNWATCHED_KINDS:
+        if kind.watched:
             needed |= {"list", "watch"}
-        assert needed <= COMMON_GRANTS[key], kind
-    for api_version, plural in handlers.CHILD_RESOURCES:
+        assert needed <= COMMON_GRANTS[key], kind.kind
+    for api_version, plural in handlers.WATCHED_RESOURCES:
         assert {"list", "watch"} <= COMMON_GRANTS[_group_plural(api_version, plural)]
     status = _group_plural(api_names.API_VERSION, api_names.PLURAL + "/status")
     assert "patch" in COMMON_GRANTS[status]

@@ -17,11 +17,12 @@ import pytest
 import yaml
 from test_autoscaling import ROOT, UID
 
-from ketch.operator import ownership, prune, status
-from ketch.operator.cache import Tracked
+from ketch.operator import ownership, status
+from ketch.operator.cache import ServiceState
 from ketch.operator.controller import Controller
-from ketch.operator.kube import FIELD_MANAGER
+from ketch.operator.managers import FIELD_MANAGER
 from ketch.operator.ownership import ChildConflict
+from ketch.operator.reconcile import prune
 from ketch.operator.spec.parse import parse
 from ketch.operator.workqueue import Work, error_reason
 
@@ -114,13 +115,13 @@ def someones_configmap(**meta: Any) -> dict[str, Any]:
     }
 
 
-def reconcile(api: FakeApi, work: Work, tracked: Tracked | None = None, controller=None):
+def reconcile(api: FakeApi, work: Work, tracked: ServiceState | None = None, controller=None):
     """One reconcile of the InferenceService s; returns (its ChildConflict or None, tracked,
     controller)."""
 
     async def run():
         c = controller or Controller(api, resync_seconds=0)  # type: ignore[arg-type]
-        t = tracked or c.cache.tracked.setdefault(KEY, Tracked(body=service_body()))
+        t = tracked or c.cache.tracked.setdefault(KEY, ServiceState(body=service_body()))
         try:
             await c.reconcile(KEY, t, work)
         except ChildConflict as exc:
@@ -239,7 +240,7 @@ def test_prune_deletes_only_what_the_service_controls_and_only_that_object():
     }
     api = FakeApi(obj("ScaledObject", "s-mixed", "u4", ("earlier", True)))
     deleted = asyncio.run(prune.prune_watched(api, svc, live, {}))  # type: ignore[arg-type]
-    tracked = Tracked(body=service_body(), svc=svc)  # after a restart: unwatched looked up
+    tracked = ServiceState(body=service_body(), svc=svc)  # after a restart: unwatched looked up
     unwatched = prune.prune_unwatched(api, tracked, svc, {})  # type: ignore[arg-type]
     deleted += asyncio.run(unwatched)
     assert deleted == ["Service s-old"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ketch.operator import status
-from ketch.operator.drift import contains
+from ketch.operator.reconcile.compare import contains
 
 NOW = "2026-12-01T00:00:00Z"
 LATER = "2026-12-01T01:00:00Z"
@@ -200,7 +200,7 @@ def test_contains_is_a_subset_check():
 
 
 def test_drift_is_judged_against_what_the_server_stored():
-    from ketch.operator.drift import project
+    from ketch.operator.reconcile.compare import project
 
     desired = {"spec": {"cpu": "0.5", "ports": [{"port": 80}], "env": [{"name": "A"}]}}
     stored = {

@@ -1,8 +1,8 @@
 """What the controller knows: the InferenceServices it tracks and their children, from watches.
 
 The watches (``handlers``) fill ``Cache``; the reconcile steps read it instead of asking the API
-server. ``Tracked`` is one InferenceService's part: its latest body, what was applied for it,
-and the status last written.
+server. ``ServiceState`` is one InferenceService's part: its latest body, each child as it was
+last applied (``AppliedChild``), and the status last written.
 """
 
 from __future__ import annotations
@@ -18,20 +18,33 @@ Obj = dict[str, Any]
 
 
 @dataclasses.dataclass
-class Tracked:
+class AppliedChild:
+    """One child of the last applied generation."""
+
+    desired: Obj  # as built
+    # ``desired`` with each value as the server stored it (``compare.project``): what drift is
+    # judged against. None while it is not applied (its kind is not served).
+    stored: Obj | None = None
+    # The API's whole answer, for kinds that keep it (``ChildKind.keeps_answer``: Deployments)
+    # until the watch shows the object; None once the watch has shown it deleted.
+    answer: Obj | None = None
+
+    @property
+    def wanted(self) -> Obj:
+        """What the live object must hold."""
+        return self.stored or self.desired
+
+
+@dataclasses.dataclass
+class ServiceState:
     """What the controller knows of one InferenceService."""
 
     body: Obj
-    desired: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # what is applied
-    expected: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)  # as the server has it
+    applied: dict[ChildKey, AppliedChild] = dataclasses.field(default_factory=dict)
     applied_generation: int | None = None
     invalid_generation: int | None = None
     written_status: Obj | None = None
     svc: ServiceSpec | None = None
-    # The API's answers to this process's applies of Deployments. Status reads a Deployment
-    # from the watch; until the watch has shown it (a restarted operator whose Deployment watch
-    # has not listed yet), from here, so that a restart never reports it missing.
-    answers: dict[ChildKey, Obj] = dataclasses.field(default_factory=dict)
     # When a status change that is progress only was first held back (``status_patch``).
     held_since: float | None = None
     # Children whose names are taken by objects this InferenceService does not control, with
@@ -51,7 +64,7 @@ class Tracked:
 class Cache:
     """The latest copy of every watched object, by owning InferenceService."""
 
-    tracked: dict[Key, Tracked] = dataclasses.field(default_factory=dict)
+    tracked: dict[Key, ServiceState] = dataclasses.field(default_factory=dict)
     children: dict[Key, dict[ChildKey, Obj]] = dataclasses.field(default_factory=dict)
     pods: dict[Key, dict[str, Obj]] = dataclasses.field(default_factory=dict)
 
@@ -62,7 +75,8 @@ class Cache:
         """A child as the watch last showed it, else as the API last answered an apply of it."""
         live = self.live(key).get(child)
         if live is None and key in self.tracked:
-            return self.tracked[key].answers.get(child)
+            applied = self.tracked[key].applied.get(child)
+            return applied.answer if applied else None
         return live
 
     def live_pods(self, key: Key) -> list[Obj]:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ketch.engine.models.architectures import SUPPORTED_ARCHITECTURES
-from ketch.operator import api_names, builders
+from ketch.operator import api_names, children
 from ketch.operator.autoscaling import metric_table
 from ketch.operator.crd.document import crd_document
 from ketch.operator.spec.parse import InvalidSpec, parse
@@ -209,7 +209,7 @@ def render_object(
     meta.setdefault("namespace", namespace or "default")
     meta["uid"] = meta.get("uid") or owner_uid or PLACEHOLDER_UID
     body["metadata"] = meta
-    return builders.build(parse(body))
+    return children.build(parse(body))
 
 
 def _render_files(
@@ -261,16 +261,16 @@ def _check_wiring(args: argparse.Namespace) -> int:
             )
             return 2
     problems = []
-    for path, doc, children in rendered:
+    for path, doc, objs in rendered:
         name = (doc.get("metadata") or {}).get("name")
-        found = check_wiring(children, model_dir)
+        found = check_wiring(objs, model_dir)
         problems += [f"{path}: {name}: {problem}" for problem in found]
     for problem in problems:
         print(problem)
     if problems:
         print(f"ketch-operator: {len(problems)} wiring problem(s)", file=sys.stderr)
         return 1
-    pods = sum(o["kind"] == "Deployment" for _, _, children in rendered for o in children)
+    pods = sum(o["kind"] == "Deployment" for _, _, objs in rendered for o in objs)
     print(f"wiring OK: {len(rendered)} InferenceService(s), {pods} Deployment(s) checked")
     return 0
 

@@ -1,7 +1,7 @@
 """Pure builders for the containers of an engine pod: the engine, the cache-manager sidecar and
 the model-fetch init container, with the probes, mounts and security context they share.
 
-``builders`` assembles them into pods; like it, nothing here does I/O.
+``children.pods`` assembles them into pods; like it, nothing here does I/O.
 """
 
 from __future__ import annotations

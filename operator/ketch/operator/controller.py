@@ -5,12 +5,13 @@ controller keeps the latest copy of each (``cache``) and queues work per Inferen
 (``workqueue``):
 
 - ``full``: parse the spec, build every child, server-side apply them all, delete children no
-  longer wanted (``apply``, ``prune``). Runs when a generation is seen for the first time, on
-  start-up, and every ``resync`` seconds. A resync first reads the InferenceService afresh: a
-  replica that kopf's peering has paused gets no events, and must never re-apply a spec it saw
-  generations ago (both replicas then apply the same current spec: a no-op).
+  longer wanted (``reconcile.full``, ``reconcile.prune``). Runs when a generation is seen for
+  the first time, on start-up, and every ``resync`` seconds. A resync first reads the
+  InferenceService afresh: a replica that kopf's peering has paused gets no events, and must
+  never re-apply a spec it saw generations ago (both replicas then apply the same current spec:
+  a no-op).
 - ``drift``: a child was deleted or no longer holds what the operator applied: apply that child
-  (``drift``).
+  (``reconcile.drift``).
 - ``status``: recompute status from the cached Deployments and Pods; write it only if it changed
   (``status_patch``).
 
@@ -30,20 +31,25 @@ import time
 from collections.abc import Awaitable
 
 from ketch.operator import api_names, gateway, ownership
-from ketch.operator.apply import ChildApplier
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
-from ketch.operator.cache import Cache, Key, Obj, Tracked
-from ketch.operator.drift import DriftRepair, drifted
+from ketch.operator.cache import Cache, Key, Obj, ServiceState
+from ketch.operator.children import deployment, inferencepool
 from ketch.operator.events import EventRecorder
 from ketch.operator.gateway_watch import PoolWatch
 from ketch.operator.kube import KubeClient
 from ketch.operator.labels import LABEL_INSTANCE
 from ketch.operator.metrics import OperatorMetrics
+from ketch.operator.reconcile.compare import drifted
+from ketch.operator.reconcile.drift import DriftRepair
+from ketch.operator.reconcile.full import ChildApplier
 from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.status_patch import StatusWriter
 from ketch.operator.workqueue import Work, WorkQueue
 
 logger = logging.getLogger("ketch.operator")
+
+# The child kinds status reads: the Deployments, and the InferencePool (``GatewayReady``).
+_READ_BY_STATUS = (deployment.KIND.kind, inferencepool.KIND.kind)
 
 
 class Controller:
@@ -103,7 +109,7 @@ class Controller:
             return
         tracked = tracked_all.get(key)
         if tracked is None or tracked.body["metadata"].get("uid") != meta.get("uid"):
-            tracked = tracked_all[key] = Tracked(body=body)
+            tracked = tracked_all[key] = ServiceState(body=body)
             self.metrics.services.set(len(tracked_all))
         tracked.body = body
         generation = int(meta.get("generation") or 0)
@@ -134,11 +140,12 @@ class Controller:
         tracked = self.cache.tracked.get(key)
         if tracked is None:
             return
-        if event_type == "DELETED":
-            tracked.answers.pop((kind, name), None)  # gone: no older answer stands in for it
+        applied = tracked.applied.get((kind, name))
+        if event_type == "DELETED" and applied is not None:
+            applied.answer = None  # gone: no older answer stands in for it
         if drifted(tracked, (kind, name), event_type, body):
-            self.enqueue(key, Work(drift={(kind, name)}, status=kind == "Deployment"))
-        elif kind in ("Deployment", "InferencePool"):  # a pool's status: GatewayReady
+            self.enqueue(key, Work(drift={(kind, name)}, status=kind == deployment.KIND.kind))
+        elif kind in _READ_BY_STATUS:
             self.enqueue(key, Work(status=True))
 
     def enqueue(self, key: Key, work: Work) -> None:
@@ -222,7 +229,7 @@ class Controller:
         await self.reconcile(key, tracked, work)
         return True
 
-    async def reconcile(self, key: Key, tracked: Tracked, work: Work) -> None:
+    async def reconcile(self, key: Key, tracked: ServiceState, work: Work) -> None:
         body = tracked.body
         generation = int(body["metadata"].get("generation") or 0)
         kind = "full" if work.full else ("drift" if work.drift else "status")
@@ -243,7 +250,7 @@ class Controller:
         self.metrics.reconciles.labels(kind).inc()
         self.metrics.duration.labels(kind).observe(time.perf_counter() - started)
 
-    async def _owning(self, key: Key, tracked: Tracked, applying: Awaitable[None]) -> None:
+    async def _owning(self, key: Key, tracked: ServiceState, applying: Awaitable[None]) -> None:
         """Runs ``applying``; on a ``ChildConflict`` the status says so (``Degraded``, with its
         Warning Event) before the conflict fails the reconcile, which is then retried."""
         try:

@@ -1,22 +1,16 @@
-"""The Gateway API Inference Extension (GAIE) children of an InferenceService with
-``spec.gateway``, and the ``GatewayReady`` condition that reports how a gateway took them.
+"""``spec.gateway``: what the children it adds share (the router as the pool's endpoint
+picker, its port, the role a gateway serves; the pool and route themselves are
+``children.inferencepool`` and ``children.httproute``), and the ``GatewayReady`` condition that
+reports how a gateway took them.
 
-- ``InferencePool`` ``N`` (``inference.networking.k8s.io/v1``): selects exactly the pods a
-  gateway may send requests to — the mixed pods, or the decode pods when disaggregated (the
-  endpoint picker pairs each request with a prefill pod itself) — on the engines' HTTP port;
-  its endpoint picker is the router Service ``N-router``'s ``grpc-epp`` port.
-- ``HTTPRoute`` ``N`` (``gateway.networking.k8s.io/v1``), only with ``gatewayRef``: that Gateway
-  as parent, the InferencePool as the one backend.
-
-Pure, like ``builders``. The condition comes from the pool's ``status.parents[].conditions``
-(``Accepted``, ``ResolvedRefs``), which the gateway implementation writes.
+Pure. The condition comes from the pool's ``status.parents[].conditions`` (``Accepted``,
+``ResolvedRefs``), which the gateway implementation writes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ketch.operator.objects import instance_labels, metadata, selector
 from ketch.operator.spec.model import ServiceSpec
 
 Obj = dict[str, Any]
@@ -47,66 +41,6 @@ def epp_port(svc: ServiceSpec) -> int:
 def serving_role(svc: ServiceSpec) -> str:
     """The role whose pods a gateway sends requests to."""
     return "decode" if svc.disaggregated else "mixed"
-
-
-def inference_pool(svc: ServiceSpec) -> Obj:
-    pool = svc.spec["gateway"]["inferencePool"]
-    other = pool.get("endpointPicker")
-    picker = (
-        (other["serviceName"], other["port"]) if other else (f"{svc.name}-router", epp_port(svc))
-    )
-    return {
-        "apiVersion": POOL_API_VERSION,
-        "kind": "InferencePool",
-        "metadata": metadata(svc, svc.name, instance_labels(svc)),
-        "spec": {
-            # The role's Deployment selector: exactly its pods, never another role's.
-            "selector": {"matchLabels": selector(svc, serving_role(svc))},
-            "targetPorts": [{"number": svc.ports["http"]}],
-            "appProtocol": "http",
-            "endpointPickerRef": {
-                "group": "",
-                "kind": "Service",
-                "name": picker[0],
-                "port": {"number": picker[1]},
-                "failureMode": pool["failureMode"],
-            },
-        },
-    }
-
-
-def http_route(svc: ServiceSpec) -> Obj | None:
-    gateway = svc.spec["gateway"]
-    ref = gateway.get("gatewayRef")
-    if ref is None:
-        return None
-    parent: Obj = {"group": GATEWAY_GROUP, "kind": "Gateway", "name": ref["name"]}
-    for key in ("namespace", "sectionName"):
-        if key in ref:
-            parent[key] = ref[key]
-    spec: Obj = {"parentRefs": [parent]}
-    if gateway.get("hostnames"):
-        spec["hostnames"] = list(gateway["hostnames"])
-    spec["rules"] = [
-        {
-            "matches": [{"path": {"type": "PathPrefix", "value": gateway["path"]}}],
-            "backendRefs": [{"group": POOL_GROUP, "kind": "InferencePool", "name": svc.name}],
-        }
-    ]
-    return {
-        "apiVersion": ROUTE_API_VERSION,
-        "kind": "HTTPRoute",
-        "metadata": metadata(svc, svc.name, instance_labels(svc)),
-        "spec": spec,
-    }
-
-
-def children(svc: ServiceSpec) -> list[Obj]:
-    """The InferencePool, then the HTTPRoute that names it (none without ``spec.gateway``)."""
-    if not enabled(svc):
-        return []
-    route = http_route(svc)
-    return [inference_pool(svc), *([route] if route else [])]
 
 
 # --------------------------------------------------------------------------- status

@@ -18,13 +18,14 @@ import logging
 from collections.abc import Callable
 
 from ketch.operator.cache import Obj
+from ketch.operator.children import inferencepool
 from ketch.operator.kube import ApiError, KubeClient, resource_path
 from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
 
 logger = logging.getLogger("ketch.operator")
 
-KIND = "InferencePool"
-API_VERSION = "inference.networking.k8s.io/v1"
+KIND = inferencepool.KIND.kind
+API_VERSION = inferencepool.KIND.api_version
 # The server ends each watch after this long, before the client's 75 s read timeout.
 WATCH_SECONDS = 55
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from ketch.operator import api_names
+from ketch.operator import api_names, children
 from ketch.operator.controller import Controller
 from ketch.operator.kube import KubeClient
 from ketch.operator.labels import LABEL_MANAGED_BY, MANAGER
@@ -25,16 +25,10 @@ from ketch.operator.metrics import OperatorMetrics, start_http
 
 logger = logging.getLogger("ketch.operator")
 
-CHILD_RESOURCES = (
-    ("v1", "configmaps"),
-    ("v1", "services"),
-    ("v1", "pods"),
-    ("apps/v1", "deployments"),
-    ("policy/v1", "poddisruptionbudgets"),
-    ("networking.k8s.io/v1", "networkpolicies"),
-    ("autoscaling/v2", "horizontalpodautoscalers"),
-    # Not KEDA's scaledobjects: see prune.UNWATCHED_KINDS.
-)
+# What kopf watches besides InferenceServices (label-selected): the watched child kinds
+# (``children.WATCHED``; the others' CRDs may be missing, and a kopf watch of a resource that is
+# not served fails for ever) and the children's pods.
+WATCHED_RESOURCES = (*((k.api_version, k.plural) for k in children.WATCHED), ("v1", "pods"))
 
 
 # A status change that only moves a rollout along waits this long for the next one, so that a
@@ -136,7 +130,7 @@ def make_registry(
         controller.on_service_event(event.get("type") or "MODIFIED", event["object"])
 
     managed = {LABEL_MANAGED_BY: MANAGER}
-    for api_version, plural in CHILD_RESOURCES:
+    for api_version, plural in WATCHED_RESOURCES:
         group, _, version = api_version.rpartition("/")
 
         @kopf.on.event(

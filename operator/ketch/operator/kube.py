@@ -18,26 +18,16 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ketch.operator import api_names
+from ketch.operator import api_names, children
+from ketch.operator.managers import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 
-FIELD_MANAGER = "ketch-operator"
-AUTOSCALER_FIELD_MANAGER = "ketch-autoscaler"  # the coordinated autoscaler's replica changes
-HANDOFF_FIELD_MANAGER = "ketch-operator-handoff"  # holds replicas on the way to an autoscaler
-
-# kind -> (apiVersion, plural)
+# kind -> (apiVersion, plural): the children's (``children.KINDS``), and what else is read or
+# written: the InferenceServices, their pods, Events, Secrets.
 RESOURCES: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("v1", "configmaps"),
-    "Service": ("v1", "services"),
+    **{k.kind: (k.api_version, k.plural) for k in children.KINDS},
     "Pod": ("v1", "pods"),
     "Event": ("v1", "events"),
     "Secret": ("v1", "secrets"),
-    "Deployment": ("apps/v1", "deployments"),
-    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
-    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
-    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
-    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
-    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
-    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
     api_names.KIND: (api_names.API_VERSION, api_names.PLURAL),
 }
 

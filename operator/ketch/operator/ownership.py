@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 
 from ketch.operator.cache import ChildKey, Obj
-from ketch.operator.kube import FIELD_MANAGER, ApiError, KubeClient
+from ketch.operator.kube import ApiError, KubeClient
+from ketch.operator.managers import FIELD_MANAGER
 
 REASON = "ChildConflict"
 

@@ -22,10 +22,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from ketch.operator import api_names, builders, gateway, ownership
+from ketch.operator import api_names, gateway, ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling.loop import CoordinatedAutoscaling
-from ketch.operator.cache import Cache, Key, Obj, Tracked
+from ketch.operator.cache import Cache, Key, Obj, ServiceState
+from ketch.operator.children.roles import pod_roles
+from ketch.operator.children.service import service_url
 from ketch.operator.events import EventRecorder
 from ketch.operator.kube import KubeClient
 from ketch.operator.metrics import OperatorMetrics
@@ -62,11 +64,11 @@ class StatusWriter:
         self.unserved = unserved or (lambda namespace: False)
         self._timers: dict[Key, asyncio.TimerHandle] = {}
 
-    async def write(self, key: Key, tracked: Tracked) -> None:
+    async def write(self, key: Key, tracked: ServiceState) -> None:
         """Status from the observed children, written if it changed."""
         svc = tracked.svc
         assert svc is not None
-        roles = [*svc.roles, "router"] if builders.has_router(svc) else svc.roles
+        roles = pod_roles(svc)
         deployments = {
             role: self.cache.observed(key, ("Deployment", f"{svc.name}-{role}")) for role in roles
         }
@@ -84,7 +86,7 @@ class StatusWriter:
         new = status_mod.compute(
             generation=generation,
             mode=svc.mode,
-            url=builders.service_url(svc),
+            url=service_url(svc),
             deployments=deployments,
             pods=self.cache.live_pods(key),
             old=tracked.last_status,
@@ -108,7 +110,9 @@ class StatusWriter:
             new["conditions"] = [*new["conditions"], *status_mod.with_times([ready], old, now)]
         await self.patch(key, tracked, new)
 
-    async def invalid(self, key: Key, tracked: Tracked, generation: int, exc: InvalidSpec) -> None:
+    async def invalid(
+        self, key: Key, tracked: ServiceState, generation: int, exc: InvalidSpec
+    ) -> None:
         """``Degraded/InvalidSpec`` once per generation (and its Event); the children stay."""
         self.metrics.errors.labels("InvalidSpec").inc()
         if tracked.invalid_generation == generation:
@@ -122,7 +126,7 @@ class StatusWriter:
         await self.patch(key, tracked, new)
         await self.events.post(tracked.body, "Warning", "InvalidSpec", message)
 
-    async def patch(self, key: Key, tracked: Tracked, new: Obj) -> None:
+    async def patch(self, key: Key, tracked: ServiceState, new: Obj) -> None:
         old = tracked.last_status or {}
         if _comparable(old) == _comparable(new):
             tracked.written_status = new
@@ -135,7 +139,7 @@ class StatusWriter:
         tracked.held_since = None
         await self._announce(tracked, old, new)
 
-    def _held(self, key: Key, tracked: Tracked, old: Obj, new: Obj) -> bool:
+    def _held(self, key: Key, tracked: ServiceState, old: Obj, new: Obj) -> bool:
         """True when ``new`` is progress only and waits (see the module docstring)."""
         if self.hold <= 0 or self.recheck is None or not progress_only(old, new):
             return False
@@ -166,7 +170,7 @@ class StatusWriter:
             timer.cancel()
         self._timers.clear()
 
-    async def _announce(self, tracked: Tracked, old: Obj, new: Obj) -> None:
+    async def _announce(self, tracked: ServiceState, old: Obj, new: Obj) -> None:
         before = {c["type"]: c for c in old.get("conditions") or []}
         for cond in new.get("conditions") or []:
             prev = before.get(cond["type"], {})

@@ -3,7 +3,6 @@
 - ``metric_table``: the spec's metric types and the names they have on the way from the engine's
   ``/metrics`` to an autoscaler: HorizontalPodAutoscaler metrics, KEDA triggers, the
   prometheus-adapter rules (``mode: hpa`` and ``mode: keda``; the operator only renders these).
-- ``autoscalers``: the HorizontalPodAutoscaler or ScaledObject child of an autoscaled role.
 - ``settings``: the coordinated-autoscaling part of a spec (``mode: ketch``) as frozen values.
 - ``decisions``: what the coordinated autoscaler decides each period (pure, no clock, no I/O).
 - ``scrape``: reading the engine pods' ``/metrics`` for those decisions.

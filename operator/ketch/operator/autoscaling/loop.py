@@ -23,7 +23,7 @@ from ketch.operator import ownership
 from ketch.operator import status as status_mod
 from ketch.operator.autoscaling import decisions, scrape
 from ketch.operator.autoscaling.settings import CoordinatedSettings
-from ketch.operator.cache import Cache, Key, Obj, Tracked
+from ketch.operator.cache import Cache, Key, Obj, ServiceState
 from ketch.operator.kube import ApiError, KubeClient
 from ketch.operator.labels import LABEL_ROLE
 
@@ -60,7 +60,7 @@ class CoordinatedAutoscaling:
         self.changed = changed  # called when a loop changed its part of the status
         self.states: dict[Key, Autoscale] = {}
 
-    def sync(self, key: Key, tracked: Tracked) -> None:
+    def sync(self, key: Key, tracked: ServiceState) -> None:
         """Starts, restarts or stops the InferenceService's loop to match the spec just applied."""
         assert tracked.svc is not None
         settings = CoordinatedSettings.from_spec(tracked.svc)

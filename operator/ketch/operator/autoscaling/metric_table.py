@@ -6,7 +6,7 @@ engine ``/metrics`` -> Prometheus -> KEDA. From it come:
 
 - the CRD's ``autoscaling.metrics[].type`` enum (``crd.autoscaling``);
 - the HorizontalPodAutoscaler's ``Pods`` metric names and the ScaledObject's PromQL queries
-  (``autoscalers.hpa`` / ``autoscalers.scaled_object``);
+  (``children.horizontalpodautoscaler`` / ``children.scaledobject``);
 - the prometheus-adapter rules that expose the engine metrics under those names
   (``adapter_values()``, committed as ``manifests/metrics/prometheus-adapter-values.yaml``; a
   test fails when the file is stale, as for the CRD).
