@@ -22,10 +22,10 @@ import base64
 import struct
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ketch.engine.engine_client import EngineClient, EngineDeadError
@@ -33,10 +33,10 @@ from ketch.engine.outputs import RequestDelta, l2_normalized
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.admission import Slot, read_body
 from ketch.engine.serving.protocol import PromptField, ProtocolError, check_model, parse_request
-from ketch.engine.serving.tokenization import encode
+from ketch.engine.serving.state import ServingState, serving_state
+from ketch.engine.serving.text_offload import encode
 
-if TYPE_CHECKING:
-    from ketch.engine.serving.api_server import ServingState
+router = APIRouter()
 
 
 class EmbeddingRequest(BaseModel):
@@ -63,8 +63,18 @@ class EmbeddingRequest(BaseModel):
             )
 
 
-async def create(state: ServingState, request: Request, slot: Slot) -> JSONResponse:
-    """The endpoint's work, inside the request's admission slot (the API server's)."""
+@router.post("/v1/embeddings")
+async def _embeddings(request: Request) -> Response:
+    state = serving_state(request)
+    slot = state.admit()
+    try:
+        return await _embedded(state, request, slot)
+    finally:
+        slot.release()
+
+
+async def _embedded(state: ServingState, request: Request, slot: Slot) -> JSONResponse:
+    """The endpoint's work, inside the request's admission slot."""
     body = parse_request(EmbeddingRequest, await read_body(state.config, request))
     check_model(body.model, [state.model_name])
     body.check_dimensions(state.hidden_size)
