@@ -81,7 +81,7 @@ def _grammar_service(state: ServingState) -> GrammarService:
     tokenizer = state.tokenizer
     return GrammarService(
         tokenizer.path / "tokenizer.json",
-        state.vocab_size or tokenizer.vocab_size,
+        state.prompt_limits.vocab_size,
         [t for t in [tokenizer.eos_token_id] if t is not None],
         limits=config.grammar_limits(),
         timeout=config.grammar_timeout,

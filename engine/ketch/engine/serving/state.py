@@ -15,6 +15,7 @@ from fastapi import Request
 
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.metrics import EngineMetrics
+from ketch.engine.request_checks import PromptLimits
 from ketch.engine.serving.admission import Slot
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.guided import GrammarService
@@ -59,6 +60,11 @@ class ServingState:
             self.idle.set()
         else:
             self.idle.clear()
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """The model's vocabulary and context, as the engine announced them."""
+        return PromptLimits(self.vocab_size or self.tokenizer.vocab_size, self.max_model_len)
 
     def admit(self) -> Slot:
         """The request's slot, if the server takes requests now (503 or 429 otherwise)."""

@@ -15,7 +15,7 @@ from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     check_limits,
     check_output_size,
-    check_token_ids,
+    check_prompts,
     read_body,
 )
 from ketch.engine.serving.generation import make_choices, merge_streams, run_to_end
@@ -52,11 +52,11 @@ async def _chat_completions(request: Request) -> Response:
             state, body.messages, body.add_generation_prompt, len(raw), variables=variables
         )
         start = _reasoning_start(state, params, prompt)
-        check_token_ids(state.vocab_size or state.tokenizer.vocab_size, [prompt], params)
+        check_prompts(state.prompt_limits, [prompt], params)
         check_output_size(state.config, params, [prompt], state.max_model_len)
         paired = await pairing(state.config, state.prefill_peers, request)
         whole = not body.stream or (plan is not None and plan.streams_whole)
-        choices = make_choices([prompt], params, state.max_model_len, paired, accumulate=whole)
+        choices = make_choices([prompt], params, paired, accumulate=whole)
         note_choices(request.scope, choices)
         slot.resize(len(choices))
         meta = R.ResponseMeta.chat(

@@ -13,7 +13,7 @@ from ketch.engine.serving import responses as R
 from ketch.engine.serving.admission import (
     check_limits,
     check_output_size,
-    check_token_ids,
+    check_prompts,
     read_body,
 )
 from ketch.engine.serving.generation import make_choices, merge_streams, run_to_end
@@ -38,13 +38,11 @@ async def _completions(request: Request) -> Response:
         params = body.to_sampling_params(None)
         check_limits(state.config, params, len(body.prompt))
         prompts = [p if isinstance(p, list) else await encode(state, p) for p in body.prompt]
-        check_token_ids(state.vocab_size or state.tokenizer.vocab_size, prompts, params)
+        check_prompts(state.prompt_limits, prompts, params)
         check_output_size(state.config, params, prompts, state.max_model_len)
         echoes = await _echo_texts(state, body, prompts, params.skip_special_tokens)
         paired = await pairing(state.config, state.prefill_peers, request)
-        choices = make_choices(
-            prompts, params, state.max_model_len, paired, accumulate=not body.stream
-        )
+        choices = make_choices(prompts, params, paired, accumulate=not body.stream)
         note_choices(request.scope, choices)  # tracing on: its spans' timings
         slot.resize(len(choices))
         meta = R.ResponseMeta.completion(

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from ketch.engine.request_checks import RequestCheckError, check_token_ids
 from ketch.engine.serving.admission import read_body
 from ketch.engine.serving.protocol import (
     ChatMessage,
@@ -179,13 +180,11 @@ async def _detokenized(state: ServingState, request: Request) -> JSONResponse:
     """The endpoint's work, inside the request's admission slot."""
     body = parse_request(DetokenizeRequest, await read_body(state.config, request))
     _check_model(state, body.model)
-    vocab = state.vocab_size or state.tokenizer.vocab_size
     tokens = body.tokens
-    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        raise ProtocolError(
-            400, f"tokens has token ids {bad[:5]} outside [0, {vocab})", param="tokens"
-        )
+    try:
+        check_token_ids(state.prompt_limits.vocab_size, tokens, "tokens")
+    except RequestCheckError as exc:
+        raise ProtocolError(400, str(exc), param=exc.param) from None
     # Special tokens stay (as in vLLM): a chat template's markers are part of the text.
     text = await decode(state, tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})
