@@ -36,7 +36,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
-        tokenized = [self.engine.tokenize_prompt(prompt) for prompt in prompt_list]
+        tokenized = [
+            self.engine.tokenize_prompt(prompt, prompt_params)
+            for prompt, prompt_params in zip(prompt_list, params_list, strict=True)
+        ]
         choices = expand([ids for _, ids in tokenized], params_list)
         by_id: dict[str, Choice] = {}
         for choice in choices:
@@ -60,7 +63,7 @@ class LLM:
         L2-normalised unless ``normalize`` is false. A prompt may fill ``max_model_len``."""
         prompt_list = _as_prompt_list(prompts)
         params = SamplingParams(pooling=pooling)
-        tokenized = [self.engine.tokenize_prompt(prompt, output=False) for prompt in prompt_list]
+        tokenized = [self.engine.tokenize_prompt(prompt, params) for prompt in prompt_list]
         ids = [str(next(self._ids)) for _ in tokenized]
         for request_id, (_, token_ids) in zip(ids, tokenized, strict=True):
             self.engine.add_request(request_id, token_ids, params, final_only=True)

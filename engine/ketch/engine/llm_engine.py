@@ -25,6 +25,7 @@ from ketch.engine.device import parse_device
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
 from ketch.engine.outputs import RequestDelta, TokenLogprob
+from ketch.engine.request_checks import PromptLimits, check_prompt
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
@@ -179,15 +180,7 @@ class LLMEngine:
             raise ValueError("params must be a SamplingParams")
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; LLM.generate expands n")
-        _, token_ids = self.tokenize_prompt(prompt, params.pooling is None)
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+        _, token_ids = self.tokenize_prompt(prompt, params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if seed is None and params.seed is not None:
@@ -265,32 +258,22 @@ class LLMEngine:
         )
 
     def tokenize_prompt(
-        self, prompt: str | list[int], output: bool = True
+        self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> tuple[str | None, list[int]]:
-        """Checks a prompt (text or token ids); returns (text, token ids) or raises ValueError.
-        ``output``: it must leave room for an output token (an embedding's prompt need not)."""
+        """Checks a prompt (text or token ids) with the request's ``params``
+        (``request_checks.check_prompt``); returns (text, token ids) or raises ValueError."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-                )
         else:
             raise ValueError("prompt must be a string or a list of token ids")
-        if not token_ids:
-            raise ValueError("prompt is empty (it encodes to no tokens)")
-        if len(token_ids) >= self.max_model_len + (not output):
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}"
-                + (": it must be shorter to leave room for output" if output else "")
-            )
+        check_prompt(self.prompt_limits, token_ids, params or SamplingParams())
         return text, token_ids
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        return PromptLimits(self.model_config.vocab_size, self.max_model_len)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestMetrics]:
         """Ends the requests and frees their blocks; returns the metrics of those that were live."""

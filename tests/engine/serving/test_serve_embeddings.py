@@ -135,7 +135,7 @@ def test_serve_help_documents_the_flag() -> None:
         ({"input": []}, "input", "non-empty"),
         ({"input": [""]}, "input", "empty string"),
         ({"input": [[]]}, "input", "empty list"),
-        ({"input": [[5, 10**6]]}, "input", "outside [0, 1024)"),
+        ({"input": [[5, 10**6]]}, "input", "outside the vocabulary [0, 1024)"),
         ({"input": [[5, -1]]}, "input", "negative"),
         ({"input": [[1, [2]]]}, "input", "a string or a list of token ids"),
         ({"input": {"text": "a"}}, "input", "non-empty string"),

@@ -13,6 +13,9 @@ import openai
 import pytest
 from serve_harness import running_server, sse_events, wait_for
 
+from ketch.engine.request_checks import PromptLimits, RequestCheckError, check_prompt
+from ketch.engine.sampling_params import SamplingParams
+
 GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
 
@@ -104,6 +107,29 @@ def test_token_id_prompt_errors(server):
     _assert_error(httpx.post(url, json={**GOOD, "prompt": [-1, 5]}), 400, "negative")
     _assert_error(httpx.post(url, json={**GOOD, "prompt": [10**9]}), 400, "outside")
     _assert_error(httpx.post(url, json={**GOOD, "prompt": [1] * 600}), 400, "max_model_len")
+    _assert_serving(server.url)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "ids", "params"),
+    [
+        ("/v1/completions", {"prompt": [5, 10**9]}, [5, 10**9], {}),
+        ("/v1/completions", {"prompt": [1] * 600}, [1] * 600, {}),
+        ("/v1/completions", {"prompt": [5], "stop_token_ids": [2000]}, [5],
+         {"stop_token_ids": [2000]}),
+        ("/v1/embeddings", {"input": [[7] * 513]}, [7] * 513, {"pooling": "last"}),
+    ],
+    ids=["outside-vocab", "too-long", "stop-ids", "embedding-too-long"],
+)  # fmt: skip
+def test_prompt_refusals_are_the_request_check_s_words(server, path, fields, ids, params):
+    """The one request check (``request_checks``, which ``LLM`` and the engine use too): a 400
+    naming the field, in its words; the server keeps serving."""
+    field = "input" if path == "/v1/embeddings" else "prompt"
+    with pytest.raises(RequestCheckError) as expected:
+        check_prompt(PromptLimits(1024, 512), ids, SamplingParams(**params), field, 0)
+    body = {"model": "tiny", **fields} if field == "input" else {**GOOD, **fields}
+    error = _assert_error(httpx.post(f"{server.url}{path}", json=body), 400)
+    assert (error["message"], error["param"]) == (str(expected.value), expected.value.param)
     _assert_serving(server.url)
 
 

@@ -11,7 +11,8 @@
 - /pause and /resume always need the admin key; where the client connects from proves nothing
   (``check_control_access``).
 - Limits on what one request may carry (sequences, stop strings, stop token ids, logit bias),
-  and token ids within the model's vocabulary, as the engine announced it.
+  and its prompts against the model as the engine announced it (``request_checks``: not
+  empty, token ids in the vocabulary, shorter than max_model_len).
 - A bound on what one request may produce (``--max-output-entries``), checked before it runs.
 """
 
@@ -29,6 +30,7 @@ from typing import Protocol
 from fastapi import Request
 
 from ketch.engine import rundir
+from ketch.engine.request_checks import PromptLimits, RequestCheckError, check_prompt
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.protocol import ProtocolError
@@ -190,24 +192,13 @@ def check_output_size(
         )
 
 
-def check_token_ids(vocab: int, prompts: list[list[int]], params: SamplingParams) -> None:
-    """Every token id a request carries lies in ``[0, vocab)``, the model's vocabulary."""
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ProtocolError(400, f"prompt {i} is empty", param="prompt")
-        if min(prompt) >= 0 and max(prompt) < vocab:  # C speed: a long prompt costs little
-            continue
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ProtocolError(
-                400, f"prompt {i} has token ids {bad[:5]} outside [0, {vocab})", param="prompt"
-            )
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("logit_bias", [t for t, _ in params.logit_bias]),
-    ):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ProtocolError(
-                400, f"{name} has token ids {bad[:5]} outside [0, {vocab})", param=name
-            )
+def check_prompts(
+    limits: PromptLimits, prompts: list[list[int]], params: SamplingParams, field: str = "prompt"
+) -> None:
+    """``request_checks.check_prompt`` on each of a request's prompts (numbered as the request
+    lists them): a 400 naming the field, in the one wording the engine and ``LLM`` use too."""
+    try:
+        for index, prompt in enumerate(prompts):
+            check_prompt(limits, prompt, params, field, index)
+    except RequestCheckError as exc:
+        raise ProtocolError(400, str(exc), param=exc.param) from None

@@ -26,22 +26,14 @@ from ketch.engine.serving.protocol import ProtocolError
 def make_choices(
     prompts: list[list[int]],
     params: SamplingParams,
-    max_model_len: int,
     prefill: str | None = None,
     accumulate: bool = True,
 ) -> list[Choice]:
-    """``n`` choices per prompt; seeded requests get seed + i so the choices differ. With a
-    ``prefill`` peer (decode role) the prompt's scores must fit the peer's reply.
-    ``accumulate``: whether the choices keep their whole output (a stream needs it only to
-    parse tool calls at the end)."""
+    """``n`` choices per prompt (checked: ``admission.check_prompts``); seeded requests get
+    seed + i so the choices differ. With a ``prefill`` peer (decode role) the prompt's scores
+    must fit the peer's reply. ``accumulate``: whether the choices keep their whole output (a
+    stream needs it only to parse tool calls at the end)."""
     for prompt in prompts:
-        if len(prompt) >= max_model_len:
-            raise ProtocolError(
-                400,
-                f"prompt is {len(prompt)} tokens, but max_model_len is {max_model_len}: "
-                "shorten it to leave room for output",
-                param="prompt",
-            )
         scores = prefill and prompt_scores_problem(len(prompt), params.prompt_logprobs)
         if scores:
             raise ProtocolError(400, scores, param="prompt_logprobs")

@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from ketch.engine.serving.embeddings import EmbeddingRequest
 from ketch.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
-from ketch.engine.serving.tokenization import DetokenizeRequest, TokenizeRequest
+from ketch.engine.serving.routes.embeddings import EmbeddingRequest
+from ketch.engine.serving.routes.tokenization import DetokenizeRequest, TokenizeRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,

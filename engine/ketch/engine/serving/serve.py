@@ -31,9 +31,10 @@ from ketch.engine.peer_auth import require_peer_key
 from ketch.engine.ports import Listener, check_free
 from ketch.engine.serving import reasoning
 from ketch.engine.serving.admission import local_admin_key
-from ketch.engine.serving.api_server import ServingState, create_app
+from ketch.engine.serving.api_server import create_app
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.serving.pairing import PrefillPeers
+from ketch.engine.serving.state import ServingState
 from ketch.engine.serving.uvicorn_server import make_server, stop_event
 from ketch.engine.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 

@@ -22,21 +22,21 @@ import base64
 import struct
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from ketch.engine.engine_client import EngineClient, EngineDeadError
 from ketch.engine.outputs import RequestDelta, l2_normalized
 from ketch.engine.sampling_params import SamplingParams
-from ketch.engine.serving.admission import Slot, read_body
+from ketch.engine.serving.admission import Slot, check_prompts, read_body
 from ketch.engine.serving.protocol import PromptField, ProtocolError, check_model, parse_request
-from ketch.engine.serving.tokenization import encode
+from ketch.engine.serving.state import ServingState, serving_state
+from ketch.engine.serving.text_offload import encode
 
-if TYPE_CHECKING:
-    from ketch.engine.serving.api_server import ServingState
+router = APIRouter()
 
 
 class EmbeddingRequest(BaseModel):
@@ -63,8 +63,18 @@ class EmbeddingRequest(BaseModel):
             )
 
 
-async def create(state: ServingState, request: Request, slot: Slot) -> JSONResponse:
-    """The endpoint's work, inside the request's admission slot (the API server's)."""
+@router.post("/v1/embeddings")
+async def _embeddings(request: Request) -> Response:
+    state = serving_state(request)
+    slot = state.admit()
+    try:
+        return await _embedded(state, request, slot)
+    finally:
+        slot.release()
+
+
+async def _embedded(state: ServingState, request: Request, slot: Slot) -> JSONResponse:
+    """The endpoint's work, inside the request's admission slot."""
     body = parse_request(EmbeddingRequest, await read_body(state.config, request))
     check_model(body.model, [state.model_name])
     body.check_dimensions(state.hidden_size)
@@ -82,8 +92,8 @@ async def create(state: ServingState, request: Request, slot: Slot) -> JSONRespo
         exc.param = "input" if exc.status_code == 400 else exc.param
         raise
     prompts = [p if isinstance(p, list) else await encode(state, p) for p in body.input]
-    _check_prompts(prompts, state.vocab_size or state.tokenizer.vocab_size, state.max_model_len)
     params = SamplingParams(pooling=body.pooling or state.config.embedding_pooling)
+    check_prompts(state.prompt_limits, prompts, params, field="input")
     deltas = await _embed_all(state.engine, prompts, params)
     normalize = body.normalize is not False
     data = [
@@ -105,23 +115,6 @@ async def create(state: ServingState, request: Request, slot: Slot) -> JSONRespo
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
     )
-
-
-def _check_prompts(prompts: list[list[int]], vocab: int, max_model_len: int) -> None:
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ProtocolError(400, f"input {i} encodes to no tokens", param="input")
-        if len(prompt) > max_model_len:
-            raise ProtocolError(
-                400,
-                f"input {i} is {len(prompt)} tokens, but max_model_len is {max_model_len}",
-                param="input",
-            )
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ProtocolError(
-                400, f"input {i} has token ids {bad[:5]} outside [0, {vocab})", param="input"
-            )
 
 
 async def _embed_all(

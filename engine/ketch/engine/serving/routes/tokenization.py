@@ -12,25 +12,21 @@ These run in the API server only (the engine is not asked), behind the same API 
 limit, read timeout and admission (a slot of ``--max-concurrency``; 503 while paused or
 draining) as the completions endpoints. As in vLLM, a prompt longer than ``max_model_len`` is
 tokenised, not refused: the count is what a client asks for; but ``return_token_strs`` gives
-the tokens' strings for at most ``max_model_len`` tokens.
-
-The helpers ``encode``, ``decode`` and ``render_chat`` serve every endpoint: a long text (more
-than ``INLINE_CHARS``, ``INLINE_TOKENS`` or, for a chat, ``INLINE_BYTES`` of request body) is
-worked on a thread (``ServingState.text_jobs``), where ``tokenizers`` releases the GIL, so the
-event loop keeps answering; a short one inline, where a thread would cost more than the work.
+the tokens' strings for at most ``max_model_len`` tokens. Long texts are worked on a thread
+(``text_offload``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from ketch.engine.request_checks import RequestCheckError, check_token_ids
 from ketch.engine.serving.admission import read_body
 from ketch.engine.serving.protocol import (
     ChatMessage,
@@ -38,58 +34,11 @@ from ketch.engine.serving.protocol import (
     check_model,
     parse_request,
 )
+from ketch.engine.serving.state import ServingState, serving_state
 from ketch.engine.serving.template_kwargs import TemplateKwargs
-from ketch.engine.tokenizer import RELEASE_GIL_CHARS, RELEASE_GIL_TOKENS
+from ketch.engine.serving.text_offload import INLINE_TOKENS, decode, encode, render_chat
 
-if TYPE_CHECKING:
-    from ketch.engine.serving.api_server import ServingState
-
-INLINE_CHARS = RELEASE_GIL_CHARS
-"""Texts up to this long are tokenised on the event loop (about 3 ms at most)."""
-INLINE_TOKENS = RELEASE_GIL_TOKENS
-"""Token lists up to this long are detokenised (or given token strings) on the event loop."""
-INLINE_BYTES = 4096
-"""Chats whose request body is up to this long are rendered and tokenised on the event loop."""
-
-
-async def encode(state: ServingState, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``text``'s token ids, on a thread if it is long."""
-    if len(text) <= INLINE_CHARS:
-        return state.tokenizer.encode(text, add_special_tokens)
-    return await state.text_jobs.run(state.tokenizer.encode, text, add_special_tokens)
-
-
-async def decode(state: ServingState, token_ids: list[int], skip_special_tokens: bool) -> str:
-    """The text of ``token_ids``, on a thread if they are many."""
-    if len(token_ids) <= INLINE_TOKENS:
-        return state.tokenizer.decode(token_ids, skip_special_tokens)
-    return await state.text_jobs.run(state.tokenizer.decode, token_ids, skip_special_tokens)
-
-
-async def render_chat(
-    state: ServingState,
-    messages: Sequence[ChatMessage],
-    add_generation_prompt: bool,
-    size: int,
-    add_special_tokens: bool = False,
-    variables: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """A chat rendered with the model's template and tokenised; on a thread when its request
-    body was over ``INLINE_BYTES``. ``variables`` are the template's others (``tools``, a
-    request's ``chat_template_kwargs``). A 400 naming ``messages`` when the template cannot
-    render it (whatever the template raised)."""
-    tokenizer = state.tokenizer
-    extra = dict(variables or {})
-
-    def work() -> list[int]:
-        conversation = [m.model_dump(exclude_none=True) for m in messages]
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **extra)
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    try:
-        return work() if size <= INLINE_BYTES else await state.text_jobs.run(work)
-    except ValueError as exc:
-        raise ProtocolError(400, str(exc), param="messages") from None
+router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
@@ -131,9 +80,18 @@ def ketch_version() -> str:
         return "unknown"
 
 
-async def tokenize(request: Request) -> JSONResponse:
-    """The endpoint's work, inside the request's admission slot (the API server's)."""
-    state: ServingState = request.app.state.serving
+@router.post("/tokenize")
+async def _tokenize(request: Request) -> Response:
+    state = serving_state(request)
+    slot = state.admit()  # as the generation endpoints: counted, and refused while draining
+    try:
+        return await _tokenized(state, request)
+    finally:
+        slot.release()
+
+
+async def _tokenized(state: ServingState, request: Request) -> Response:
+    """The endpoint's work, inside the request's admission slot."""
     raw = await read_body(state.config, request)
     body = parse_request(TokenizeRequest, raw)
     body.check()
@@ -208,23 +166,31 @@ async def _token_strs(state: ServingState, tokens: list[int]) -> list[str]:
     return strs() if len(tokens) <= INLINE_TOKENS else await state.text_jobs.run(strs)
 
 
-async def detokenize(request: Request) -> JSONResponse:
-    """The endpoint's work, inside the request's admission slot (the API server's)."""
-    state: ServingState = request.app.state.serving
+@router.post("/detokenize")
+async def _detokenize(request: Request) -> Response:
+    state = serving_state(request)
+    slot = state.admit()
+    try:
+        return await _detokenized(state, request)
+    finally:
+        slot.release()
+
+
+async def _detokenized(state: ServingState, request: Request) -> JSONResponse:
+    """The endpoint's work, inside the request's admission slot."""
     body = parse_request(DetokenizeRequest, await read_body(state.config, request))
     _check_model(state, body.model)
-    vocab = state.vocab_size or state.tokenizer.vocab_size
     tokens = body.tokens
-    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        raise ProtocolError(
-            400, f"tokens has token ids {bad[:5]} outside [0, {vocab})", param="tokens"
-        )
+    try:
+        check_token_ids(state.prompt_limits.vocab_size, tokens, "tokens")
+    except RequestCheckError as exc:
+        raise ProtocolError(400, str(exc), param=exc.param) from None
     # Special tokens stay (as in vLLM): a chat template's markers are part of the text.
     text = await decode(state, tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})
 
 
+@router.get("/version")
 async def version(request: Request) -> JSONResponse:
     return JSONResponse({"version": ketch_version()})
 
