@@ -208,8 +208,8 @@ class DecodeSide:
                 )
                 continue
             request = remote.request
-            hits = scheduler.reserve_for_peer(request)
-            if hits is None:
+            num_hits = scheduler.reserve_for_peer(request)
+            if num_hits is None:
                 if now - remote.queued_at > self.block_timeout:
                     needed = scheduler.blocks_to_reserve(request)
                     self._fail(
@@ -222,8 +222,8 @@ class DecodeSide:
                     continue
                 break  # first come, first served: later requests wait behind this one
             remote.sent, remote.heard = True, now
-            request.num_cached_tokens = len(hits) * bs
-            dest_blocks = request.block_ids[len(hits) :]
+            request.num_cached_tokens = num_hits * bs
+            dest_blocks = request.block_ids[num_hits:]
             # Only the peer this request is paired with learns the nonce; the reservation
             # outlives every wait the request may do, and is revoked before its blocks go.
             nonce = secrets.token_hex(16)
@@ -240,7 +240,7 @@ class DecodeSide:
                 layout=self.engine.kv_layout,
                 kv_dest=remote.kv_dest,
                 dest_blocks=dest_blocks,
-                start_block=len(hits),
+                start_block=num_hits,
                 dest_engine_id=cache.engine_id,
                 kv_nonce=nonce,
                 expires_at=remote.expires_at,
