@@ -18,6 +18,7 @@ import pytest
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request
+from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.disagg import decode as decode_module
 from ketch.engine.disagg.decode import DecodeSide, PairingTimeouts
 from ketch.engine.disagg.messages import PrefillDone, PrefillFailed, PrefillRequest
@@ -33,6 +34,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.kv_cache = KVCacheManager(NUM_BLOCKS, BS)
+        self.scheduler = Scheduler(SchedulerConfig(4, 64, 256), self.kv_cache)
         self.model_config = SimpleNamespace(vocab_size=1000)
         self.model_fingerprint = "tiny"
         self.kv_layout = p.KVLayout(2, 2, NUM_BLOCKS, BS, 8)
