@@ -110,11 +110,13 @@ def test_blocks_of_a_failed_prefill_are_not_reused_before_the_revoke_is_confirme
         side.tick()
     assert pool.num_free_blocks == free_at_start - 6, "freed before the revoke was confirmed"
     assert side.num_held_blocks == 6
+    engine.scheduler.check_integrity()  # the held blocks are accounted for
 
     # A request that needs every free block gets none of the held ones.
     new = _paired(side, "new", pool.num_free_blocks * BS, sent)
     assert not set(new.block_ids) & set(old_blocks)
     assert pool.num_free_blocks == 0
+    engine.scheduler.check_integrity()  # and the new reservation's
 
     link.confirmed.append("old")  # Revoked: nothing lands in them any more
     side.tick()
