@@ -51,7 +51,7 @@ BLOCK = 16
 def end_to_end(model: str, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
     from ketch.engine import LLM, SamplingParams
     from ketch.engine.llm_engine import LLMEngine
-    from ketch.engine.worker.worker_process import free_tcp_port
+    from ketch.engine.worker.remote_runner import free_tcp_port
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     settings = dict(
@@ -282,7 +282,7 @@ def _reduce_rank(kind, rank, comm_name, endpoints, shape, out):
 
 
 def _reduce_timing(shape, kind: str) -> float:
-    from ketch.engine.worker.worker_process import free_tcp_port
+    from ketch.engine.worker.remote_runner import free_tcp_port
     from ketch.kernels.collective import ShmGroup
 
     comm = SharedMemory(create=True, size=ShmGroup.nbytes(2))

@@ -21,7 +21,7 @@ def parallel_logits(
     attends to the first through the KV cache), by ``world`` ranks."""
     from ketch.engine.models.config import ModelConfig
     from ketch.engine.worker.kv_cache import KVCache
-    from ketch.engine.worker.worker_process import free_tcp_port
+    from ketch.engine.worker.remote_runner import free_tcp_port
     from ketch.kernels.collective import ShmGroup, tp_environment
 
     config = ModelConfig.from_dir(path)

@@ -300,8 +300,9 @@ def test_nccl_environment_per_rank():
 
 
 def test_the_shared_memory_all_reduce_is_refused_on_a_gpu(monkeypatch):
-    from ketch.engine.worker.model_runner import RunnerConfig
-    from ketch.engine.worker.worker_process import COLLECTIVE_ENV, RemoteRunner
+    from ketch.engine.worker.remote_runner import RemoteRunner
+    from ketch.engine.worker.runner_config import RunnerConfig
+    from ketch.engine.worker.worker_process import COLLECTIVE_ENV
 
     monkeypatch.setenv(COLLECTIVE_ENV, "shm")
     config = RunnerConfig(TINY_MODEL_DIR, TINY, 128, 8, 16, device="gpu", tensor_parallel_size=2)

@@ -25,7 +25,8 @@ from ketch.engine.models.llama_gpu import GpuLlamaModel, rms_norm
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.worker.kv_cache import DeviceKVCache
-from ketch.engine.worker.model_runner import RunnerConfig, configure_paddle
+from ketch.engine.worker.model_runner import configure_paddle
+from ketch.engine.worker.runner_config import RunnerConfig
 from ketch.kernels.gpu_attention import BOTTOM_RIGHT, TOP_LEFT, GpuAttention, varlen_attention
 
 FLASH = {

@@ -26,7 +26,8 @@ from ketch.engine.spec_decode.draft import DraftProposer
 from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.spec_decode.factory import make_proposer
 from ketch.engine.spec_decode.proposer import DraftRequest
-from ketch.engine.worker.model_runner import RunnerConfig, configure_paddle
+from ketch.engine.worker.model_runner import configure_paddle
+from ketch.engine.worker.runner_config import RunnerConfig
 
 TINY = ModelConfig.from_dir(TINY_MODEL_DIR)
 PROMPTS = [

@@ -13,8 +13,8 @@ import pytest
 
 from ketch.engine import LLM, EngineConfig, SamplingParams, rundir
 from ketch.engine.llm_engine import LLMEngine
+from ketch.engine.worker.remote_runner import WorkerDiedError
 from ketch.engine.worker.shm import shm_names
-from ketch.engine.worker.worker_process import WorkerDiedError
 
 CONFIG = dict(block_size=16, kv_cache_memory="32MiB", max_num_batched_tokens=48, max_num_seqs=4)
 PROMPTS = [[5, 6, 7, 8] * k for k in (1, 3, 9, 20)]
@@ -118,7 +118,7 @@ def test_a_clean_close_prints_no_resource_tracker_traceback() -> None:
 def test_ready_message_weight_bytes_are_read_defensively():
     """A rank's ``ready <bytes>``: the count when it is a plain non-negative integer of sane
     length, else 0 (a worker of another version, or a garbled frame, never breaks start-up)."""
-    from ketch.engine.worker.worker_process import _ready_bytes
+    from ketch.engine.worker.remote_runner import _ready_bytes
 
     assert _ready_bytes(b"ready 1367119872") == 1367119872
     for junk in (b"ready", b"ready ", b"ready -5", b"ready 1e9", b"ready " + b"9" * 40,

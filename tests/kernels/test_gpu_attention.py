@@ -204,8 +204,8 @@ def test_the_gpu_modules_compile_and_import_without_cuda(tmp_path: Path):
     """What can be checked of the GPU-only modules here: they compile, and importing them needs
     no CUDA (they are imported only with --device gpu)."""
     import ketch.engine.models.llama_gpu as llama_gpu
-    import ketch.engine.worker.gpu_worker as gpu_worker
+    import ketch.engine.worker.gpu_setup as gpu_setup
 
     assert not paddle.device.is_compiled_with_cuda()
-    for module in (gpu_attention, llama_gpu, gpu_worker):
+    for module in (gpu_attention, llama_gpu, gpu_setup):
         py_compile.compile(module.__file__, cfile=str(tmp_path / "x.pyc"), doraise=True)

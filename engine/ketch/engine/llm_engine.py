@@ -31,10 +31,11 @@ from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.tracked import Tracked, embedding_delta, request_metrics, take_embeddings
-from ketch.engine.worker.model_runner import ModelRunner, RunnerConfig
+from ketch.engine.worker.model_runner import ModelRunner
 from ketch.engine.worker.null_runner import NullRunner
+from ketch.engine.worker.remote_runner import RemoteRunner, free_tcp_port
+from ketch.engine.worker.runner_config import RunnerConfig
 from ketch.engine.worker.shm import shm_names
-from ketch.engine.worker.worker_process import RemoteRunner, free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class LLMEngine:
             request.finish_on(token_id)
         output = self._process(request)
         if request.is_finished:
-            self.kv_cache.free(request)
+            self.scheduler.release_reserved(request)
         else:
             self.scheduler.add_request(request, front=True)
         return output
@@ -314,6 +315,8 @@ class LLMEngine:
                 continue
             if output is not None:
                 outputs.append(output)
+        if not self.scheduler.num_unfinished:  # idle: the block accounting must add up
+            self.scheduler.check_integrity()  # BlockAccountingError: a bug; the engine stops
         return outputs
 
     def _take_logprobs(self, out: ModelRunnerOutput) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ketch.engine.tracing_scope import SCOPE_KEY
+
 if TYPE_CHECKING:
     from ketch.engine.tracing_otel import Tracing
 
@@ -22,7 +24,6 @@ GENERAL_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_PROTOCOL"
 SERVICE_ENV = "OTEL_SERVICE_NAME"
 PROTOCOLS = ("grpc", "http/protobuf")
 MAX_ENDPOINT_LENGTH = 2048
-SCOPE_KEY = "ketch.trace"  # the request's trace record, in its ASGI scope (tracing on only)
 
 ENDPOINT_HELP = (
     "Send OpenTelemetry traces of requests to this OTLP collector: http(s)://host:port (https "

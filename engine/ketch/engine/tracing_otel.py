@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ketch.engine.tracing import SCOPE_KEY
+from ketch.engine.tracing_scope import SCOPE_KEY
 
 logger = logging.getLogger("ketch.tracing")
 

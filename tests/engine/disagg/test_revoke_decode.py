@@ -18,6 +18,7 @@ import pytest
 from ketch.engine.cache_manager import protocol as p
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request
+from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.disagg import decode as decode_module
 from ketch.engine.disagg.decode import DecodeSide, PairingTimeouts
 from ketch.engine.disagg.messages import PrefillDone, PrefillFailed, PrefillRequest
@@ -33,6 +34,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.kv_cache = KVCacheManager(NUM_BLOCKS, BS)
+        self.scheduler = Scheduler(SchedulerConfig(4, 64, 256), self.kv_cache)
         self.model_config = SimpleNamespace(vocab_size=1000)
         self.model_fingerprint = "tiny"
         self.kv_layout = p.KVLayout(2, 2, NUM_BLOCKS, BS, 8)
@@ -108,11 +110,13 @@ def test_blocks_of_a_failed_prefill_are_not_reused_before_the_revoke_is_confirme
         side.tick()
     assert pool.num_free_blocks == free_at_start - 6, "freed before the revoke was confirmed"
     assert side.num_held_blocks == 6
+    engine.scheduler.check_integrity()  # the held blocks are accounted for
 
     # A request that needs every free block gets none of the held ones.
     new = _paired(side, "new", pool.num_free_blocks * BS, sent)
     assert not set(new.block_ids) & set(old_blocks)
     assert pool.num_free_blocks == 0
+    engine.scheduler.check_integrity()  # and the new reservation's
 
     link.confirmed.append("old")  # Revoked: nothing lands in them any more
     side.tick()

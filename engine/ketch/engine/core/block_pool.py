@@ -169,17 +169,47 @@ class BlockPool:
         self.num_evictions += 1
 
     def check_integrity(self, owners: Iterable[Sequence[int]]) -> None:
-        """Raises if references held by ``owners`` disagree with the pool (a leak or double use)."""
+        """Raises ``BlockAccountingError`` unless the pool agrees with ``owners`` (every holder
+        of a block reference, one list each): each block's reference count is its number of
+        holders, the free queue holds exactly the unreferenced blocks (so no holder holds a
+        free block, and free + held is every block but 0), and the prefix-cache maps agree."""
         expected = [0] * self.num_blocks
         for block_ids in owners:
             for block_id in block_ids:
+                if not 0 <= block_id < self.num_blocks:
+                    raise BlockAccountingError(f"a holder holds block {block_id}: no such block")
                 expected[block_id] += 1
         if expected[0]:
-            raise AssertionError("reserved block 0 is owned by a request")
+            raise BlockAccountingError("reserved block 0 is held")
         if expected != self.ref_counts:
-            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
-            raise AssertionError(f"KV block reference counts wrong for blocks {bad[:10]}")
-        free = set(self._free)
-        referenced = {b for b in range(1, self.num_blocks) if self.ref_counts[b] > 0}
-        if free & referenced or len(free) + len(referenced) != self.num_blocks - 1:
-            raise AssertionError("free queue and referenced blocks overlap or miss blocks")
+            bad = [(b, self.ref_counts[b], expected[b]) for b in range(self.num_blocks)
+                   if expected[b] != self.ref_counts[b]]  # fmt: skip
+            raise BlockAccountingError(
+                f"{len(bad)} KV blocks' reference counts differ from their holders "
+                f"(block, count, holders): {bad[:10]}"
+            )
+        held_free = [b for b in self._free if expected[b]]
+        if held_free:
+            raise BlockAccountingError(f"held blocks are in the free queue: {held_free[:10]}")
+        if len(self._free) + sum(1 for c in expected if c) != self.num_blocks - 1:
+            raise BlockAccountingError(
+                f"{len(self._free)} free and {sum(1 for c in expected if c)} held blocks of "
+                f"{self.num_blocks - 1}: some are neither, or block 0 is free"
+            )
+        self._check_prefix_cache()
+
+    def _check_prefix_cache(self) -> None:
+        """The cached blocks' maps name the same blocks, and every hash in ``_cached`` points
+        at a block cached under that hash."""
+        cached = set(self._hash_of)
+        maps = (self._tokens_of, self._parent_of, self._parent_hash_of)
+        if any(set(m) != cached for m in maps) or 0 in cached:
+            raise BlockAccountingError("the prefix cache's per-block maps disagree")
+        wrong = [b for h, b in self._cached.items() if self._hash_of.get(b) != h]
+        if wrong:
+            raise BlockAccountingError(f"prefix-cache entries point at other content: {wrong[:10]}")
+
+
+class BlockAccountingError(AssertionError):
+    """The KV blocks' accounting is wrong: a bug (a leak, a block used twice, a stale cache
+    entry), never a client's doing. ``Scheduler.check_integrity`` raises it."""

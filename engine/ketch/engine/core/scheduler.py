@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ketch.engine.core.block_pool import BlockAccountingError
 from ketch.engine.core.kv_cache_manager import KVCacheManager
 from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler_output import (
@@ -66,9 +67,13 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self._sent_to_runner: set[str] = set()
-        # Blocks of finished requests that asked to keep them (``Request.keep_blocks``: a
-        # prefill for a peer, until its KV is sent), by request id.
+        # Blocks kept out of use past their request's end, by request id: a finished
+        # ``keep_blocks`` request's (a prefill for a peer, until its KV is sent), or a decode
+        # request's that a peer may still write (until the cache manager confirms the revoke).
         self.held: dict[str, list[int]] = {}
+        # Requests whose prompt a prefill peer computes into blocks reserved here
+        # (``reserve_for_peer``), until they join the queue or give their blocks back.
+        self.reserved: dict[str, Request] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -80,6 +85,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.max_len = min(request.max_len, self.config.max_model_len)
         self.requests[request.request_id] = request
+        self.reserved.pop(request.request_id, None)  # its prompt's KV came from a peer
         if front:
             self.waiting.appendleft(request)
         else:
@@ -343,18 +349,67 @@ class Scheduler:
             self._sent_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
 
+    # ---- KV blocks outside the step loop: all that disaggregation (disagg/) does with them ----
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.pool.num_free_blocks
+
+    def reserve_for_peer(self, request: Request) -> int | None:
+        """Blocks for the whole prompt of a request a prefill peer computes (its
+        ``block_ids``: prefix-cache hits, then fresh blocks); the number of hits, or None while
+        too few blocks are free. Blocks evicted to make room reach the host tier first."""
+        kv = self.kv_cache
+        hits = kv.get_computed_blocks(request)
+        if not kv.allocate_slots(request, request.num_tokens - len(hits) * self.block_size, hits):
+            return None
+        kv.flush()  # before the peer overwrites the evicted blocks
+        self.reserved[request.request_id] = request
+        return len(hits)
+
+    def blocks_to_reserve(self, request: Request) -> int:
+        """The blocks ``reserve_for_peer`` would allocate for ``request`` now (its prompt's,
+        less the prefix-cache hits)."""
+        hits = len(self.kv_cache.get_computed_blocks(request))
+        return -(-request.num_tokens // self.block_size) - hits
+
+    def release_reserved(self, request: Request, hold: bool = False) -> int:
+        """Takes a request's blocks back (one ``reserve_for_peer`` gave, or none): frees them,
+        or with ``hold`` keeps them in ``held`` (with any held under its id already) until
+        ``release_held``. Returns how many it took."""
+        self.reserved.pop(request.request_id, None)
+        block_ids, request.block_ids = request.block_ids, []
+        if hold and block_ids:
+            self.held.setdefault(request.request_id, []).extend(block_ids)
+        else:
+            self.kv_cache.pool.free(reversed(block_ids))
+        return len(block_ids)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks held under ``request_id`` (none: [])."""
+        return self.held.get(request_id, [])
+
     def release_held(self, request_id: str) -> None:
-        """Frees the blocks a finished ``keep_blocks`` request kept (idempotent)."""
+        """Frees the blocks held under ``request_id`` (idempotent)."""
         block_ids = self.held.pop(request_id, None)
         if block_ids:
             self.kv_cache.pool.free(reversed(block_ids))
 
     def check_integrity(self) -> None:
-        """Raises if any KV block is leaked or owned twice (tests and idle-time checks)."""
+        """Raises ``BlockAccountingError`` if any KV block is leaked or held twice, a freed
+        block is still held, or the prefix cache's maps disagree (``BlockPool.check_integrity``
+        over every holder: queued and running requests, reserved ones, held blocks)."""
+        reserved = [r.block_ids for r in self.reserved.values()]
         owners = [r.block_ids for r in self.requests.values()]
-        self.kv_cache.pool.check_integrity([*owners, *self.held.values()])
+        self.kv_cache.pool.check_integrity([*owners, *reserved, *self.held.values()])
+        queued = len(self.running) + len(self.waiting)
+        if queued != len(self.requests) or self.requests.keys() & self.reserved.keys():
+            raise BlockAccountingError(
+                f"{len(self.running)} running and {len(self.waiting)} waiting requests, "
+                f"{len(self.requests)} known, {len(self.reserved)} reserved: they disagree"
+            )
         if len(self.running) > self.config.max_num_seqs:
-            raise AssertionError("more running requests than max_num_seqs")
+            raise BlockAccountingError("more running requests than max_num_seqs")
 
 
 def _scores_every_position(request: Request) -> bool:

@@ -83,14 +83,6 @@ class _Remote:
     confirmed_at: float = 0.0  # time.monotonic() when Reserved came back ok (0: not yet)
 
 
-@dataclass
-class _Held:
-    """Blocks of a revoked reservation, kept out of use until the revoke is confirmed."""
-
-    block_ids: list[int]
-    until: float  # time.monotonic(): freed then even without a confirmation
-
-
 class DecodeSide:
     """Requests whose prompt a prefill peer computes, from reservation to hand-over."""
 
@@ -111,8 +103,10 @@ class DecodeSide:
         self.cache = cache  # None: no cache manager link (requests then fail clearly)
         self.reservation_ttl = RESERVATION_TTL_S
         self._remote: dict[str, _Remote] = {}
-        self._held: dict[str, _Held] = {}  # request id -> blocks awaiting its Revoked
-        self._next_fallback = math.inf  # the earliest _Held.until
+        # Request id -> when its held blocks (``Scheduler.held``: a revoked reservation's,
+        # kept out of use until the revoke is confirmed) are freed even without a confirmation.
+        self._held_until: dict[str, float] = {}
+        self._next_fallback = math.inf  # the earliest of them
         self._last_ping = 0.0
         self.outputs: list[RequestDelta] = []
         self.errors: list[RequestDelta] = []
@@ -125,7 +119,8 @@ class DecodeSide:
     @property
     def num_held_blocks(self) -> int:
         """Blocks kept out of use until the cache manager confirms their revoke."""
-        return sum(len(held.block_ids) for held in self._held.values())
+        scheduler = self.engine.scheduler
+        return sum(len(scheduler.held_blocks(r)) for r in self._held_until)
 
     def peers_in_use(self) -> set[str]:
         """The prefill peers some request here still waits on."""
@@ -198,8 +193,8 @@ class DecodeSide:
                     )
 
     def _reserve(self, now: float) -> None:
-        kv = self.engine.kv_cache
-        bs = kv.block_size
+        scheduler = self.engine.scheduler
+        bs = scheduler.block_size
         for request_id, remote in list(self._remote.items()):
             if remote.sent:
                 continue
@@ -213,24 +208,22 @@ class DecodeSide:
                 )
                 continue
             request = remote.request
-            hits = kv.get_computed_blocks(request)
-            prompt = request.num_tokens
-            if not kv.allocate_slots(request, prompt - len(hits) * bs, hits):
+            num_hits = scheduler.reserve_for_peer(request)
+            if num_hits is None:
                 if now - remote.queued_at > self.block_timeout:
-                    needed = math.ceil(prompt / bs) - len(hits)
+                    needed = scheduler.blocks_to_reserve(request)
                     self._fail(
                         request_id,
                         f"the decode instance has no free KV blocks for this request (it needs "
-                        f"{needed}, {kv.pool.num_free_blocks} are free) after waiting "
+                        f"{needed}, {scheduler.num_free_blocks} are free) after waiting "
                         f"{self.block_timeout:.0f} s; retry later or add decode replicas",
                         503,
                     )
                     continue
                 break  # first come, first served: later requests wait behind this one
-            kv.flush()  # evicted blocks go to the host before the peer overwrites them
             remote.sent, remote.heard = True, now
-            request.num_cached_tokens = len(hits) * bs
-            dest_blocks = request.block_ids[len(hits) :]
+            request.num_cached_tokens = num_hits * bs
+            dest_blocks = request.block_ids[num_hits:]
             # Only the peer this request is paired with learns the nonce; the reservation
             # outlives every wait the request may do, and is revoked before its blocks go.
             nonce = secrets.token_hex(16)
@@ -247,7 +240,7 @@ class DecodeSide:
                 layout=self.engine.kv_layout,
                 kv_dest=remote.kv_dest,
                 dest_blocks=dest_blocks,
-                start_block=len(hits),
+                start_block=num_hits,
                 dest_engine_id=cache.engine_id,
                 kv_nonce=nonce,
                 expires_at=remote.expires_at,
@@ -355,45 +348,43 @@ class DecodeSide:
         """Frees the request's blocks: at once if they were never reserved at the cache
         manager, else once it confirms the revoke (or surely dropped the reservation)."""
         remote = self._remote.pop(request_id)
-        block_ids, remote.request.block_ids = remote.request.block_ids, []
-        if not remote.sent or self.cache is None:
-            self.engine.kv_cache.pool.free(reversed(block_ids))
+        hold = remote.sent and self.cache is not None
+        held = self.engine.scheduler.release_reserved(remote.request, hold)
+        if not hold:
             return
         self.cache.revoke([request_id])
-        if not block_ids:
+        if not held:
             return
         now = time.monotonic()
         # Without a confirmation: after the reservation's end at the cache manager (it started
         # before Reserved came back), or, never confirmed, with a nonce no peer learnt.
         ends = remote.confirmed_at + remote.ttl if remote.confirmed_at else now
         until = max(ends, now) + QUARANTINE_S
-        held = self._held.get(request_id)
-        if held is not None:  # a request id seen twice: both wait for the one confirmation
-            block_ids, until = held.block_ids + block_ids, max(held.until, until)
-        self._held[request_id] = _Held(block_ids, until)
+        # A request id seen twice: both wait for the one confirmation.
+        until = max(self._held_until.get(request_id, until), until)
+        self._held_until[request_id] = until
         self._next_fallback = min(self._next_fallback, until)
 
     def _free_revoked(self, now: float) -> None:
         """Frees held blocks whose revoke the cache manager confirmed, or whose fallback time
         passed (checked only when the earliest is due: the loop's usual cost is one call)."""
-        pool = self.engine.kv_cache.pool
+        scheduler = self.engine.scheduler
         if self.cache is not None:
             for request_id in self.cache.take_revoked():
-                held = self._held.pop(request_id, None)
-                if held is not None:
-                    pool.free(reversed(held.block_ids))
-        if not self._held:
+                if self._held_until.pop(request_id, None) is not None:
+                    scheduler.release_held(request_id)
+        if not self._held_until:
             self._next_fallback = math.inf
             return
         if now < self._next_fallback:
             return
-        for request_id, held in list(self._held.items()):
-            if held.until <= now:
-                del self._held[request_id]
+        for request_id, until in list(self._held_until.items()):
+            if until <= now:
+                del self._held_until[request_id]
                 logger.warning(
                     "request %s: %d KV blocks freed without the cache manager confirming the "
                     "revoke of their reservation (it has expired there)",
-                    request_id, len(held.block_ids),
+                    request_id, len(scheduler.held_blocks(request_id)),
                 )  # fmt: skip
-                pool.free(reversed(held.block_ids))
-        self._next_fallback = min((h.until for h in self._held.values()), default=math.inf)
+                scheduler.release_held(request_id)
+        self._next_fallback = min(self._held_until.values(), default=math.inf)

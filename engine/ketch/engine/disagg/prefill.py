@@ -152,7 +152,7 @@ class PrefillSide:
         )
         if scores is not None:
             return scores
-        blocks = math.ceil(len(message.prompt_token_ids) / engine.kv_cache.block_size)
+        blocks = math.ceil(len(message.prompt_token_ids) / engine.scheduler.block_size)
         if len(message.dest_blocks) != blocks - message.start_block or message.start_block < 0:
             return (
                 f"the decode instance offered {len(message.dest_blocks)} blocks from block "
@@ -189,7 +189,7 @@ class PrefillSide:
                 finished_at=time.time(),
                 prompt_logprobs=delta.prompt_logprobs,
             )
-            held = self.engine.scheduler.held.get(message.request_id, [])
+            held = self.engine.scheduler.held_blocks(message.request_id)
             start = message.start_block
             blocks = held[start : start + len(message.dest_blocks)]
             pushed = len(blocks) == len(message.dest_blocks) and self.cache is not None

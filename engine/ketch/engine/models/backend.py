@@ -22,6 +22,7 @@ from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.gemma3 import Gemma3Model
 from ketch.engine.models.llama import LlamaModel, ModelWeights
 from ketch.engine.models.llama_native import Panels
+from ketch.engine.models.protocol import DecoderModel
 from ketch.engine.models.sharding import Shard
 from ketch.kernels import CpuKernels
 from ketch.kernels.collective import Group
@@ -44,8 +45,9 @@ def build_model(
     group: Group | None = None,
     dtype: str = "float32",
     quantization: str = "none",
-):
-    """A model with ``forward(input_ids, positions, kv_caches, meta, logit_rows)``.
+) -> DecoderModel:
+    """The model of ``backend`` (``DecoderModel``: ``forward(input_ids, positions, kv_caches,
+    meta, logit_rows)`` and the rest).
 
     ``kernels`` apply to the eager model only; ``cache_dir`` overrides ``$KETCH_CACHE_DIR``.
     ``shard`` and ``group``: one tensor-parallel rank's weights and its collectives, which only

@@ -4,16 +4,19 @@ that run a model of their own (a draft model, an MTP layer) all do the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import paddle
 
 from ketch.engine.models.attention import SequenceSpan
 
+if TYPE_CHECKING:
+    from ketch.engine.models.protocol import DecoderModel
+
 
 def forward_rows(
-    model: Any,
+    model: DecoderModel,
     input_ids: np.ndarray | paddle.Tensor,
     positions: np.ndarray | Sequence[int],
     kv_layers: list,
@@ -31,10 +34,9 @@ def forward_rows(
     meta = model.metadata(spans, block_size, num_blocks)
     if hidden_rows is not None:  # only then: the models' forward returns a pair
         inputs["hidden_rows"] = paddle.to_tensor(np.asarray(hidden_rows, np.int64))
-    if hasattr(model, "kept_rows"):  # the native model: its last layer on rows read
-        kept = model.kept_rows(spans, list(logit_rows), hidden_rows, block_size)
-        if kept is not None:
-            inputs["kept"] = kept
+    kept = model.kept_rows(spans, list(logit_rows), hidden_rows, block_size)
+    if kept is not None:  # the native model: its last layer on the rows read
+        inputs["kept"] = kept
     if not isinstance(input_ids, paddle.Tensor):
         input_ids = paddle.to_tensor(np.asarray(input_ids, dtype=np.int64))
     with paddle.no_grad():

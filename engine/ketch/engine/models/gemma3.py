@@ -48,6 +48,8 @@ def soft_cap(logits: paddle.Tensor, cap: float | None) -> paddle.Tensor:
 class Gemma3Model(LlamaModel):
     """The eager (reference) Gemma 3 decoder; inputs and outputs as ``LlamaModel.forward``."""
 
+    supports_mtp = False  # no Gemma 3 checkpoint has MTP layers; the layer is Llama's
+
     def __init__(
         self,
         config: ModelConfig,
@@ -102,6 +104,7 @@ class NativeGemma3Model(NativeLlamaModel):
     RMSNorms (the output norms) and the GELU gate in paddle ops."""
 
     swiglu_mlp = False
+    supports_mtp = False  # as Gemma3Model
 
     def __init__(
         self,

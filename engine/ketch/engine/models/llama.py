@@ -90,6 +90,7 @@ class LlamaModel:
     ``kernels``: the implementations to run with (default: the fastest this CPU can run)."""
 
     backend_name = "eager"
+    supports_mtp = True
 
     def __init__(
         self,
@@ -106,6 +107,14 @@ class LlamaModel:
         self._sin = paddle.to_tensor(sin)
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds."""
+        return weights_nbytes(self.weights)
+
+    def kept_rows(self, spans, logit_rows, hidden_rows, block_size: int) -> None:
+        """None: this backend's last layer computes every row (``DecoderModel.kept_rows``)."""
+        return None
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int

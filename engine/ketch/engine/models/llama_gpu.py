@@ -25,7 +25,7 @@ from paddle.nn.functional import swiglu
 from ketch.engine.device import attention_window
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.models.llama import LayerWeights, ModelWeights, qk_norm, rotate
+from ketch.engine.models.llama import LayerWeights, ModelWeights, qk_norm, rotate, weights_nbytes
 from ketch.engine.models.moe import refuse_moe
 from ketch.engine.models.rope import cos_sin_tables
 from ketch.engine.models.sharding import Shard, whole
@@ -69,6 +69,7 @@ class GpuLlamaModel:
     """Computes logits for the last token of each sampling request in a flattened batch."""
 
     backend_name = "gpu"
+    supports_mtp = False
 
     def __init__(
         self,
@@ -98,6 +99,14 @@ class GpuLlamaModel:
         self._sin = paddle.to_tensor(sin).astype(dtype)
         self.attention_window = attention_window(max_num_batched_tokens, max_len)
         self.eps = float(config.rms_norm_eps)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this model holds (in device memory)."""
+        return weights_nbytes(self.weights)
+
+    def kept_rows(self, spans, logit_rows, hidden_rows, block_size: int) -> None:
+        """None: this backend's last layer computes every row (``DecoderModel.kept_rows``)."""
+        return None
 
     def metadata(
         self, spans: Sequence[SequenceSpan], block_size: int, num_blocks: int

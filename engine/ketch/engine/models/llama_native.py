@@ -198,6 +198,7 @@ class NativeLlamaModel:
     other than 0 computes no logits (``forward`` returns None)."""
 
     backend_name = "native"
+    supports_mtp = True
     swiglu_mlp = True  # the MLP is SwiGLU (the packed GEMM may compute it in its epilogue)
 
     def __init__(

@@ -77,6 +77,7 @@ class PredictorLlamaModel:
     ``eager_below_tokens`` tokens (0: none) run in dygraph (see the module's docstring)."""
 
     backend_name = "predictor"
+    supports_mtp = False
     # Crossover on the 23M Qwen2, 1 thread, both around the C++ attention kernel: the predictor
     # runs at 0.68x dygraph's speed at 2 tokens, 0.97x at 6, 1.02x at 7, 1.27x at 8.
     eager_below_tokens = 7
@@ -115,6 +116,14 @@ class PredictorLlamaModel:
         self._last = [*_finish_weights(layers[-1]), weights.norm, weights.lm_head]
         self._identity: paddle.Tensor | None = None  # built for the first embedding step
         self._qk_norm_layers = layers if config.qk_norm else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights: the eager model's, which the programs read as they are."""
+        return self.eager.weight_bytes()
+
+    def kept_rows(self, spans, logit_rows, hidden_rows, block_size: int) -> None:
+        """None: this backend's last layer computes every row (``DecoderModel.kept_rows``)."""
+        return None
 
     def metadata(
         self, spans: list[SequenceSpan], block_size: int, num_blocks: int

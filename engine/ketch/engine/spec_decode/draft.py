@@ -39,18 +39,17 @@ from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.spec_decode.proposer import DraftRequest, Proposer
+from ketch.engine.worker.host_memory import release_freed_memory
 from ketch.engine.worker.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from ketch.engine.worker.model_runner import RunnerConfig
+    from ketch.engine.worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
 
 class DraftProposer(Proposer):
     def __init__(self, config: RunnerConfig) -> None:
-        from ketch.engine.worker.model_runner import model_weight_bytes, release_freed_memory
-
         spec = config.speculative
         if spec is None or spec.model is None:
             raise ValueError("speculative_config.model is required for method 'draft'")
@@ -86,7 +85,7 @@ class DraftProposer(Proposer):
         release_freed_memory()
         self.kv_cache = KVCache.for_model(mc, config)
         self.computed: dict[str, int] = {}
-        self.weight_bytes = model_weight_bytes(self.model)
+        self.weight_bytes = self.model.weight_bytes()
         self.kv_cache_bytes = int(self.kv_cache.array.nbytes)
         self.num_forwards = 0  # forward passes run (tests, logs)
         logger.info(

@@ -9,7 +9,8 @@ from ketch.engine.spec_decode.ngram import NgramProposer
 from ketch.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
-    from ketch.engine.worker.model_runner import RunnerConfig
+    from ketch.engine.models.protocol import DecoderModel
+    from ketch.engine.worker.runner_config import RunnerConfig
 
 HIDDEN_METHODS = ("mtp",)
 """Methods whose proposer drafts from the target's hidden states (``Proposer.wants_hidden``)."""
@@ -22,7 +23,7 @@ def wants_hidden(spec: SpeculativeConfig | None) -> bool:
     return spec is not None and spec.method in HIDDEN_METHODS
 
 
-def make_proposer(config: RunnerConfig, model: object) -> Proposer:
+def make_proposer(config: RunnerConfig, model: DecoderModel) -> Proposer:
     """``model``: the target model (MTP drafts with its layers)."""
     spec = config.speculative
     if spec is None:

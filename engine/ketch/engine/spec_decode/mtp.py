@@ -45,7 +45,8 @@ from ketch.engine.spec_decode.proposer import DraftRequest, Proposer, StepHidden
 from ketch.engine.worker.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from ketch.engine.worker.model_runner import RunnerConfig
+    from ketch.engine.models.protocol import DecoderModel
+    from ketch.engine.worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class _Chain:
 class MtpProposer(Proposer):
     wants_hidden = True
 
-    def __init__(self, config: RunnerConfig, target: object) -> None:
+    def __init__(self, config: RunnerConfig, target: DecoderModel) -> None:
         from ketch.engine.models.llama_native import NativeLlamaModel
 
         mc = config.model_config
@@ -72,10 +73,10 @@ class MtpProposer(Proposer):
                 "speculative_config.method 'mtp' needs a checkpoint with multi-token-prediction "
                 f"layers (config num_nextn_predict_layers > 0); {config.model_path} has none"
             )
-        if not isinstance(target, LlamaModel | NativeLlamaModel) or mc.gemma is not None:
+        if not target.supports_mtp:
             raise ValueError(
                 f"speculative_config.method 'mtp' runs with the native or eager backend, not "
-                f"{getattr(target, 'backend_name', type(target).__name__)}"
+                f"{target.backend_name}"
             )
         self.config = config
         self.eps = float(mc.rms_norm_eps)

@@ -18,7 +18,9 @@ from ketch.engine.spec_decode.verify import drafts_wanted, grammar_prefix, verif
 
 if TYPE_CHECKING:
     from ketch.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-    from ketch.engine.worker.model_runner import RequestState, RunnerConfig, StepInputs
+    from ketch.engine.models.protocol import DecoderModel
+    from ketch.engine.worker.runner_config import RunnerConfig
+    from ketch.engine.worker.step_inputs import RequestState, StepInputs
     from ketch.engine.worker.tensor_parallel import StepSync
 
 
@@ -26,7 +28,7 @@ class Speculation:
     """One runner's speculative decoding: the proposer on rank 0, the checks, the hand-offs."""
 
     def __init__(
-        self, config: RunnerConfig, model: object, first_rank: bool, sync: StepSync | None
+        self, config: RunnerConfig, model: DecoderModel, first_rank: bool, sync: StepSync | None
     ):
         self.config = config
         self.sync = sync

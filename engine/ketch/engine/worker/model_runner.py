@@ -18,14 +18,9 @@ request arrived, or whose compile failed, fails that request alone.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import paddle
@@ -34,12 +29,10 @@ from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData
 from ketch.engine.device import parse_device, rank_device
 from ketch.engine.models.attention import SequenceSpan
 from ketch.engine.models.backend import build_model
-from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.forward import forward_rows
-from ketch.engine.models.llama import weights_nbytes
 from ketch.engine.models.loader import load_weights
+from ketch.engine.models.protocol import DecoderModel
 from ketch.engine.models.sharding import Shard
-from ketch.engine.spec_decode.config import SpeculativeConfig
 from ketch.engine.spec_decode.runner_side import Speculation
 from ketch.engine.structured.compiler import (
     PENDING,
@@ -49,10 +42,13 @@ from ketch.engine.structured.compiler import (
     precompute_masks,
     wait_compiled,
 )
+from ketch.engine.worker.host_memory import release_freed_memory
 from ketch.engine.worker.kv_cache import KVCache
-from ketch.engine.worker.pooling import HiddenRows, Pooler
+from ketch.engine.worker.pooling import Pooler
+from ketch.engine.worker.runner_config import RunnerConfig
 from ketch.engine.worker.sampler import SamplingState, prompt_logprobs, sample
 from ketch.engine.worker.step_checks import StepError, check_blocks, check_new, check_scheduled
+from ketch.engine.worker.step_inputs import RequestState, StepInputs, add_prompt_rows
 from ketch.engine.worker.tensor_parallel import StepSync
 from ketch.kernels.collective import Group
 
@@ -63,80 +59,6 @@ GRAMMAR_WAIT_S = 0.005
 when other requests are in the batch (they would wait too)."""
 GRAMMAR_IDLE_WAIT_S = 0.05
 """The same when the batch is nothing but such rows (recomputing them sooner gains nothing)."""
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
-"""Default ``RunnerConfig.grammar_compile_timeout_s``."""
-
-
-@dataclass
-class RunnerConfig:
-    """What the runner needs to know, decided by the engine."""
-
-    model_path: Path
-    model_config: ModelConfig
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "float32"  # the weights' (activations are float32 on the CPU)
-    kv_cache_dtype: str = "float32"
-    quantization: str = "none"  # or "int8": linear layers' weights (CPU, native backend)
-    num_threads: int | None = None
-    backend: str = "auto"
-    tensor_parallel_size: int = 1
-    # 'cpu' or 'gpu:N' (rank r on gpu:N+r: ketch.engine.device). The GPU path has never run.
-    device: str = "cpu"
-    max_num_batched_tokens: int = 2048  # bounds a GPU step's attention gathers
-    # A request whose grammar has not compiled this long after it arrived fails (alone).
-    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
-    speculative: SpeculativeConfig | None = None
-
-
-@dataclass
-class StepInputs:
-    """One step's flattened model inputs."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    spans: list[SequenceSpan] = field(default_factory=list)
-    sampling_ids: list[str] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)
-    # prompt_logprobs: the rows whose logits score prompt tokens, and per request
-    # (request id, index of the first prompt token scored, how many), in row order.
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
-    hidden: HiddenRows = field(default_factory=HiddenRows)  # embedding requests'
-    # Speculative decoding: per request, its drafts and the index in ``spec_rows`` of the row
-    # scoring the first (each draft's position has a row: it scores the token after it).
-    drafts: dict[str, tuple[list[int], int]] = field(default_factory=dict)
-    spec_rows: list[int] = field(default_factory=list)
-    # The request of each span (``spans``' order), for proposers that read hidden states.
-    span_ids: list[str] = field(default_factory=list)
-
-
-@dataclass
-class RequestState:
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: SamplingState
-    next_prompt_logprob: int = 1  # the next prompt token to score (prompt_logprobs)
-    pooler: Pooler | None = None  # an embedding request's (SamplingParams.pooling)
-
-
-def release_freed_memory() -> None:
-    """Returns the heap memory freed so far to the system (glibc's ``malloc_trim``): loading
-    reads each weight and packs a copy, and without this the freed originals stay resident
-    (measured: 185 MB of a 490 MB model). A no-op where the C library has no such call."""
-    gc.collect()
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
-def model_weight_bytes(model: object) -> int:
-    """Bytes of the weights ``model`` holds, in the layouts it computes from."""
-    measure = getattr(model, "weight_bytes", None)
-    if callable(measure):
-        return int(measure())
-    return weights_nbytes(getattr(model, "weights", None))
 
 
 def configure_paddle(num_threads: int | None) -> int:
@@ -168,12 +90,13 @@ class ModelRunner:
         self.shard = Shard.of(mc, rank, config.tensor_parallel_size)
         self.sync = StepSync(group) if self.shard.world > 1 else None
         if self.device.is_gpu:  # never run: docs/gpu.md
-            from ketch.engine.worker.gpu_worker import gpu_model_and_cache
+            from ketch.engine.worker.gpu_setup import gpu_model_and_cache
 
             self.model, self.kv_cache = gpu_model_and_cache(config, self.device, self.shard, group)
         else:
             self.model, self.kv_cache = self._cpu_model_and_cache(threads, kv_buffer, group)
             release_freed_memory()  # what loading and packing freed: not resident from here on
+        self.model: DecoderModel
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built for the first grammar request
         self._advanced: list[RequestGrammar] = []  # by the last step (prepare_next_step)
@@ -185,7 +108,7 @@ class ModelRunner:
         # Every rank computes the hidden rows a hidden-state proposer reads (the ranks' last
         # layers must compute the same rows); only rank 0 has the proposer.
         self.spec_hidden = self.spec is not None and self.spec.wants_hidden
-        self.weight_bytes = model_weight_bytes(self.model)
+        self.weight_bytes = self.model.weight_bytes()
         quantized = ", int8 linear layers" if config.quantization == "int8" else ""
         logger.info(
             "model runner ready: %s on the %s backend%s, weights %.1f MiB (%s%s), %d KV blocks x "
@@ -203,7 +126,9 @@ class ModelRunner:
             f", tensor-parallel rank {rank} of {self.shard.world}" if self.sync else "",
         )
 
-    def _cpu_model_and_cache(self, threads: int, kv_buffer: memoryview | None, group):
+    def _cpu_model_and_cache(
+        self, threads: int, kv_buffer: memoryview | None, group: Group | None
+    ) -> tuple[DecoderModel, KVCache]:
         config, mc = self.config, self.config.model_config
         weights = load_weights(config.model_path, mc, config.dtype, self.shard, "float32")
         model = build_model(
@@ -516,23 +441,7 @@ class ModelRunner:
                 batch.sampling_ids.append(request_id)
                 batch.logit_rows.append(start + n - 1)
             if state.sampling.params.prompt_logprobs is not None:
-                _add_prompt_rows(batch, request_id, state, start, n)
+                add_prompt_rows(batch, request_id, state, start, n)
             state.num_computed_tokens = begin + n
             start += width
         return batch
-
-
-def _add_prompt_rows(
-    batch: StepInputs, request_id: str, state: RequestState, start: int, n: int
-) -> None:
-    """Rows of this chunk (positions begin..begin+n-1, from row ``start``) whose logits score a
-    prompt token not scored yet: position j scores token j + 1. A request resumed after a
-    preemption recomputes its prompt without scoring it twice."""
-    begin = state.num_computed_tokens
-    first = max(state.next_prompt_logprob, begin + 1)
-    last = min(state.sampling.num_prompt_tokens - 1, begin + n)  # inclusive
-    if first > last:
-        return
-    batch.prompt_rows.extend(range(start + first - 1 - begin, start + last - begin))
-    batch.prompt_spans.append((request_id, first, last - first + 1))
-    state.next_prompt_logprob = last + 1

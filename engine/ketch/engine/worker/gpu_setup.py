@@ -1,4 +1,5 @@
-"""What a model runner on a GPU holds: WRITTEN BUT NEVER RUN ON A GPU (docs/gpu.md).
+"""A model runner's GPU setup, its model and KV cache in device memory: WRITTEN BUT NEVER RUN
+ON A GPU (docs/gpu.md).
 
 Imported only when the runner's device is a GPU. Puts paddle on the rank's GPU, loads this rank's
 weights in the compute dtype and moves them there, measures the attention op's causal alignment,
@@ -9,7 +10,6 @@ every rank's free memory: ``capabilities.num_kv_blocks``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import paddle
 
@@ -18,11 +18,9 @@ from ketch.engine.models.llama_gpu import GpuLlamaModel, to_device
 from ketch.engine.models.loader import load_weights
 from ketch.engine.models.sharding import Shard
 from ketch.engine.worker.kv_cache import DeviceKVCache
+from ketch.engine.worker.runner_config import RunnerConfig
 from ketch.kernels.collective import Group
 from ketch.kernels.gpu_attention import GpuAttention
-
-if TYPE_CHECKING:
-    from ketch.engine.worker.model_runner import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
