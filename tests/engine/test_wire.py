@@ -13,9 +13,8 @@ import json
 import pytest
 from hostile import frames
 
-from ketch.engine import wire
+from ketch.engine import engine_messages, wire
 from ketch.engine.cache_manager import protocol as cm
-from ketch.engine import engine_messages
 from ketch.engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
