@@ -223,10 +223,11 @@ class EngineClient:
                 "a refused engine frame carried %d open request(s): failing them", len(lost)
             )
         reason = f"its output from the engine was lost ({str(exc)[:200]})"
-        for request_id in lost:
-            self._pieces.pop(request_id, None)
+        for request_id in named:  # their engine end may have been in it: none will come
             if self.processor is not None:
                 self.processor.forget(request_id)
+        for request_id in lost:
+            self._pieces.pop(request_id, None)
             self._queues[request_id].put_nowait(
                 RequestDelta(request_id=request_id, error=reason, error_code=500)
             )
