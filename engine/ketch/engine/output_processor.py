@@ -113,12 +113,12 @@ class OutputProcessor:
         """The delta with its text; None when nothing is to be handed out (a request not
         watched here, a ``final_only`` one before its end, tokens after a stop string)."""
         request_id = delta.request_id
-        stopping = self._stopping.get(request_id)
-        if stopping is not None:
-            return self._stopped_end(delta, stopping) if delta.finished else None
         output = self._outputs.get(request_id)
-        if output is None:
-            return None
+        if output is None:  # not watched, or ended at a stop string (its engine end awaited)
+            stopping = self._stopping.get(request_id)
+            if stopping is None or not delta.finished:
+                return None
+            return self._stopped_end(delta, stopping)
         if delta.error is not None or output.detokenizer is None:
             del self._outputs[request_id]
             return _without_text(delta)
