@@ -4,8 +4,9 @@ Checks ``REV`` (default: the parent of the hardening work) out as a temporary gi
 runs ``ketch serve`` from its sources through ``PYTHONPATH`` (ahead of the venv's editable
 install; the venv's dependencies are shared); the current checkout runs from the venv as it is.
 The two take turns (A B A B ...), each round a fresh server on the same settings, streaming the
-same token-id prompts at one concurrency. Prints output tok/s per round, medians and the ratio
-current ÷ REV. ``--runner null`` (a fixed token, instantly) measures the serving path alone;
+same token-id prompts at one concurrency. Prints output tok/s and median TPOT (time per output
+token after the first, per request) per round, their medians and the ratios current ÷ REV.
+``--runner null`` (a fixed token, instantly) measures the serving path alone;
 ``--current-rev`` runs the current side from a worktree of that commit too (a shared checkout
 with others' work in progress).
 
@@ -52,12 +53,17 @@ def checkout(rev: str | None, into: Path) -> Iterator[str | None]:
                        check=False, capture_output=True)  # fmt: skip
 
 
-def measure(label: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+def measure(label: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[float, float]:
+    """(output tok/s, median TPOT in ms) of one round on a fresh server."""
     with ketch_server("tiny", "--max-concurrency", "1024", "--runner", args.runner) as url:
         load(url, "warm-up", prompts[:8], 8, concurrency=8)
         result = load(url, label, prompts, args.max_tokens, concurrency=args.concurrency)
-    print(f"  {label}: {result.tok_per_s:.0f} output tok/s ({len(result.completed)} ok)")
-    return result.tok_per_s
+    tpot = result.percentiles("tpot")[0]
+    print(
+        f"  {label}: {result.tok_per_s:.0f} output tok/s, TPOT p50 {tpot:.2f} ms "
+        f"({len(result.completed)} ok)"
+    )
+    return result.tok_per_s, tpot
 
 
 def main() -> None:
@@ -76,7 +82,7 @@ def main() -> None:
         checkout(args.rev, Path(tmp) / "old") as old_path,
         checkout(args.current_rev, Path(tmp) / "new") as new_path,
     ):
-        runs: dict[str, list[float]] = {"current": [], args.rev: []}
+        runs: dict[str, list[tuple[float, float]]] = {"current": [], args.rev: []}
         for i in range(args.rounds):
             for label, path in (("current", new_path), (args.rev, old_path)):
                 os.environ.pop("PYTHONPATH", None)
@@ -84,10 +90,14 @@ def main() -> None:
                     os.environ["PYTHONPATH"] = path
                 runs[label].append(measure(f"{label} round {i + 1}", prompts, args))
         os.environ.pop("PYTHONPATH", None)
-    new, old = statistics.median(runs["current"]), statistics.median(runs[args.rev])
-    print(f"\n| c={args.concurrency}, --runner {args.runner} | median output tok/s |\n|---|---|")
-    print(f"| {args.rev} | {old:.0f} |\n| current | {new:.0f} |")
-    print(f"| current ÷ {args.rev} | {new / old:.3f} |")
+    new = [statistics.median(v) for v in zip(*runs["current"], strict=True)]
+    old = [statistics.median(v) for v in zip(*runs[args.rev], strict=True)]
+    title = f"c={args.concurrency}, --runner {args.runner}"
+    print(f"\n| {title} | median output tok/s | median TPOT p50 (ms) |\n|---|---|---|")
+    print(
+        f"| {args.rev} | {old[0]:.0f} | {old[1]:.2f} |\n| current | {new[0]:.0f} | {new[1]:.2f} |"
+    )
+    print(f"| current ÷ {args.rev} | {new[0] / old[0]:.3f} | {new[1] / old[1]:.3f} |")
 
 
 if __name__ == "__main__":

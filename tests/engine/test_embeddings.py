@@ -21,10 +21,10 @@ import torch
 
 from hf_models import hf_model
 from ketch.engine import LLM, SamplingParams
-from ketch.engine.core import messages
+from ketch.engine import engine_messages as messages
 from ketch.engine.core.scheduler_output import ModelRunnerOutput, NewRequestData
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.outputs import MAX_EMBEDDING_SIZE, RequestDelta, l2_normalized
+from ketch.engine.outputs import MAX_EMBEDDING_SIZE, TokenDelta, l2_normalized
 from ketch.engine.wire import MessageError
 from ketch.engine.worker.messages import decode_result, encode_result
 from ketch.engine.worker.pooling import HiddenRows, Pooler
@@ -119,7 +119,7 @@ def test_preempted_embeddings_are_pooled_once(path, pooling: str) -> None:
     assert preempted, "some embedding request should have been preempted and recomputed"
     for i, want in enumerate(reference(path, prompts, pooling)):
         delta = deltas[f"e{i}"]
-        assert delta.finish_reason == "stop" and delta.new_token_ids == [] and delta.new_text == ""
+        assert delta.finish_reason == "stop" and delta.new_token_ids == []
         assert delta.metrics.num_generation_tokens == 0 and delta.metrics.first_token_time is None
         assert_close(delta.embedding, want, (pooling, i, delta.metrics.num_preemptions))
 
@@ -267,7 +267,7 @@ def test_a_pooled_vector_of_the_wrong_size_fails_its_request() -> None:
 def test_embeddings_on_the_wire() -> None:
     output = ModelRunnerOutput([], [], pooled={"r": [0.5, -1.25]})
     assert decode_result(encode_result(output)).pooled == {"r": [0.5, -1.25]}
-    delta = RequestDelta("r", finish_reason="stop", embedding=[0.1, 0.2])
+    delta = TokenDelta("r", finish_reason="stop", embedding=[0.1, 0.2])
     back = messages.decode(messages.encode(messages.StepOutputs([delta])))
     assert back.deltas[0].embedding == [0.1, 0.2]
     for bad, word in (

@@ -6,9 +6,13 @@ import asyncio
 from pathlib import Path
 
 from ketch.engine.config import EngineConfig
-from ketch.engine.core.messages import RequestDelta, StepOutputs, encode
 from ketch.engine.engine_client import EngineClient, _coalesce
-from ketch.engine.outputs import TokenLogprob
+from ketch.engine.engine_messages import StepOutputs, TokenDelta, encode
+from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.output_processor import OutputProcessor
+from ketch.engine.outputs import RequestDelta, TokenLogprob
+from ketch.engine.sampling_params import SamplingParams
+from ketch.engine.tokenizer import Tokenizer
 
 
 def test_a_malformed_engine_frame_is_counted_and_dropped(tmp_path: Path) -> None:
@@ -18,12 +22,15 @@ def test_a_malformed_engine_frame_is_counted_and_dropped(tmp_path: Path) -> None
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         client._queues["r"] = queue
-        bad = encode(StepOutputs([RequestDelta("other", [1])])).replace(b"[1]", b"[-1.5]")
+        tokenizer = Tokenizer(resolve_model_path("tiny"))
+        client.processor = OutputProcessor(tokenizer)
+        client.processor.add_request("r", [1], SamplingParams())
+        bad = encode(StepOutputs([TokenDelta("other", [1])])).replace(b"[1]", b"[-1.5]")
         for frame in (b"\xff", b'{"type": "StepOutputs", "body": {"deltas": [5]}}', bad):
             client._take(frame)
         assert client.bad_messages.total == 3 and queue.empty()
-        client._take(encode(StepOutputs([RequestDelta("r", [1], "a")])))
-        assert queue.get_nowait() == RequestDelta("r", [1], "a")
+        client._take(encode(StepOutputs([TokenDelta("r", [1])])))
+        assert queue.get_nowait() == RequestDelta("r", [1], tokenizer.decode([1]))
     finally:
         client._requests.close(linger=0)
         client._outputs.close(linger=0)

@@ -14,17 +14,21 @@ from pathlib import Path
 import pytest
 
 from ketch.engine.config import EngineConfig
-from ketch.engine.core.messages import (
-    RequestDelta,
+from ketch.engine.engine_client import EngineClient
+from ketch.engine.engine_messages import (
     StepOutputs,
+    TokenDelta,
     decode,
     encode,
     encode_step,
     join_pieces,
 )
-from ketch.engine.engine_client import EngineClient
-from ketch.engine.outputs import TokenLogprob
+from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.output_processor import OutputProcessor
+from ketch.engine.outputs import RequestDelta, TokenLogprob
+from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.wire import MAX_MESSAGE_BYTES
 
 SNAPSHOT = EngineSnapshot(1, 2, 0.5, 10, 20, 3, 64, 0, 100, 50)
@@ -34,6 +38,7 @@ METRICS = RequestMetrics(1.0, 1.5, 2.0, 3.0, 4, 1, 0, 0, "length")
 @pytest.fixture
 def client(tmp_path: Path):
     client = EngineClient(EngineConfig(model="tiny"), port=1, run_dir=tmp_path)
+    client.processor = OutputProcessor(Tokenizer(resolve_model_path("tiny")))
     yield client
     client._requests.close(linger=0)
     client._outputs.close(linger=0)
@@ -43,6 +48,7 @@ def client(tmp_path: Path):
 def _open(client: EngineClient, *request_ids: str) -> dict[str, asyncio.Queue[RequestDelta]]:
     for request_id in request_ids:
         client._queues[request_id] = asyncio.Queue()
+        client.processor.add_request(request_id, [1], SamplingParams(logprobs=20))
     return {r: client._queues[r] for r in request_ids}
 
 
@@ -53,19 +59,27 @@ def _drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
     return out
 
 
-def _big_final_delta(request_id: str, positions: int, seed: int) -> RequestDelta:
+def _as_sent(delta: RequestDelta) -> TokenDelta:
+    """What the engine sent, read back from the API server's delta (its text aside)."""
+    d = delta
+    return TokenDelta(
+        d.request_id, d.new_token_ids, d.finish_reason, d.stop_reason, d.num_prompt_tokens,
+        d.num_cached_tokens, d.logprobs, d.prompt_logprobs, d.error, d.error_code, d.metrics,
+    )  # fmt: skip
+
+
+def _big_final_delta(request_id: str, positions: int, seed: int) -> TokenDelta:
     """A non-streaming request's one delta: every position with 20 alternatives, its prompt
-    scored, its text (non-ASCII too, which JSON escapes), and its metrics."""
+    scored, and its metrics."""
     rng = random.Random(seed)
 
     def logprob() -> TokenLogprob:
         top = [(rng.randrange(50000), -rng.random() * 20) for _ in range(20)]
         return TokenLogprob(rng.randrange(50000), -rng.random() * 20, top)
 
-    return RequestDelta(
+    return TokenDelta(
         request_id,
         new_token_ids=[rng.randrange(50000) for _ in range(positions)],
-        new_text="".join(rng.choice('ab é\n"\\語') for _ in range(positions * 3)),
         finish_reason="length",
         num_prompt_tokens=40,
         num_cached_tokens=16,
@@ -78,12 +92,12 @@ def _big_final_delta(request_id: str, positions: int, seed: int) -> RequestDelta
 def test_a_step_over_the_frame_budget_goes_in_frames_under_it_and_arrives_whole(client) -> None:
     budget = 64 << 10
     deltas = [
-        RequestDelta("req-s1", [5], "a"),  # streaming requests' small deltas, before and after
+        TokenDelta("req-s1", [5]),  # streaming requests' small deltas, before and after
         _big_final_delta("req-b1", 700, seed=1),
-        RequestDelta("", finish_reason="abort", metrics=METRICS),  # an abort's metrics
+        TokenDelta("", finish_reason="abort", metrics=METRICS),  # an abort's metrics
         _big_final_delta("req-b2", 300, seed=2),
-        RequestDelta("req-s2", [6], "b", finish_reason="stop", stop_reason=6),
-        RequestDelta("req-e", error="prompt is empty"),
+        TokenDelta("req-s2", [6], finish_reason="stop", stop_reason=6),
+        TokenDelta("req-e", error="prompt is empty"),
     ]
     assert len(encode(StepOutputs(deltas, SNAPSHOT))) > 8 * budget  # the case at hand
     frames = encode_step(deltas, SNAPSHOT, budget)
@@ -95,14 +109,15 @@ def test_a_step_over_the_frame_budget_goes_in_frames_under_it_and_arrives_whole(
         assert client._take(frame) == []
     for delta in deltas:
         if delta.request_id:
-            assert _drain(queues[delta.request_id]) == [delta]  # one delta, exactly as sent
+            got = _drain(queues[delta.request_id])  # one delta, exactly as sent (with text)
+            assert [_as_sent(d) for d in got] == [delta]
     assert client.last_snapshot == SNAPSHOT
     assert finished == [METRICS] * 3  # each finished request counted once
     assert client._pieces == {}
 
 
 def test_a_step_under_the_budget_is_one_frame_as_before() -> None:
-    deltas = [RequestDelta("req-a", [1, 2], "ab"), RequestDelta("req-b", [3], "c", "stop")]
+    deltas = [TokenDelta("req-a", [1, 2]), TokenDelta("req-b", [3], "stop")]
     assert encode_step(deltas, SNAPSHOT) == [encode(StepOutputs(deltas, SNAPSHOT))]
 
 
@@ -114,13 +129,13 @@ def test_pieces_join_back_exactly() -> None:
     pieces = [f.deltas[0] for f in frames]
     assert all(p.finish_reason is None and p.metrics is None for p in pieces[:-1])
     assert join_pieces(pieces) == delta
-    empty = RequestDelta("req-b", [1] * 3000, "", logprobs=[], prompt_logprobs=[])
+    empty = TokenDelta("req-b", [1] * 3000, logprobs=[], prompt_logprobs=[])
     pieces = [d for f in encode_step([empty], None, budget=2 << 10) for d in decode(f).deltas]
     assert len(pieces) > 1 and join_pieces(pieces) == empty  # [] stays [], None stays None
 
 
 def test_small_deltas_share_the_frames_of_a_cut_one() -> None:
-    small = [RequestDelta(f"req-s{i}", [i], "x" * 100) for i in range(200)]
+    small = [TokenDelta(f"req-s{i}", [i] * 50) for i in range(200)]
     big = _big_final_delta("req-b", 40, seed=5)
     deltas = [*small[:100], big, *small[100:]]
     frames = [decode(f) for f in encode_step(deltas, None, 8 << 10)]
@@ -135,7 +150,7 @@ def test_small_deltas_share_the_frames_of_a_cut_one() -> None:
 def test_a_refused_frame_fails_every_open_request_it_carried(client) -> None:
     """Before: the frame was counted and dropped, and its requests waited forever."""
     queues = _open(client, "req-a", "req-b", "req-c")
-    good = encode(StepOutputs([RequestDelta("req-a", [1], "x"), RequestDelta("req-b", [2])]))
+    good = encode(StepOutputs([TokenDelta("req-a", [1]), TokenDelta("req-b", [2])]))
     malformed = good.replace(b"[2]", b"[-2.5]")
     lost = client._take(malformed)
     for request_id in ("req-a", "req-b"):

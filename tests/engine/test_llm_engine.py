@@ -18,14 +18,13 @@ def llm(checkpoint: Callable[..., Path]) -> LLM:
 
 
 def stream(llm: LLM, prompt: str, params: SamplingParams) -> tuple[str, list[int], str | None]:
-    engine = llm.engine
-    engine.add_request("streamed", prompt, params)
+    """A delta per step, its text made as the API server makes it (``LLM``'s processor)."""
+    llm._add("streamed", llm.engine.tokenize_prompt(prompt)[1], params, final_only=False)
     text, tokens, reason = "", [], None
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            text += delta.new_text
-            tokens += delta.new_token_ids
-            reason = delta.finish_reason
+    for delta in llm._run():
+        text += delta.new_text
+        tokens += delta.new_token_ids
+        reason = delta.finish_reason
     return text, tokens, reason
 
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from ketch.engine.core.messages import (
+from ketch.engine.engine_messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
-    RequestDelta,
     StepOutputs,
+    TokenDelta,
     decode,
     encode,
 )
@@ -24,12 +24,12 @@ from ketch.engine.wire import MessageError
 MESSAGES = [
     AddRequest("a", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=3), True),
     AbortRequests(["a", "b"]),
+    AbortRequests([], stopped={"c": 3}),
     StepOutputs(
         [
-            RequestDelta(
+            TokenDelta(
                 "a",
                 [4, 5],
-                "hé",
                 None,
                 None,
                 3,
@@ -37,16 +37,15 @@ MESSAGES = [
                 [TokenLogprob(4, -0.1, [(4, -0.1), (9, -2.0)]), TokenLogprob(5, -0.7)],
                 [TokenLogprob(3, -5.0, [(8, -0.5)])],
             ),
-            RequestDelta("b", finish_reason="stop", stop_reason="x"),
-            RequestDelta("c", error="prompt is empty"),
+            TokenDelta("b", finish_reason="stop", stop_reason=7),
+            TokenDelta("c", error="prompt is empty"),
         ]
     ),
     StepOutputs(
         [
-            RequestDelta(
+            TokenDelta(
                 "d",
                 [1],
-                "x",
                 "length",
                 metrics=RequestMetrics(1.0, 1.5, 2.0, 3.0, 4, 1, 0, 0, "length"),
             )
@@ -93,7 +92,8 @@ LP = {"token_id": 4, "logprob": -0.1}
         ({"prompt_logprobs": LP}, "prompt_logprobs: expected a list"),
         ({"error": "x", "error_code": 200}, "error_code must be an HTTP error"),
         ({"new_token_ids": [True]}, "new_token_ids[0]: expected an integer"),
-        ({"new_text": 5}, "new_text: expected str"),
+        ({"new_text": "x"}, "unknown field"),  # the engine sends no text
+        ({"stop_reason": "x"}, "stop_reason: expected"),  # a stop token id, or none
     ],
 )
 def test_bad_deltas_are_refused_naming_the_field(delta: dict, words: str) -> None:

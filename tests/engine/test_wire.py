@@ -13,9 +13,8 @@ import json
 import pytest
 from hostile import frames
 
-from ketch.engine import wire
+from ketch.engine import engine_messages, wire
 from ketch.engine.cache_manager import protocol as cm
-from ketch.engine.core import messages as engine_messages
 from ketch.engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -82,7 +81,7 @@ def test_encode_writes_what_asdict_would() -> None:
         ),
         pd.PrefillDone("r", 5, TokenLogprob(5, -0.1, [(5, -0.1)]), 16),
         cm.Swap(3, [(1, 2)], [(3, 4)]),
-        engine_messages.StepOutputs([engine_messages.RequestDelta("a", [1], "x")]),
+        engine_messages.StepOutputs([engine_messages.TokenDelta("a", [1])]),
     ]  # fmt: skip
 
     def plain(value: object) -> object:

@@ -29,7 +29,7 @@ class Choice:
     params: SamplingParams
     accumulate: bool = True
     request_id: str = ""  # its engine request's, once the caller has given it one
-    prefill: str | None = None  # decode role: the paired prefill peer's pd-comm host:port
+    prefill_peer: str | None = None  # decode role: the paired prefill peer's pd-comm host:port
     num_deltas: int = 0
     num_tokens: int = 0  # output tokens so far
     num_chars: int = 0  # characters of output text so far

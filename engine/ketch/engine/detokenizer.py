@@ -36,10 +36,14 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> bool:
         """Appends a token's text; returns True if a stop string ended the output."""
-        self._tokens.append(token_id)
-        decode = self._tokenizer.decode
-        prefix = decode(self._tokens[self._prefix_offset : self._read_offset], self._skip)
-        full = decode(self._tokens[self._prefix_offset :], self._skip)
+        tokens = self._tokens
+        tokens.append(token_id)
+        start, read = self._prefix_offset, self._read_offset
+        if read - start == 1:  # the usual case, one token a step: its text is remembered
+            prefix = self._tokenizer.decode_token(tokens[start], self._skip)
+        else:
+            prefix = self._tokenizer.decode(tokens[start:read], self._skip)
+        full = self._tokenizer.decode(tokens[start:], self._skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return False  # an incomplete character (or nothing visible yet): wait
         delta = full[len(prefix) :]
@@ -47,7 +51,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         start = max(0, len(self.text) - self._holdback)
         self.text += delta
-        return self._check_stop(start)
+        return bool(self._stop) and self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> bool:
         # The earliest stop string in the text wins, whatever its place in the list.

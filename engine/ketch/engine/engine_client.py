@@ -2,7 +2,9 @@
 
 ``EngineClient`` spawns the engine process, binds the two IPC sockets in the private run
 directory (``ketch.engine.rundir``; a killed run's stale socket files are replaced), and
-routes each step's deltas to per-request asyncio queues. If the engine process dies, every open
+routes each step's deltas to per-request asyncio queues. The engine sends token ids; their text
+is made here (``OutputProcessor``: detokenizer, stop strings), and a request whose text reaches
+a stop string is ended in the engine at once. If the engine process dies, every open
 request gets an error delta at once and ``is_alive`` turns False, so the server can report
 unhealthy and exit instead of hanging. A frame from the engine that is refused (too large,
 malformed) fails every open request it names, which the engine is told to abort, so none of
@@ -25,21 +27,25 @@ import zmq.asyncio
 
 from ketch.engine import rundir
 from ketch.engine.config import EngineConfig
-from ketch.engine.core.messages import (
+from ketch.engine.engine_messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
-    RequestDelta,
     StepOutputs,
+    TokenDelta,
     decode,
     encode,
     join_pieces,
 )
 from ketch.engine.engine_process import run_engine_process
+from ketch.engine.models.paths import resolve_model_path
+from ketch.engine.output_processor import OutputProcessor
+from ketch.engine.outputs import RequestDelta
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
+from ketch.engine.tokenizer import Tokenizer
 from ketch.engine.wire import BadMessages, MessageError
 from ketch.engine.worker.shm import remove_segments
 
@@ -70,9 +76,11 @@ class EngineClient:
         run_dir: Path | None = None,
         worker_port: int | None = None,
         server: ServerConfig | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """``worker_port``: run the model in a separate worker process fed over that port.
-        ``server``: the instance's settings (cache manager and prefill/decode links)."""
+        ``server``: the instance's settings (cache manager and prefill/decode links).
+        ``tokenizer``: the model's, for the text (loaded once the engine is up if not given)."""
         self.config = config
         self.worker_port = worker_port
         self.server = server
@@ -83,7 +91,9 @@ class EngineClient:
         self._requests = self._context.socket(zmq.PUSH)
         self._outputs = self._context.socket(zmq.PULL)
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
-        self._pieces: dict[str, list[RequestDelta]] = {}  # a cut delta's pieces so far
+        self._pieces: dict[str, list[TokenDelta]] = {}  # a cut delta's pieces so far
+        self._tokenizer = tokenizer
+        self.processor: OutputProcessor | None = None  # once started
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self.bad_messages = BadMessages("api-server")
@@ -119,6 +129,8 @@ class EngineClient:
             error = message.error if isinstance(message, EngineFailed) else repr(message)
             raise RuntimeError(f"the engine failed to start: {error}")
         self.ready = message
+        tokenizer = self._tokenizer or Tokenizer(resolve_model_path(self.config.model))
+        self.processor = OutputProcessor(tokenizer)
         self._reader = asyncio.create_task(self._read_outputs())
         return message
 
@@ -137,30 +149,24 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         final_only: bool = False,
-        prefill: str | None = None,
+        prefill_peer: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Streams a request's deltas until it finishes; aborts it if the caller stops early.
+        """Streams a request's deltas (with their text) until it finishes; aborts it if the
+        caller stops early. ``final_only``: one delta, at the end.
 
-        ``prefill`` (decode role): the prefill peer's pd-comm "host:port"."""
-        if not self.is_alive:
+        ``prefill_peer`` (decode role): the prefill peer's pd-comm "host:port"."""
+        if not self.is_alive or self.processor is None:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        processor = self.processor
+        engine_final_only = processor.add_request(request_id, prompt_token_ids, params, final_only)
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._requests.send(
-                encode(
-                    AddRequest(
-                        request_id,
-                        prompt_token_ids,
-                        params,
-                        final_only,
-                        prefill,
-                    )
-                )
-            )
+            add = AddRequest(request_id, prompt_token_ids, params, engine_final_only, prefill_peer)
+            await self._requests.send(encode(add))
             while not finished:
                 delta = _coalesce(await queue.get(), queue)
                 finished = delta.finished
@@ -168,11 +174,15 @@ class EngineClient:
         finally:
             self._queues.pop(request_id, None)
             self._pieces.pop(request_id, None)
-            if not finished and self.is_alive:
+            stopping = processor.is_stopping(request_id)  # being ended already
+            processor.drop(request_id)
+            if not finished and not stopping and self.is_alive:
                 await self.abort([request_id])
 
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._requests.send(encode(AbortRequests(request_ids)))
+    async def abort(self, request_ids: list[str], stopped: dict[str, int] | None = None) -> None:
+        """Ends engine requests: ``request_ids`` aborted, ``stopped`` ended at a stop string
+        after that many output tokens."""
+        await self._requests.send(encode(AbortRequests(request_ids, stopped or {})))
 
     async def _read_outputs(self) -> None:
         while True:
@@ -185,8 +195,9 @@ class EngineClient:
                     except zmq.Again:
                         break
                     lost = self._take(data)
-                    if lost:  # they may run on in the engine: nobody would read them
-                        await self.abort(lost)
+                    failed, stopped = self.processor.take_aborts() if self.processor else ([], {})
+                    if lost or failed or stopped:  # nobody would read their output
+                        await self.abort(lost + failed, stopped)
             elif not self._process or not self._process.is_alive():
                 code = self._process.exitcode if self._process else None
                 self._fail_all(f"the engine process exited (exit code {code})")
@@ -212,6 +223,9 @@ class EngineClient:
                 "a refused engine frame carried %d open request(s): failing them", len(lost)
             )
         reason = f"its output from the engine was lost ({str(exc)[:200]})"
+        for request_id in named:  # their engine end may have been in it: none will come
+            if self.processor is not None:
+                self.processor.forget(request_id)
         for request_id in lost:
             self._pieces.pop(request_id, None)
             self._queues[request_id].put_nowait(
@@ -228,20 +242,22 @@ class EngineClient:
                 self.on_snapshot(message.snapshot)
         # Around a delta cut into pieces (rare): its pieces are held, then queued joined.
         cut = set(message.continued) if message.continued or self._pieces else None
+        processor = self.processor
         for delta in message.deltas:
-            if delta.metrics is not None and self.on_finished is not None:
-                self.on_finished(delta.metrics)
-            queue = self._queues.get(delta.request_id)
-            if queue is None:
-                continue
-            if cut is not None:
+            if cut is not None and delta.request_id in self._queues:
                 joined = self._join(delta, delta.request_id in cut)
                 if joined is None:
                     continue
                 delta = joined
-            queue.put_nowait(delta)
+            # The text (None: not to be handed out); a stop string corrects the metrics.
+            out = processor.process(delta) if processor is not None else None
+            if delta.metrics is not None and self.on_finished is not None:
+                self.on_finished(delta.metrics)
+            queue = self._queues.get(delta.request_id)
+            if queue is not None and out is not None:
+                queue.put_nowait(out)
 
-    def _join(self, delta: RequestDelta, continued: bool) -> RequestDelta | None:
+    def _join(self, delta: TokenDelta, continued: bool) -> TokenDelta | None:
         """The whole delta once its last piece is here (None before); others pass through."""
         held = self._pieces.get(delta.request_id)
         if continued:
@@ -259,6 +275,8 @@ class EngineClient:
         self.dead_reason = reason
         logger.error("%s; failing %d open requests", reason, len(self._queues))
         self._pieces.clear()
+        if self.processor is not None:
+            self.processor.clear()
         for request_id, queue in self._queues.items():
             queue.put_nowait(RequestDelta(request_id=request_id, error=reason, error_code=503))
 

@@ -1,7 +1,8 @@
 """The engine process: an ``LLMEngine`` running its step loop, fed and drained over ZMQ.
 
 The API server binds two IPC sockets and spawns this process, which connects to them: requests
-arrive on one (PUSH -> PULL), each step's deltas leave on the other. HTTP work therefore never
+arrive on one (PUSH -> PULL), each step's deltas (token ids: the server makes the text) leave on
+the other. HTTP work therefore never
 stalls the step loop, and a crash here is seen by the server as a dead process, not a hang.
 """
 
@@ -17,18 +18,18 @@ import zmq
 
 from ketch.engine.cache_manager.client import CacheManagerClient
 from ketch.engine.config import EngineConfig
-from ketch.engine.core.messages import (
+from ketch.engine.disagg.coordinator import PDCoordinator
+from ketch.engine.engine_messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
-    RequestDelta,
     StepOutputs,
+    TokenDelta,
     decode,
     encode,
     encode_step,
 )
-from ketch.engine.disagg.coordinator import PDCoordinator
 from ketch.engine.lifecycle import exit_with_parent
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import EngineSnapshot
@@ -95,7 +96,7 @@ def _run(
         outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
         sys.exit(1)
     try:
-        links = _Links.create(engine, server)
+        links = EngineLinks.create(engine, server)
     except Exception as exc:
         outputs.send(encode(EngineFailed(error=f"{type(exc).__name__}: {exc}")))
         engine.close()
@@ -129,7 +130,7 @@ def _exit_once(*_: object) -> None:
     sys.exit(0)
 
 
-class _Links:
+class EngineLinks:
     """The engine's optional links: its cache manager and its prefill/decode peers."""
 
     def __init__(
@@ -140,7 +141,7 @@ class _Links:
         self._initial = [cache.socket] if cache else []
 
     @classmethod
-    def create(cls, engine: LLMEngine, server: ServerConfig | None) -> _Links:
+    def create(cls, engine: LLMEngine, server: ServerConfig | None) -> EngineLinks:
         if server is None:
             return cls(engine, None, None)
         cache = None
@@ -178,7 +179,7 @@ class _Links:
     def busy(self) -> bool:
         return self.pd is not None and self.pd.num_waiting > 0
 
-    def tick(self) -> list[RequestDelta]:
+    def tick(self) -> list[TokenDelta]:
         if self.cache is not None:
             self.cache.tick()
         if self.pd is None:
@@ -193,7 +194,7 @@ class _Links:
             failures = self.pd.prefill.on_failures(failures)
         return failures
 
-    def after_step(self, outputs: list[RequestDelta]) -> None:
+    def after_step(self, outputs: list[TokenDelta]) -> None:
         if self.pd is None:
             return
         self.pd.on_step_outputs(outputs)
@@ -222,13 +223,15 @@ class _Links:
             self.cache.close()
 
 
-def _detached(engine: LLMEngine, links: _Links) -> None:
+def _detached(engine: LLMEngine, links: EngineLinks) -> None:
     engine.kv_cache.detach_swap()
     if links.pd is not None:
         links.pd.on_cache_detached()
 
 
-def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.Socket) -> None:
+def _serve(
+    engine: LLMEngine, links: EngineLinks, requests: zmq.Socket, outputs: zmq.Socket
+) -> None:
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
     bad_messages = BadMessages("engine")
@@ -246,7 +249,7 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
             return
         if not busy:
             engine.check_health()  # a dead worker ends this process (non-zero exit)
-        deltas: list[RequestDelta] = []
+        deltas: list[TokenDelta] = []
         while events.get(requests) and requests.poll(0):
             data = requests.recv()
             try:
@@ -255,6 +258,10 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
                 bad_messages.note("api-server", exc)
                 continue
             _apply(engine, links, message, deltas)
+        if deltas and engine.has_unfinished_requests():  # answers go out before the step
+            for frame in encode_step(deltas, None):
+                outputs.send(frame)
+            deltas = []
         before = (links.attached, engine.kv_cache.pool.num_free_blocks)
         deltas += links.tick()
         after = (links.attached, engine.kv_cache.pool.num_free_blocks)
@@ -271,10 +278,12 @@ def _serve(engine: LLMEngine, links: _Links, requests: zmq.Socket, outputs: zmq.
                 outputs.send(frame)
 
 
-def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[RequestDelta]) -> None:
+def _apply(
+    engine: LLMEngine, links: EngineLinks, message: object, rejected: list[TokenDelta]
+) -> None:
     if isinstance(message, AddRequest):
         try:
-            if message.prefill is not None:
+            if message.prefill_peer is not None:
                 if links.pd is None:
                     raise ValueError("this instance is not in the decode role")
                 if message.params.pooling is not None:
@@ -287,7 +296,7 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
                     queue=False,
                 )
                 try:
-                    links.pd.add_remote(request, message.prefill)
+                    links.pd.add_remote(request, message.prefill_peer)
                 except ValueError:
                     engine.drop_tracked(request)  # refused: nothing of it stays here
                     raise
@@ -300,17 +309,19 @@ def _apply(engine: LLMEngine, links: _Links, message: object, rejected: list[Req
                 )
         except ValueError as exc:  # PeerLimitError says 503
             code = getattr(exc, "status_code", 400)
-            rejected.append(RequestDelta(message.request_id, error=str(exc), error_code=code))
+            rejected.append(TokenDelta(message.request_id, error=str(exc), error_code=code))
     elif isinstance(message, AbortRequests):
         metrics = engine.abort_request(message.request_ids)
         if links.pd is not None:
             metrics += links.pd.abort(message.request_ids)
         for m in metrics:
-            rejected.append(RequestDelta(request_id="", finish_reason="abort", metrics=m))
+            rejected.append(TokenDelta(request_id="", finish_reason="abort", metrics=m))
+        if message.stopped:  # ended at a stop string by the API server
+            rejected += engine.end_at_stop_strings(message.stopped)
 
 
-def _failure(request_id: str, error: str) -> RequestDelta:
+def _failure(request_id: str, error: str) -> TokenDelta:
     """A request that failed alone: its grammar's fault is the sender's (400), the rest ours."""
     if error.startswith(UNUSABLE):
-        return RequestDelta(request_id, error=error, error_code=400)
-    return RequestDelta(request_id, error=f"internal error: {error}", error_code=500)
+        return TokenDelta(request_id, error=error, error_code=400)
+    return TokenDelta(request_id, error=f"internal error: {error}", error_code=500)

@@ -1,4 +1,8 @@
-"""Offline inference: ``LLM(model="tiny").generate(prompts, params)``."""
+"""Offline inference: ``LLM(model="tiny").generate(prompts, params)``.
+
+The engine runs in this process and emits token ids; ``LLM`` makes their text as the API server
+does (``OutputProcessor``), ending a request in the engine when its text reaches a stop string.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 from ketch.engine.choices import Choice, expand, group
 from ketch.engine.config import EngineConfig
 from ketch.engine.llm_engine import LLMEngine
+from ketch.engine.output_processor import OutputProcessor
 from ketch.engine.outputs import EmbeddingOutput, RequestDelta, RequestOutput, l2_normalized
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.tokenizer import Message
@@ -21,6 +26,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny", **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._processor = OutputProcessor(self.engine.tokenizer)
         self._ids = itertools.count()
 
     @property
@@ -44,9 +50,7 @@ class LLM:
         by_id: dict[str, Choice] = {}
         for choice in choices:
             choice.request_id = str(next(self._ids))
-            self.engine.add_request(
-                choice.request_id, choice.prompt_token_ids, choice.params, final_only=True
-            )
+            self._add(choice.request_id, choice.prompt_token_ids, choice.params, final_only=True)
             by_id[choice.request_id] = choice
         for delta in self._run():
             by_id[delta.request_id].add(delta)
@@ -66,7 +70,7 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(prompt, params) for prompt in prompt_list]
         ids = [str(next(self._ids)) for _ in tokenized]
         for request_id, (_, token_ids) in zip(ids, tokenized, strict=True):
-            self.engine.add_request(request_id, token_ids, params, final_only=True)
+            self._add(request_id, token_ids, params, final_only=True)
         done = {delta.request_id: delta for delta in self._run()}
         outputs = []
         for request_id, (text, token_ids) in zip(ids, tokenized, strict=True):
@@ -84,14 +88,40 @@ class LLM:
             )
         return outputs
 
+    def _add(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, final_only: bool
+    ) -> None:
+        """Queues a tokenised request, its text made here (``final_only``: one delta)."""
+        engine_final_only = self._processor.add_request(request_id, token_ids, params, final_only)
+        try:
+            self.engine.add_request(request_id, token_ids, params, final_only=engine_final_only)
+        except ValueError:
+            self._processor.forget(request_id)
+            raise
+
     def _run(self) -> Iterator[RequestDelta]:
-        """Steps the engine until every request is done, yielding the deltas; the first request
-        that fails raises (the others of this call are not left running behind the error)."""
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
-            failures = self.engine.take_failures()
+        """Steps the engine until every request is done, yielding the deltas with their text;
+        the first request that fails raises (the others of this call are not left running
+        behind the error)."""
+        engine, processor = self.engine, self._processor
+        while engine.has_unfinished_requests():
+            deltas = engine.step()
+            failures = engine.take_failures()
+            for delta in deltas:
+                out = processor.process(delta)
+                if out is not None and out.error is not None:
+                    failures.append((out.request_id, out.error))
+                elif out is not None:
+                    yield out
+            failed, stopped = processor.take_aborts()
+            engine.abort_request(failed)
+            for delta in engine.end_at_stop_strings(stopped):  # their text is complete
+                out = processor.process(delta)
+                if out is not None:
+                    yield out
             if failures:
-                self.engine.abort_request(list(self.engine.scheduler.requests))
+                engine.abort_request(list(engine.scheduler.requests))
+                processor.clear()
                 request_id, error = failures[0]
                 raise RuntimeError(f"request {request_id} failed: {error}")
 

@@ -20,17 +20,21 @@ from ketch.engine.core.request import Request, RequestStatus
 from ketch.engine.core.scheduler import Scheduler, SchedulerConfig
 from ketch.engine.core.scheduler_output import ModelRunnerOutput
 from ketch.engine.cpu_sizing import cpu_memory
-from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.device import parse_device
 from ketch.engine.models.config import ModelConfig
 from ketch.engine.models.paths import resolve_model_path
-from ketch.engine.outputs import RequestDelta, TokenLogprob
+from ketch.engine.output_state import (
+    OutputState,
+    embedding_delta,
+    request_metrics,
+    take_embeddings,
+)
+from ketch.engine.outputs import TokenDelta, TokenLogprob
 from ketch.engine.request_checks import PromptLimits, check_prompt
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.spec_decode.draft_checks import check_draft_model
 from ketch.engine.stats import EngineSnapshot, RequestMetrics
 from ketch.engine.tokenizer import Tokenizer
-from ketch.engine.tracked import Tracked, embedding_delta, request_metrics, take_embeddings
 from ketch.engine.worker.model_runner import ModelRunner
 from ketch.engine.worker.null_runner import NullRunner
 from ketch.engine.worker.remote_runner import RemoteRunner, free_tcp_port
@@ -102,7 +106,7 @@ class LLMEngine:
             ),
             self.kv_cache,
         )
-        self._tracked: dict[str, Tracked] = {}
+        self._states: dict[str, OutputState] = {}  # each live request's, by id
         self.failures: list[tuple[str, str]] = []  # requests that failed alone (take_failures)
         self._last_batch_size = 0
         self._num_seeded = 0
@@ -170,8 +174,9 @@ class LLMEngine:
         seed: int | None = None,
         queue: bool = True,
     ) -> Request:
-        """Queues a request. With ``final_only`` its output comes once, when it finishes, and
-        (without stop strings) its text is decoded once at the end instead of per token.
+        """Queues a request. With ``final_only`` its output comes once, when it finishes. The
+        engine makes no text: its deltas carry token ids (``output_processor`` makes the text,
+        and ends a request at a stop string with ``end_at_stop_strings``).
 
         ``seed`` overrides the request's sampling seed (a prefill peer uses the decode side's);
         with ``queue=False`` the request is tracked but not scheduled (its prompt is computed
@@ -192,12 +197,9 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, max_tokens, self.eos_token_ids, seed)
         if queue:
             self.scheduler.add_request(request)
-        elif request_id in self._tracked:
+        elif request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._tracked[request_id] = Tracked(
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.stop, params.skip_special_tokens
-            ),
+        self._states[request_id] = OutputState(
             logprobs=[] if params.logprobs is not None else None,
             final_only=final_only,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
@@ -211,16 +213,16 @@ class LLMEngine:
         logprob: TokenLogprob | None,
         handover_seconds: float | None,
         prompt_logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestDelta | None:
+    ) -> TokenDelta | None:
         """A request whose prompt a prefill peer computed (its KV is in ``request.block_ids``,
         its first token appended, its prompt scored if asked): emits that token, then decodes
         it here unless it is done."""
-        tracked = self._tracked[request.request_id]
-        tracked.kv_handover_seconds = handover_seconds
-        if prompt_logprobs is not None and tracked.prompt_logprobs is not None:
-            tracked.prompt_logprobs = prompt_logprobs
-        if logprob is not None and tracked.logprobs is not None:
-            tracked.logprobs.append(logprob)
+        state = self._states[request.request_id]
+        state.kv_handover_seconds = handover_seconds
+        if prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs = prompt_logprobs
+        if logprob is not None and state.logprobs is not None:
+            state.logprobs.append(logprob)
         token_id = request.token_ids[-1]
         if token_id in request.stop_ids or len(request.token_ids) >= request.max_len:
             request.finish_on(token_id)
@@ -233,8 +235,8 @@ class LLMEngine:
 
     def drop_tracked(self, request: Request) -> RequestMetrics | None:
         """Forgets a request that never reached the scheduler; its metrics if it was live."""
-        tracked = self._tracked.pop(request.request_id, None)
-        return None if tracked is None else request_metrics(request, tracked)
+        state = self._states.pop(request.request_id, None)
+        return None if state is None else request_metrics(request, state)
 
     @property
     def model_fingerprint(self) -> str:
@@ -282,17 +284,42 @@ class LLMEngine:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         aborted = []
         for request in requests:
-            tracked = request and self._tracked.pop(request.request_id, None)
-            if tracked:
-                aborted.append(request_metrics(request, tracked))
+            state = request and self._states.pop(request.request_id, None)
+            if state:
+                aborted.append(request_metrics(request, state))
         return aborted
+
+    def end_at_stop_strings(self, kept: dict[str, int]) -> list[TokenDelta]:
+        """Ends requests whose text reached a stop string after ``kept[request id]`` output
+        tokens (the output processor's finding) and frees their blocks. Each live one gets its
+        end delta: finish reason "stop", metrics counting the kept tokens only (those made
+        after them are dropped). One that finished here meanwhile has sent its end already."""
+        requests = [self.scheduler.requests.get(rid) for rid in kept]
+        self.scheduler.finish_requests(list(kept), RequestStatus.FINISHED_STOPPED)
+        ends = []
+        for request in requests:
+            state = request and self._states.pop(request.request_id, None)
+            if state:
+                metrics = request_metrics(request, state)
+                num_kept = max(0, min(kept[request.request_id], metrics.num_generation_tokens))
+                metrics.num_generation_tokens = num_kept
+                ends.append(
+                    TokenDelta(
+                        request_id=request.request_id,
+                        finish_reason="stop",
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                        metrics=metrics,
+                    )
+                )
+        return ends
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- the step ----
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[TokenDelta]:
         """Runs one step: a delta per request it advanced (``final_only`` ones: at the end)."""
         sched = self.scheduler.schedule()
         self._last_batch_size = len(sched.num_scheduled_tokens)
@@ -302,14 +329,14 @@ class LLMEngine:
             self._fail(runner_output.failed)
         self._take_prompt_logprobs(runner_output.prompt_logprobs)
         if runner_output.pooled:  # a bad vector fails its request
-            self._fail(take_embeddings(self._tracked, runner_output.pooled, self.model_config))
+            self._fail(take_embeddings(self._states, runner_output.pooled, self.model_config))
         updated = self.scheduler.update_from_output(sched, runner_output)
         self._take_logprobs(runner_output)
         outputs = []
         for request in updated:
             try:
                 output = self._process(request)
-            except Exception as exc:  # e.g. the detokenizer on one request: that request fails
+            except Exception as exc:  # e.g. a missing embedding: that request fails
                 logger.exception("request %s failed", request.request_id)
                 self._fail({request.request_id: f"{type(exc).__name__}: {exc}"})
                 continue
@@ -324,24 +351,24 @@ class LLMEngine:
         if not out.logprobs:
             return
         for request_id, logprob in zip(out.request_ids, out.logprobs, strict=True):
-            tracked = self._tracked.get(request_id)
-            if logprob is not None and tracked is not None and tracked.logprobs is not None:
-                tracked.logprobs.append(logprob)
-                tracked.logprobs += out.extra_logprobs.get(request_id, ())
+            state = self._states.get(request_id)
+            if logprob is not None and state is not None and state.logprobs is not None:
+                state.logprobs.append(logprob)
+                state.logprobs += out.extra_logprobs.get(request_id, ())
 
     def _take_prompt_logprobs(self, scored: dict[str, list[TokenLogprob]]) -> None:
         """Appends what a step scored of each prompt (the tokens after those scored before)."""
         for request_id, entries in scored.items():
-            tracked = self._tracked.get(request_id)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                tracked.prompt_logprobs += entries
+            state = self._states.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs += entries
 
     def _fail(self, failed: dict[str, str]) -> None:
         """Ends these tracked requests with an error (blocks go back); see ``take_failures``."""
-        failed = {rid: why for rid, why in failed.items() if rid in self._tracked}
+        failed = {rid: why for rid, why in failed.items() if rid in self._states}
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         for request_id, error in failed.items():
-            del self._tracked[request_id]
+            del self._states[request_id]
             self.failures.append((request_id, error))
 
     def take_failures(self) -> list[tuple[str, str]]:
@@ -349,73 +376,41 @@ class LLMEngine:
         failures, self.failures = self.failures, []
         return failures
 
-    def _process(self, request: Request) -> RequestDelta | None:
-        tracked = self._tracked[request.request_id]
-        if tracked.pooling:
-            if tracked.embedding is None:  # the runner's reply lacked it
+    def _process(self, request: Request) -> TokenDelta | None:
+        state = self._states[request.request_id]
+        if state.pooling:
+            if state.embedding is None:  # the runner's reply lacked it
                 raise ValueError("the prompt is computed, but no embedding came back")
-            del self._tracked[request.request_id]
-            return embedding_delta(request, tracked)
-        if tracked.first_token_time is None:
-            tracked.first_token_time = time.monotonic()
-        detokenizer = tracked.detokenizer
-        deferred = tracked.final_only and not detokenizer.has_stop_strings
-        if not deferred and self._stop_string(request, tracked):
-            if not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            request.status = RequestStatus.FINISHED_STOPPED  # the text was cut: not "length"
-            tracked.stop_reason = tracked.detokenizer.stop_string
-        elif request.stop_reason is not None:
-            tracked.stop_reason = request.stop_reason
+            del self._states[request.request_id]
+            return embedding_delta(request, state)
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
         finished = request.is_finished
-        if not finished and tracked.final_only:
+        if not finished and state.final_only:
             return None
+        delta = self._make_delta(request, state, finished)
         if finished:
-            if deferred:
-                detokenizer.add_tokens_unchecked(request.output_token_ids)
-            detokenizer.finish()
-        delta = self._make_delta(request, tracked, finished)
-        if finished:
-            del self._tracked[request.request_id]
+            del self._states[request.request_id]
         return delta
 
-    @staticmethod
-    def _stop_string(request: Request, tracked: Tracked) -> bool:
-        """Passes the request's new tokens (one, or several with speculative decoding) to its
-        detokenizer; True when a stop string ended the text. Tokens after the one that
-        completed it are dropped, as if the request had stopped there (and their logprobs)."""
-        token_ids = request.token_ids
-        begin = request.num_prompt_tokens + tracked.detokenized
-        for i in range(begin, len(token_ids)):
-            tracked.detokenized += 1
-            if tracked.detokenizer.add_token(token_ids[i]):
-                dropped = len(token_ids) - i - 1
-                if dropped:
-                    del token_ids[i + 1 :]
-                    if tracked.logprobs:
-                        del tracked.logprobs[len(tracked.logprobs) - dropped :]
-                return True
-        return False
-
-    def _make_delta(self, request: Request, tracked: Tracked, finished: bool) -> RequestDelta:
+    def _make_delta(self, request: Request, state: OutputState, finished: bool) -> TokenDelta:
         """What is new since the request's last delta; nothing the engine keeps is copied."""
-        start = request.num_prompt_tokens + tracked.emitted_tokens
+        start = request.num_prompt_tokens + state.emitted_tokens
         new_token_ids = request.token_ids[start:]
-        tracked.emitted_tokens += len(new_token_ids)
-        logprobs = tracked.logprobs
-        tracked.logprobs = None if logprobs is None else []
-        prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, None
-        return RequestDelta(
+        state.emitted_tokens += len(new_token_ids)
+        logprobs = state.logprobs
+        state.logprobs = None if logprobs is None else []
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
+        return TokenDelta(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
-            new_text=tracked.detokenizer.take_delta(finished),
             finish_reason=request.finish_reason,
-            stop_reason=tracked.stop_reason,
+            stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            metrics=request_metrics(request, tracked) if finished else None,
+            metrics=request_metrics(request, state) if finished else None,
         )
 
     def snapshot(self, extra_waiting: int = 0, cache_attached: bool = False) -> EngineSnapshot:

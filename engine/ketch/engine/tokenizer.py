@@ -43,6 +43,7 @@ class Tokenizer:
         self._tok = load_tokenizer(path)
         self._config = tokenizer_config(path)
         self.path = path
+        self._token_texts: dict[tuple[int, bool], str] = {}  # decode_token's, at most 2 a token
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +89,17 @@ class Tokenizer:
             batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
             return batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered: the incremental detokenizer asks for one token's
+        text alone at almost every token it adds."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self._tok.decode(
+                [token_id], skip_special_tokens=skip_special_tokens
+            )
+        return text
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``; many of them through ``decode_batch`` (GIL released)."""

@@ -116,10 +116,10 @@ def test_a_decode_instance_refuses_prompt_scores_its_prefill_peer_could_not_send
     params = completion(prompt_logprobs=20).to_sampling_params(9)
     long = [[5] * (MAX_PD_PROMPT_SCORES // 21 + 1)]
     with pytest.raises(ProtocolError) as info:
-        make_choices(long, params, prefill="10.0.0.1:8004")
+        make_choices(long, params, prefill_peer="10.0.0.1:8004")
     assert info.value.param == "prompt_logprobs" and "prefill/decode" in info.value.message
     assert len(make_choices(long, params)) == 1  # mixed: computed here
-    assert make_choices([[5] * 100], params, prefill="10.0.0.1:8004")
+    assert make_choices([[5] * 100], params, prefill_peer="10.0.0.1:8004")
 
 
 def test_chat_echo_is_refused() -> None:

@@ -25,7 +25,6 @@ import time
 import zmq
 
 from ketch.engine.cache_manager.client import CacheManagerClient
-from ketch.engine.core.messages import RequestDelta
 from ketch.engine.core.request import Request
 from ketch.engine.disagg.decode import DecodeSide, PairingTimeouts
 from ketch.engine.disagg.messages import (
@@ -39,6 +38,7 @@ from ketch.engine.disagg.messages import (
     encode,
 )
 from ketch.engine.disagg.prefill import PrefillSide
+from ketch.engine.outputs import TokenDelta
 from ketch.engine.peer_auth import PeerAuth, gate_client, gate_server, require_peer_key, ungate
 from ketch.engine.serving.config import ServerConfig
 from ketch.engine.stats import RequestMetrics
@@ -137,25 +137,25 @@ class PDCoordinator:
             return self.prefill.num_pushing
         return self.decode.num_waiting if self.decode else 0
 
-    def add_remote(self, request: Request, prefill: str) -> None:
+    def add_remote(self, request: Request, prefill_peer: str) -> None:
         if self.decode is None:
             raise ValueError("only a decode instance takes requests with a prefill peer")
         # A request not yet sent has no socket, but will open one: its peer counts already.
-        if self._over_peer_limit(prefill):
+        if self._over_peer_limit(prefill_peer):
             self._retire_idle(0.0)
-            if self._over_peer_limit(prefill):
+            if self._over_peer_limit(prefill_peer):
                 raise PeerLimitError(
                     f"this decode instance already talks to {MAX_PEERS} prefill instances; "
                     "retry shortly"
                 )
-        self._peer_used[prefill] = time.monotonic()
-        self.decode.add(request, prefill)
+        self._peer_used[prefill_peer] = time.monotonic()
+        self.decode.add(request, prefill_peer)
 
-    def _over_peer_limit(self, prefill: str) -> bool:
-        """Whether a request for ``prefill`` would make more than MAX_PEERS peers (those with a
+    def _over_peer_limit(self, prefill_peer: str) -> bool:
+        """Whether a request for ``prefill_peer`` would make more than MAX_PEERS peers (those with a
         socket and those a waiting request will open one to)."""
         peers = set(self._peers) | (self.decode.peers_in_use() if self.decode else set())
-        return prefill not in peers and len(peers) >= MAX_PEERS
+        return prefill_peer not in peers and len(peers) >= MAX_PEERS
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
         return self.decode.abort(request_ids) if self.decode else []
@@ -164,11 +164,11 @@ class PDCoordinator:
         if self.prefill is not None:
             self.prefill.on_cache_detached()
 
-    def on_step_outputs(self, outputs: list[RequestDelta]) -> None:
+    def on_step_outputs(self, outputs: list[TokenDelta]) -> None:
         if self.prefill is not None:
             self.prefill.on_step_outputs(outputs)
 
-    def tick(self) -> tuple[list[RequestDelta], list[RequestDelta]]:
+    def tick(self) -> tuple[list[TokenDelta], list[TokenDelta]]:
         """Handles what arrived, timeouts and reservations; returns deltas and errors for the
         API server."""
         for _ in range(MAX_MESSAGES_PER_TICK):

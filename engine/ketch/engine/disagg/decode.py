@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ketch.engine.cache_manager.client import CacheManagerClient
-from ketch.engine.core.messages import RequestDelta
 from ketch.engine.core.request import Request
 from ketch.engine.disagg.messages import (
     PD_PROTOCOL_VERSION,
@@ -47,6 +46,7 @@ from ketch.engine.disagg.messages import (
     PrefillFailed,
     PrefillRequest,
 )
+from ketch.engine.outputs import TokenDelta
 from ketch.engine.stats import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ class DecodeSide:
         self._held_until: dict[str, float] = {}
         self._next_fallback = math.inf  # the earliest of them
         self._last_ping = 0.0
-        self.outputs: list[RequestDelta] = []
-        self.errors: list[RequestDelta] = []
+        self.outputs: list[TokenDelta] = []
+        self.errors: list[TokenDelta] = []
         self.failed_peers: set[str] = set()  # silent or restarted since the last tick
 
     @property
@@ -126,11 +126,16 @@ class DecodeSide:
         """The prefill peers some request here still waits on."""
         return {remote.peer for remote in self._remote.values()}
 
-    def add(self, request: Request, prefill: str) -> None:
-        """Takes a request (created by the engine, not queued) to prefill on ``prefill``."""
+    def add(self, request: Request, prefill_peer: str) -> None:
+        """Takes a request (created by the engine, not queued) to prefill on its peer."""
         now, timeout = time.monotonic(), self.request_timeout
         self._remote[request.request_id] = _Remote(
-            request, prefill, self.kv_transfer_address, now, now + timeout, time.time() + timeout
+            request,
+            prefill_peer,
+            self.kv_transfer_address,
+            now,
+            now + timeout,
+            time.time() + timeout,
         )
 
     def abort(self, request_ids: list[str]) -> list[RequestMetrics]:
@@ -341,7 +346,7 @@ class DecodeSide:
             return
         logger.warning("request %s failed: %s", request_id, error)
         self.engine.drop_tracked(remote.request)
-        self.errors.append(RequestDelta(request_id, error=error, error_code=status_code))
+        self.errors.append(TokenDelta(request_id, error=error, error_code=status_code))
         self._release(request_id)
 
     def _release(self, request_id: str) -> None:

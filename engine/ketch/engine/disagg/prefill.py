@@ -33,7 +33,7 @@ from ketch.engine.disagg.messages import (
     PrefillRequest,
     prompt_scores_problem,
 )
-from ketch.engine.outputs import RequestDelta
+from ketch.engine.outputs import TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class PrefillSide:
             self.engine.abort_request([message.request_id])
             self._finish(message.request_id, PrefillFailed(message.request_id, "aborted", 499))
 
-    def on_step_outputs(self, deltas: list[RequestDelta]) -> None:
+    def on_step_outputs(self, deltas: list[TokenDelta]) -> None:
         """Pushes the KV of prefills that just produced their token (their one delta)."""
         for delta in deltas:
             prefill = self._prefills.get(delta.request_id)

@@ -26,21 +26,21 @@ from ketch.engine.serving.protocol import ProtocolError
 def make_choices(
     prompts: list[list[int]],
     params: SamplingParams,
-    prefill: str | None = None,
+    prefill_peer: str | None = None,
     accumulate: bool = True,
 ) -> list[Choice]:
     """``n`` choices per prompt (checked: ``admission.check_prompts``); seeded requests get
-    seed + i so the choices differ. With a ``prefill`` peer (decode role) the prompt's scores
+    seed + i so the choices differ. With a ``prefill_peer`` (decode role) the prompt's scores
     must fit the peer's reply. ``accumulate``: whether the choices keep their whole output (a
     stream needs it only to parse tool calls at the end)."""
     for prompt in prompts:
-        scores = prefill and prompt_scores_problem(len(prompt), params.prompt_logprobs)
+        scores = prefill_peer and prompt_scores_problem(len(prompt), params.prompt_logprobs)
         if scores:
             raise ProtocolError(400, scores, param="prompt_logprobs")
     choices = expand(prompts, [params] * len(prompts), accumulate)
     for choice in choices:
         choice.request_id = f"req-{uuid.uuid4().hex}"
-        choice.prefill = prefill
+        choice.prefill_peer = prefill_peer
     return choices
 
 
@@ -59,7 +59,11 @@ async def _deltas(
     """One choice's deltas (with ``final_only``: one, at the end); an error is raised."""
     try:
         stream = engine.generate(
-            choice.request_id, choice.prompt_token_ids, choice.params, final_only, choice.prefill
+            choice.request_id,
+            choice.prompt_token_ids,
+            choice.params,
+            final_only,
+            choice.prefill_peer,
         )
         async for delta in stream:
             yield _checked(delta)

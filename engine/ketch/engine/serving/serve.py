@@ -106,7 +106,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     reasoning_parser = _reasoning_parser(config, tokenizer)
     name = config.served_model_name or engine_config.model
     engine = EngineClient(
-        engine_config, config.port, worker_port=config.engine_worker_queue_port, server=config
+        engine_config,
+        config.port,
+        worker_port=config.engine_worker_queue_port,
+        server=config,
+        tokenizer=tokenizer,
     )
     logger.info("starting the engine for %s", model_path)
     ready = await engine.start()

@@ -68,8 +68,8 @@ def describe(
         attributes["gen_ai.request.max_tokens"] = params.max_tokens
     if len(choices) > 1:
         attributes["ketch.request_ids"] = [c.request_id for c in choices]
-    if choices[0].prefill:
-        attributes["ketch.prefill.peer"] = choices[0].prefill
+    if choices[0].prefill_peer:
+        attributes["ketch.prefill.peer"] = choices[0].prefill_peer
     first = choices[0].metrics
     if first is not None:
         attributes.update(latencies(first))

@@ -1,49 +1,46 @@
 """The engine's bookkeeping of each request's outputs between its deltas (``LLMEngine``).
 
-``Tracked`` holds what a request's next delta will carry; ``request_metrics`` what its end
-reports. Embedding requests (``SamplingParams.pooling``) end with one delta carrying the pooled
-vector the runner sent, checked here against the model's hidden size before it goes anywhere.
+``OutputState`` holds what a request's next ``TokenDelta`` will carry (its logprobs and prompt
+logprobs since the last one, how many tokens went out) and its timeline for ``request_metrics``,
+what its end reports. The engine makes no text: the API server does (``output_processor``).
+Embedding requests (``SamplingParams.pooling``) end with one delta carrying the pooled vector
+the runner sent, checked here against the model's hidden size before it goes anywhere.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ketch.engine.core.request import Request
-from ketch.engine.detokenizer import IncrementalDetokenizer
 from ketch.engine.models.config import ModelConfig
-from ketch.engine.outputs import RequestDelta, TokenLogprob
+from ketch.engine.outputs import TokenDelta, TokenLogprob
 from ketch.engine.stats import RequestMetrics
 
 
 @dataclass
-class Tracked:
+class OutputState:
     """Engine-side bookkeeping for one request's outputs: what its next delta will carry."""
 
-    detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None  # of the tokens since the last delta
-    final_only: bool = False
+    final_only: bool = False  # one delta, at the end
     prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first delta
     emitted_tokens: int = 0
-    detokenized: int = 0  # output tokens passed to the detokenizer (stop strings)
-    stop_reason: int | str | None = None
     first_token_time: float | None = None
-    token_ids: list[int] = field(default_factory=list)
     kv_handover_seconds: float | None = None
     pooling: bool = False  # an embedding request: its one delta carries ``embedding``
     embedding: list[float] | None = None
 
 
 def take_embeddings(
-    tracked: dict[str, Tracked], pooled: dict[str, list[float]], model: ModelConfig
+    states: dict[str, OutputState], pooled: dict[str, list[float]], model: ModelConfig
 ) -> dict[str, str]:
     """Keeps each finished embedding request's vector; returns those that cannot be one
     (request id -> why): they fail."""
     bad = {}
     for request_id, vector in pooled.items():
-        mine = tracked.get(request_id)
+        mine = states.get(request_id)
         if mine is None or not mine.pooling:
             continue
         problem = embedding_problem(vector, model.hidden_size)
@@ -63,30 +60,30 @@ def embedding_problem(vector: list[float], hidden_size: int) -> str | None:
     return None
 
 
-def embedding_delta(request: Request, tracked: Tracked) -> RequestDelta:
-    """The one delta of a finished embedding request: no tokens, no text, its vector."""
-    return RequestDelta(
+def embedding_delta(request: Request, state: OutputState) -> TokenDelta:
+    """The one delta of a finished embedding request: no tokens, its vector."""
+    return TokenDelta(
         request_id=request.request_id,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        embedding=tracked.embedding,
-        metrics=request_metrics(request, tracked),
+        embedding=state.embedding,
+        metrics=request_metrics(request, state),
     )
 
 
-def request_metrics(request: Request, tracked: Tracked) -> RequestMetrics:
+def request_metrics(request: Request, state: OutputState) -> RequestMetrics:
     """What a request's end reports (an embedding request has no first token: no TTFT)."""
     return RequestMetrics(
         arrival_time=request.arrival_time,
         first_scheduled_time=request.first_scheduled_time,
-        first_token_time=tracked.first_token_time,
+        first_token_time=state.first_token_time,
         finished_time=time.monotonic(),
         num_prompt_tokens=request.num_prompt_tokens,
         num_generation_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
         finish_reason=request.finish_reason or "abort",
-        kv_handover_seconds=tracked.kv_handover_seconds,
+        kv_handover_seconds=state.kv_handover_seconds,
         epoch_offset_ns=time.time_ns() - time.monotonic_ns(),
     )

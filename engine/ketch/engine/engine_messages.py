@@ -1,7 +1,9 @@
 """Messages between the API server and the engine process: small, typed, JSON on the wire.
 
-Each step's ``RequestDelta``s (``ketch.engine.outputs``, what the engine emits) travel as they
-are, in one ``StepOutputs`` (``encode_step``). A step whose frame would pass ``FRAME_BUDGET``
+Each step's ``TokenDelta``s (``ketch.engine.outputs``, what the engine emits: token ids, never
+text) travel as they are, in one ``StepOutputs`` (``encode_step``); the API server makes their
+text (``ketch.engine.output_processor``) and tells the engine to end a request whose text reached
+a stop string (``AbortRequests.stopped``). A step whose frame would pass ``FRAME_BUDGET``
 goes in several frames, and a delta larger than that in pieces (``StepOutputs.continued``,
 joined by ``join_pieces`` on the API side), so no frame reaches what the receiver refuses
 (``wire.MAX_MESSAGE_BYTES``); that costs one length check per step, nothing per delta.
@@ -16,28 +18,39 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ketch.engine import wire
-from ketch.engine.outputs import RequestDelta
+from ketch.engine.outputs import TokenDelta
 from ketch.engine.sampling_params import SamplingParams
 from ketch.engine.stats import EngineSnapshot
 
 
 @dataclass
 class AddRequest:
-    """Queue a tokenised request; outputs stream back as ``RequestDelta`` messages.
+    """Queue a tokenised request; outputs stream back as ``TokenDelta``s in ``StepOutputs``.
 
-    ``prefill`` (decode role): the prefill peer's pd-comm "host:port", as the router paired
-    them. Where the peer pushes the KV is this instance's configuration, never the request's."""
+    ``final_only``: its one delta comes when it ends (the API server asks so only for a request
+    without stop strings, whose text it need not watch). ``prefill_peer`` (decode role): the
+    prefill peer's pd-comm "host:port", as the router paired them. Where the peer pushes the KV
+    is this instance's configuration, never the request's."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     final_only: bool = False
-    prefill: str | None = None
+    prefill_peer: str | None = None
 
 
 @dataclass
 class AbortRequests:
+    """End these requests and free their blocks.
+
+    ``request_ids``: aborted (the client went away, its output was lost); each live one is
+    answered by a ``TokenDelta`` with no request id, finish reason "abort" and its metrics.
+    ``stopped``: ended by the API server at a stop string, with the number of output tokens it
+    kept; each live one is answered by a ``TokenDelta`` with its id, finish reason "stop" and
+    metrics counting those tokens only (those the engine made after them are dropped)."""
+
     request_ids: list[str]
+    stopped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,7 +61,7 @@ class StepOutputs:
     goes on in the next frames, up to a piece not listed (``encode_step``). Empty almost
     always: a frame holds at most one delta per request."""
 
-    deltas: list[RequestDelta]
+    deltas: list[TokenDelta]
     snapshot: EngineSnapshot | None = None
     continued: list[str] = field(default_factory=list)
 
@@ -77,8 +90,8 @@ class EngineFailed:
 
 
 __all__ = [
-    "FRAME_BUDGET", "AbortRequests", "AddRequest", "EngineFailed", "EngineReady", "RequestDelta",
-    "StepOutputs", "decode", "encode", "encode_step", "join_pieces",
+    "FRAME_BUDGET", "AbortRequests", "AddRequest", "EngineFailed", "EngineReady", "StepOutputs",
+    "TokenDelta", "decode", "encode", "encode_step", "join_pieces",
 ]  # fmt: skip
 
 FRAME_BUDGET = 16 << 20
@@ -99,7 +112,7 @@ def decode(data: bytes) -> Message:
 
 
 def encode_step(
-    deltas: list[RequestDelta], snapshot: EngineSnapshot | None, budget: int = FRAME_BUDGET
+    deltas: list[TokenDelta], snapshot: EngineSnapshot | None, budget: int = FRAME_BUDGET
 ) -> list[bytes]:
     """A step's frames: one, unless it is over ``budget`` bytes; then as many as it takes, in
     order, the snapshot on the last, each delta over the budget cut into pieces."""
@@ -108,7 +121,7 @@ def encode_step(
         return [data]
     room = budget - len(encode(StepOutputs(deltas=[], snapshot=snapshot)))
     frames: list[bytes] = []
-    pack: list[RequestDelta] = []
+    pack: list[TokenDelta] = []
     continued: list[str] = []
     size = 0
     for delta in deltas:
@@ -126,7 +139,7 @@ def encode_step(
     return frames
 
 
-def _pieces(delta: RequestDelta, budget: int) -> list[tuple[RequestDelta, int]]:
+def _pieces(delta: TokenDelta, budget: int) -> list[tuple[TokenDelta, int]]:
     """``delta`` (or its pieces, halved until each fits), each with its encoded size (an upper
     bound of what it adds to a frame). A delta that cannot be cut goes whole: the receiver
     refuses that frame and fails the requests it names."""
@@ -137,21 +150,19 @@ def _pieces(delta: RequestDelta, budget: int) -> list[tuple[RequestDelta, int]]:
     return _pieces(halves[0], budget) + _pieces(halves[1], budget)
 
 
-def _halve(delta: RequestDelta) -> tuple[RequestDelta, RequestDelta] | None:
+def _halve(delta: TokenDelta) -> tuple[TokenDelta, TokenDelta] | None:
     """The delta as two consecutive ones (the second with its end: finish reason, metrics),
-    each with about half its tokens, logprobs, text and prompt logprobs; None if too small."""
-    tokens, text = delta.new_token_ids, delta.new_text
-    logprobs, prompt_logprobs = delta.logprobs, delta.prompt_logprobs
-    lengths = (len(tokens), len(text), len(logprobs or ()), len(prompt_logprobs or ()))
+    each with about half its tokens, logprobs and prompt logprobs; None if too small."""
+    tokens, logprobs, prompt_logprobs = delta.new_token_ids, delta.logprobs, delta.prompt_logprobs
+    lengths = (len(tokens), len(logprobs or ()), len(prompt_logprobs or ()))
     if max(lengths) <= 1:
         return None
     t = (len(tokens) + 1) // 2
-    lp = t if logprobs is not None and len(logprobs) == len(tokens) else (lengths[2] + 1) // 2
-    c, p = len(text) // 2, (lengths[3] + 1) // 2
-    first = RequestDelta(
+    lp = t if logprobs is not None and len(logprobs) == len(tokens) else (lengths[1] + 1) // 2
+    p = (lengths[2] + 1) // 2
+    first = TokenDelta(
         request_id=delta.request_id,
         new_token_ids=tokens[:t],
-        new_text=text[:c],
         num_prompt_tokens=delta.num_prompt_tokens,
         num_cached_tokens=delta.num_cached_tokens,
         logprobs=None if logprobs is None else logprobs[:lp],
@@ -160,14 +171,13 @@ def _halve(delta: RequestDelta) -> tuple[RequestDelta, RequestDelta] | None:
     second = dataclasses.replace(
         delta,
         new_token_ids=tokens[t:],
-        new_text=text[c:],
         logprobs=None if logprobs is None else logprobs[lp:],
         prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs[p:],
     )
     return first, second
 
 
-def join_pieces(pieces: list[RequestDelta]) -> RequestDelta:
+def join_pieces(pieces: list[TokenDelta]) -> TokenDelta:
     """The delta that ``pieces`` (in order, the last one its end) were cut from."""
     last = pieces[-1]
     logprobs = last.logprobs
@@ -179,7 +189,6 @@ def join_pieces(pieces: list[RequestDelta]) -> RequestDelta:
     return dataclasses.replace(
         last,
         new_token_ids=[t for piece in pieces for t in piece.new_token_ids],
-        new_text="".join(piece.new_text for piece in pieces),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
