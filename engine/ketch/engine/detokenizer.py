@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._token_texts = tokenizer.token_texts(skip_special_tokens)
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
@@ -40,18 +41,22 @@ class IncrementalDetokenizer:
         tokens.append(token_id)
         start, read = self._prefix_offset, self._read_offset
         if read - start == 1:  # the usual case, one token a step: its text is remembered
-            prefix = self._tokenizer.decode_token(tokens[start], self._skip)
+            prefix = self._token_texts.get(tokens[start])
+            if prefix is None:
+                prefix = self._tokenizer.decode_token(tokens[start], self._skip)
         else:
             prefix = self._tokenizer.decode(tokens[start:read], self._skip)
         full = self._tokenizer.decode(tokens[start:], self._skip)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if len(full) <= len(prefix) or full[-1] == "\ufffd":
             return False  # an incomplete character (or nothing visible yet): wait
-        delta = full[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
-        start = max(0, len(self.text) - self._holdback)
-        self.text += delta
-        return bool(self._stop) and self._check_stop(start)
+        self._prefix_offset = read
+        self._read_offset = len(tokens)
+        if not self._stop:
+            self.text += full[len(prefix) :]
+            return False
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += full[len(prefix) :]
+        return self._check_stop(search_from)
 
     def _check_stop(self, search_from: int) -> bool:
         # The earliest stop string in the text wins, whatever its place in the list.
