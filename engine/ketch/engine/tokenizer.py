@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.paths import read_json_object
@@ -45,6 +46,14 @@ class Tokenizer:
         self.path = path
         # decode_token's, by skip_special_tokens (at most 2 a token)
         self._token_texts: dict[bool, dict[int, str]] = {False: {}, True: {}}
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the text of token ids is the UTF-8 of their bytes one after another (a
+        byte-level BPE's ``ByteLevel`` decoder; an added token's text stands for its bytes):
+        then ``decode(a + b) == decode(a) + decode(b)`` whenever ``decode(a)`` is whole (no
+        U+FFFD), as the UTF-8 of ``b``'s bytes starts afresh after a complete character."""
+        return type(self._tok.decoder) is decoders.ByteLevel
 
     @property
     def vocab_size(self) -> int:
