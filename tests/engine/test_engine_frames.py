@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ketch.engine import wire
 from ketch.engine.config import EngineConfig
 from ketch.engine.engine_client import EngineClient
 from ketch.engine.engine_messages import (
@@ -118,7 +119,30 @@ def test_a_step_over_the_frame_budget_goes_in_frames_under_it_and_arrives_whole(
 
 def test_a_step_under_the_budget_is_one_frame_as_before() -> None:
     deltas = [TokenDelta("req-a", [1, 2]), TokenDelta("req-b", [3], "stop")]
-    assert encode_step(deltas, SNAPSHOT) == [encode(StepOutputs(deltas, SNAPSHOT))]
+    assert encode_step(deltas, SNAPSHOT) == [wire.encode_short(StepOutputs(deltas, SNAPSHOT))]
+
+
+def test_a_frame_leaves_out_fields_at_their_default_and_decodes_to_the_same_step() -> None:
+    """The engine's frames are short (each field at its default left out): decoded, the same
+    step as in full, fields left at a default that is not written (a float) or that a bool, a
+    float or a negative zero only resembles kept apart."""
+    metrics = RequestMetrics(0.0, -0.0, 2.0, 3.0, 0, 1, 0, 0, "length")
+    deltas = [
+        TokenDelta("req-a", [1, 2]),
+        TokenDelta("req-b", [0], "stop", 0, 0, 0, [TokenLogprob(0, -0.0)], [], error_code=400),
+        TokenDelta("", finish_reason="abort", metrics=metrics),
+        TokenDelta("req-c", [], error="bad", error_code=503),
+        TokenDelta("req-d", [], "length", embedding=[0.0, -0.0]),
+    ]
+    step = StepOutputs(deltas, SNAPSHOT, ["req-x"])
+    [frame] = encode_step(deltas, SNAPSHOT)
+    assert len(frame) < len(encode(StepOutputs(deltas, SNAPSHOT))) * 2 // 3
+    for data in (wire.encode_short(step), encode(step)):
+        decoded = decode(data)
+        assert decoded == step and repr(decoded) == repr(step)  # -0.0 and 0 kept as they were
+        assert [vars(d) for d in decoded.deltas] == [vars(d) for d in deltas]  # field order too
+    left_out = decode(frame).deltas[3:]  # their new_token_ids: [], left out
+    assert left_out[0].new_token_ids is not left_out[1].new_token_ids  # each made anew
 
 
 def test_pieces_join_back_exactly() -> None:

@@ -25,6 +25,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._token_texts = tokenizer.token_texts(skip_special_tokens)
+        self._concatenates = tokenizer.byte_level
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
@@ -38,20 +40,42 @@ class IncrementalDetokenizer:
         """Appends a token's text; returns True if a stop string ended the output."""
         tokens = self._tokens
         tokens.append(token_id)
-        start, read = self._prefix_offset, self._read_offset
-        if read - start == 1:  # the usual case, one token a step: its text is remembered
-            prefix = self._tokenizer.decode_token(tokens[start], self._skip)
-        else:
-            prefix = self._tokenizer.decode(tokens[start:read], self._skip)
-        full = self._tokenizer.decode(tokens[start:], self._skip)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        delta = self._new_text(tokens)
+        if delta is None:
             return False  # an incomplete character (or nothing visible yet): wait
-        delta = full[len(prefix) :]
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
-        start = max(0, len(self.text) - self._holdback)
+        self._read_offset = len(tokens)
+        if not self._stop:
+            self.text += delta
+            return False
+        search_from = max(0, len(self.text) - self._holdback)
         self.text += delta
-        return bool(self._stop) and self._check_stop(start)
+        return self._check_stop(search_from)
+
+    def _new_text(self, tokens: list[int]) -> str | None:
+        """What the tokens after the read offset add to the text after the prefix window's
+        (``decode(window + new)`` less ``decode(window)``); None while that is nothing or ends
+        in an incomplete character."""
+        start, read = self._prefix_offset, self._read_offset
+        skip = self._skip
+        if read - start == 1:  # the usual case, one token a step: its text is remembered
+            texts = self._token_texts
+            prefix = texts.get(tokens[start])
+            if prefix is None:
+                prefix = self._tokenizer.decode_token(tokens[start], skip)
+            if self._concatenates and len(tokens) - read == 1 and "\ufffd" not in prefix:
+                # Byte-level: decode([a, b]) is decode([a]) + decode([b]) when a's text is
+                # whole (its bytes valid UTF-8), so neither is decoded again.
+                new = texts.get(tokens[read])
+                if new is None:
+                    new = self._tokenizer.decode_token(tokens[read], skip)
+                return new if new and new[-1] != "\ufffd" else None
+        else:
+            prefix = self._tokenizer.decode(tokens[start:read], skip)
+        full = self._tokenizer.decode(tokens[start:], skip)
+        if len(full) <= len(prefix) or full[-1] == "\ufffd":
+            return None
+        return full[len(prefix) :]
 
     def _check_stop(self, search_from: int) -> bool:
         # The earliest stop string in the text wins, whatever its place in the list.

