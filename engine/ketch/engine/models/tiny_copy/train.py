@@ -8,10 +8,10 @@ is the passage, token for token, until the passage repeats a run of 4 tokens (th
 or loop: see README.md), and then ``<|end|>``.
 
 Despite the file's name (kept parallel to ``../tiny/train.py``) nothing here is learned by
-gradient descent: trials of training the induction circuit from random weights on CPU (a copy
-task over Alice spans, shuffled Alice words and random tokens, 1500-2500 AdamW steps) stayed on
-the well-known loss plateau that precedes induction heads and never copied. The weights are
-instead set by hand, deterministically from a seed:
+gradient descent: a first trial (1500-2500 AdamW steps of 1-2K tokens) stayed on the loss
+plateau that precedes induction heads; ``train_gd.py`` gets past it, but its model copies long
+natural-text passages less reliably than these weights (README.md, "Training by gradient
+descent"). The weights are instead set by hand, deterministically from a seed:
 
 - Residual stream (hidden 256): dimension 0 holds a constant; five blocks of 50 dimensions hold
   the identity vector of the current token and, after layer 0, of the 1st-4th previous tokens.
