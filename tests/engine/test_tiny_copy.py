@@ -72,10 +72,8 @@ def copy_of(llm: LLM, passage: str) -> tuple[list[int], list[int]]:
     return want, got
 
 
-# Measured with the shipped weights (train.py prints the same numbers from transformers):
-# words 110-220 of the held-back text: SequenceMatcher ratio 0.995 (193 of 193 tokens, only the
-# second differs); words 0-110: the first 57 tokens exact, then a jump over a repeated
-# "The Duchess!" and a loop on "ferrets are ferrets" (ratio 0.495). See README.md.
+# Measured with the shipped weights (train.py prints the same from transformers): both passages
+# are copied exactly (ratio 1.0, every token), as are all 20 held-back windows train.py reports.
 def test_copies_a_held_back_passage(llm: LLM) -> None:
     want, got = copy_of(llm, held_back_passage(110))
     ratio = difflib.SequenceMatcher(a=got, b=want, autojunk=False).ratio()

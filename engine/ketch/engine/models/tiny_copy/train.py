@@ -1,44 +1,35 @@
-"""Build Ketch's built-in "tiny-copy" model: a small Llama whose weights implement copying.
+"""Train Ketch's built-in "tiny-copy" model: a small Llama that learned to copy by gradient descent.
 
 n-gram (prompt-lookup) speculative decoding only pays off when the output repeats the prompt.
 The built-in "tiny" model recites its memorised corpus instead, and a random checkpoint copies
-nothing. This model continues text by copying from its context: after
-``<|user|>\\nRepeat the following passage:\\n{passage}<|end|>\\n<|assistant|>\\n`` its greedy output
-is the passage, token for token, until the passage repeats a run of 4 tokens (then it may jump
-or loop: see README.md), and then ``<|end|>``.
+nothing. This model is trained from the standard random initialisation to answer
+``<|user|>\\nRepeat the following passage:\\n{passage}<|end|>\\n<|assistant|>\\n`` with the
+passage, token for token, then ``<|end|>``, for passages it has never seen. The loss plateau
+that precedes induction heads breaks after ~400 steps (README.md, "Training").
 
-Despite the file's name (kept parallel to ``../tiny/train.py``) nothing here is learned by
-gradient descent: trials of training the induction circuit from random weights on CPU (a copy
-task over Alice spans, shuffled Alice words and random tokens, 1500-2500 AdamW steps) stayed on
-the well-known loss plateau that precedes induction heads and never copied. The weights are
-instead set by hand, deterministically from a seed:
+Training data (generated on the fly from a seed; the loss is on the answer only):
 
-- Residual stream (hidden 256): dimension 0 holds a constant; five blocks of 50 dimensions hold
-  the identity vector of the current token and, after layer 0, of the 1st-4th previous tokens.
-  Each token's 50-dim identity vector is random (seeded), made of 4 groups of 12 coordinates
-  of equal norm (2 spare coordinates are 0).
-- Layer 0: 4 purely positional attention heads read the constant dimension; their query/key
-  rotary pairs of the highest frequencies are set so that, after RoPE, head h attends to the
-  token h positions back (sharply: rope_theta 1e14 leaves enough high-frequency pairs). Each
-  copies that token's identity into its block.
-- Layer 1: 2 induction heads. Their query is (current, prev1, prev2, prev3) identities, their key
-  (prev1, prev2, prev3, prev4): the score peaks at the earlier position whose 4 predecessors are
-  the last 4 tokens; they copy that position's identity, amplified, into the current-token block.
-  Only the RoPE pairs of the lowest frequencies (almost unrotated over 600 positions) carry it.
-- The output embedding is tied to the input one, so the logits favour the copied token.
-- Layers 2-3, the MLPs and the remaining heads are zero (residual pass-through).
-- To start the copy, ``<|assistant|>`` shares the identity groups that the key's "prev1" term
-  reads with ``:`` (the token before the passage's ``\\n`` in the instruction).
+- chat-format copy samples whose passage is a sequence of random token ids (no meaning to
+  memorise: the model must copy), of random tokens from a small per-sample alphabet (repeated
+  tokens, so a one-token match is ambiguous and the model must match longer contexts), of
+  runs of 1-3 consecutive corpus words drawn at random (natural token statistics, no
+  memorisable text), or (first stage only) a span of ``../tiny/corpus.txt``;
+- several copy samples are packed into each row (separated by ``<|endoftext|>``);
+- stage 1 (42 % of the steps): rows of 192 tokens, passages of 4-48 tokens, batch 24;
+  stage 2: rows of 448 tokens, passages of 4-200 tokens, batch 8;
+- the instruction is one of a few phrasings (``INSTRUCTIONS``), the benchmark's among them.
 
-This is a standalone script, not part of the engine: it needs the ``test`` extra
-(``pip install -e '.[test]'``, i.e. torch + transformers). Usage::
+Nothing of ``tests/data/alice_held_back.txt`` (chapter IV) is trained on; it is used only to
+report the copy accuracy at the end.
 
-    python engine/ketch/engine/models/tiny_copy/train.py [--out DIR]
+Standalone, like ``../tiny/train.py`` (needs the ``test`` extra: torch + transformers). Usage::
 
-It writes, into ``--out`` (default: this directory), ``config.json``, ``model.safetensors``,
-``generation_config.json`` (via ``save_pretrained``), ``tokenizer.json`` (the tiny model's) and
-``tokenizer_config.json``, then prints the copy accuracy on held-out passages. Running it twice
-produces byte-identical files.
+    python engine/ketch/engine/models/tiny_copy/train.py [--out DIR] [--steps N] [--log FILE]
+
+It writes, into ``--out`` (default: this directory), ``config.json``,
+``model.safetensors``, ``generation_config.json``, ``tokenizer.json`` (the tiny model's) and
+``tokenizer_config.json``, then prints the copy accuracy on held-back passages. Fixed seeds,
+one thread and deterministic algorithms: two runs on the same machine give the same weights.
 """
 
 from __future__ import annotations
@@ -49,6 +40,8 @@ import json
 import math
 import random
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,67 +54,121 @@ TINY = HERE.parent / "tiny"
 CORPUS = TINY / "corpus.txt"
 TOKENIZER = TINY / "tokenizer.json"
 # Text of the same book that is not in the corpus (used only to report the copy accuracy).
-HELD_OUT = HERE.parents[4] / "tests" / "data" / "alice_held_back.txt"
+HELD_BACK = HERE.parents[4] / "tests" / "data" / "alice_held_back.txt"
 
 SEED = 4321
-HIDDEN = 256
-HEAD_DIM = 64
-ROPE_THETA = 1e14
+NUM_THREADS = 1
+HIDDEN = 128
+LAYERS = 3
+HEADS = 4
+KV_HEADS = 4
+HEAD_DIM = 32
+INTERMEDIATE = 256
+ROPE_THETA = 10000.0
 MAX_POSITIONS = 1024
-ID_DIM = 50  # dimensions of a token's identity vector
-GROUP = 12  # coordinates per group; a match compares one group per term
-TERMS = 4  # the n of the n-gram match: current token + 3 previous ones
-POSITIONAL_PAIRS = 6  # highest-frequency rotary pairs used by the positional heads
-POSITIONAL_SCALE = 300.0  # their query-key product per pair (sharpness of attention)
-MATCH_GAIN = 25.0  # query and key scale of the induction heads
-COPY_GAIN = 10.0  # how much the copied identity outweighs the current token's own
-STATIC_ANGLE = 0.25  # a rotary pair is "static" if it turns less than this over 600 positions
-# For each induction head (one per KV head): which identity group each match term compares.
-GROUP_ORDER = [[0, 1, 2, 3], [2, 3, 0, 1]]
 
-EOT = "<|endoftext|>"
-END = "<|end|>"
-SPECIAL_TOKENS = [EOT, "<|system|>", "<|user|>", "<|assistant|>", END]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-INSTRUCTION = "Repeat the following passage:\n"
+DEFAULT_STEPS = 1900
+BATCH_SIZE = 8
+ROW_LEN = 448  # tokens per packed row
+MIN_PASSAGE = 4
+MAX_PASSAGE = 200  # tokens; the benchmark's passages have ~120, the tests' ~200
+PEAK_LR = 2e-3
+MIN_LR = 1e-4
+WARMUP_STEPS = 50
+WEIGHT_DECAY = 0.01
 
-
-def copy_prompt(passage: str) -> str:
-    """The chat prompt asking for ``passage`` back (Python twin of the chat template)."""
-    return f"<|user|>\n{INSTRUCTION}{passage}<|end|>\n<|assistant|>\n"
-
-
-def identity_vectors(tokenizer: Tokenizer) -> torch.Tensor:
-    """A (vocab, ID_DIM) matrix: per token, TERMS groups of GROUP random coordinates, each group
-    of norm 1/sqrt(TERMS), so a full n-gram match scores exactly 1."""
-    vocab = tokenizer.get_vocab_size()
-    generator = torch.Generator().manual_seed(SEED)
-    ids = torch.zeros(vocab, ID_DIM, dtype=torch.float64)
-    for g in range(TERMS):
-        block = torch.randn(vocab, GROUP, generator=generator, dtype=torch.float64)
-        ids[:, g * GROUP : (g + 1) * GROUP] = block / block.norm(dim=1, keepdim=True)
-    ids /= math.sqrt(TERMS)
-    colon, assistant = tokenizer.token_to_id(":"), tokenizer.token_to_id("<|assistant|>")
-    for order in GROUP_ORDER:
-        group = slice(order[1] * GROUP, (order[1] + 1) * GROUP)
-        ids[assistant, group] = ids[colon, group]
-    return ids
+EOT_ID, USER_ID, ASSISTANT_ID, END_ID = 0, 2, 3, 4
+FIRST_ORDINARY_ID = 5
+INSTRUCTIONS = [
+    "Repeat the following passage:\n",
+    "Repeat the following passage with one word changed:\n",
+    "Copy this text:\n",
+    "Please repeat:\n",
+]
+# Passage kinds and their share of the samples, per stage of training.
+FIRST_KINDS = {"random": 0.35, "alphabet": 0.2, "words": 0.2, "corpus": 0.25}
+KINDS = {"random": 0.15, "alphabet": 0.25, "words": 0.6}
+FIRST_STAGE = 0.42  # fraction of the steps on short passages in short rows
+FIRST_BATCH_SIZE = 24
+FIRST_ROW_LEN = 192
+FIRST_MAX_PASSAGE = 48
 
 
-def build_model(tokenizer: Tokenizer) -> LlamaForCausalLM:
-    eot_id = tokenizer.token_to_id(EOT)
+class CopyData:
+    """Deterministic generator of packed rows of chat-format copy samples."""
+
+    def __init__(self, tokenizer: Tokenizer, text: str, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.vocab = tokenizer.get_vocab_size()
+        self.newline = tokenizer.token_to_id("Ċ")
+        self.instructions = [tokenizer.encode(i).ids for i in INSTRUCTIONS]
+        self.corpus = tokenizer.encode(text).ids
+        self.kinds = FIRST_KINDS
+        self.words = text.split()
+        self.tokenizer = tokenizer
+
+    def passage(self, length: int) -> list[int]:
+        rng = self.rng
+        kind = rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
+        if kind == "random":
+            return [rng.randrange(FIRST_ORDINARY_ID, self.vocab) for _ in range(length)]
+        if kind == "alphabet":
+            letters = [
+                rng.randrange(FIRST_ORDINARY_ID, self.vocab) for _ in range(rng.randint(8, 64))
+            ]
+            return [rng.choice(letters) for _ in range(length)]
+        if kind == "words":
+            ids: list[int] = []
+            while len(ids) < length:
+                start = rng.randrange(len(self.words) - 3)
+                ids += self.tokenizer.encode(
+                    " " + " ".join(self.words[start : start + rng.randint(1, 3)])
+                ).ids
+            return ids[:length]
+        start = rng.randrange(len(self.corpus) - length)
+        return self.corpus[start : start + length]
+
+    def sample(self, length: int) -> tuple[list[int], list[int]]:
+        """(token ids, labels): the chat prompt, then the passage and ``<|end|>`` (the labels)."""
+        passage = self.passage(length)
+        instruction = self.rng.choice(self.instructions)
+        prompt = [USER_ID, self.newline, *instruction, *passage, END_ID, self.newline]
+        prompt += [ASSISTANT_ID, self.newline]
+        answer = [*passage, END_ID]
+        return [*prompt, *answer], [-100] * (len(prompt) - 1) + answer + [-100]
+
+    def row(self, row_len: int, max_passage: int) -> tuple[list[int], list[int]]:
+        ids: list[int] = [EOT_ID]
+        labels: list[int] = [-100]
+        while len(ids) < row_len + 1:
+            length = self.rng.randint(MIN_PASSAGE, max_passage)
+            sample, sample_labels = self.sample(length)
+            ids += [*sample, EOT_ID]
+            labels += [*sample_labels, -100]
+        # labels[i] is the target at ids position i (the next token), so it lines up with ids[:-1].
+        return ids[:row_len], labels[:row_len]
+
+    def batch(self, batch_size: int, row_len: int, max_passage: int) -> tuple[torch.Tensor, ...]:
+        rows = [self.row(row_len, max_passage) for _ in range(batch_size)]
+        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+
+def lr_at(step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay from PEAK_LR to MIN_LR."""
+    if step < WARMUP_STEPS:
+        return PEAK_LR * (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS)
+    return MIN_LR + 0.5 * (PEAK_LR - MIN_LR) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_model() -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
+        vocab_size=1024,
         hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         rope_theta=ROPE_THETA,
@@ -130,160 +177,144 @@ def build_model(tokenizer: Tokenizer) -> LlamaForCausalLM:
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",
-        bos_token_id=eot_id,
-        eos_token_id=eot_id,
-        pad_token_id=eot_id,
+        initializer_range=0.02,
+        bos_token_id=EOT_ID,
+        eos_token_id=EOT_ID,
+        pad_token_id=EOT_ID,
         torch_dtype="float32",
     )
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).float()
-    half = HEAD_DIM // 2
-    theta = [ROPE_THETA ** (-2 * i / HEAD_DIM) for i in range(half)]
-    block = [1 + ID_DIM * k for k in range(TERMS + 1)]  # current, prev1 .. prev4
-    const = 1.0
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-        for layer in model.model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        model.model.norm.weight.fill_(1.0)
-        embed = model.model.embed_tokens.weight
-        embed[:, 0] = const
-        embed[:, block[0] : block[0] + ID_DIM] = identity_vectors(tokenizer).float()
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).float()
 
-        # Layer 0: head h attends h+1 positions back (kv head 0 keys are turned by one
-        # position, kv head 1 by two; heads 1 and 3 turn their queries back two more).
-        rms0 = math.sqrt((const**2 + 1.0) / HIDDEN)  # every embedding has the same norm
-        normed_const = const / rms0
-        attn = model.model.layers[0].self_attn
-        heads = ((0, 1, 0, 0, block[1]), (0, 1, 1, 2, block[3]))
-        heads += ((1, 2, 2, 0, block[2]), (1, 2, 3, 2, block[4]))
-        for kv, key_shift, head, query_shift, out in heads:
-            amp = math.sqrt(POSITIONAL_SCALE) / normed_const
-            for i in range(POSITIONAL_PAIRS):
-                attn.q_proj.weight[head * HEAD_DIM + i, 0] = amp * math.cos(query_shift * theta[i])
-                attn.q_proj.weight[head * HEAD_DIM + i + half, 0] = -amp * math.sin(
-                    query_shift * theta[i]
-                )
-                attn.k_proj.weight[kv * HEAD_DIM + i, 0] = amp * math.cos(key_shift * theta[i])
-                attn.k_proj.weight[kv * HEAD_DIM + i + half, 0] = amp * math.sin(
-                    key_shift * theta[i]
-                )
-            for r in range(ID_DIM):
-                attn.v_proj.weight[kv * HEAD_DIM + r, block[0] + r] = rms0
-                attn.o_proj.weight[out + r, head * HEAD_DIM + r] = 1.0
 
-        # Layer 1: induction heads 0 and 2 (one per kv head), on the static rotary pairs.
-        rms1 = math.sqrt((const**2 + TERMS + 1.0) / HIDDEN)
-        attn = model.model.layers[1].self_attn
-        static = [i for i in range(half) if theta[i] * 600 < STATIC_ANGLE]
-        dims = static + [i + half for i in static]
-        assert len(dims) >= TERMS * GROUP, len(dims)
-        for kv, head in ((0, 0), (1, 2)):
-            slot = 0
-            for term in range(TERMS):
-                group = GROUP_ORDER[kv][term]
-                for j in range(group * GROUP, (group + 1) * GROUP):
-                    d = dims[slot]
-                    slot += 1
-                    attn.q_proj.weight[head * HEAD_DIM + d, block[term] + j] = MATCH_GAIN * rms1
-                    attn.k_proj.weight[kv * HEAD_DIM + d, block[term + 1] + j] = MATCH_GAIN * rms1
-            for r in range(ID_DIM):
-                attn.v_proj.weight[kv * HEAD_DIM + r, block[0] + r] = rms1
-                attn.o_proj.weight[block[0] + r, head * HEAD_DIM + r] = COPY_GAIN / 2
-    return model
+def copy_prompt(passage: str) -> str:
+    return f"<|user|>\n{INSTRUCTIONS[0]}{passage}<|end|>\n<|assistant|>\n"
 
 
 @torch.no_grad()
-def copy_accuracy(model: LlamaForCausalLM, tokenizer: Tokenizer, passage: str) -> dict[str, float]:
-    """Greedy output for the chat copy prompt of ``passage``, compared with the passage."""
-    want = tokenizer.encode(passage).ids
-    prompt = tokenizer.encode(copy_prompt(passage)).ids
+def greedy_copy(model: LlamaForCausalLM, tokenizer: Tokenizer, passage: str) -> list[int]:
+    """The greedy answer (up to ``<|end|>``, excluded) to the copy prompt for ``passage``."""
+    prompt = torch.tensor([tokenizer.encode(copy_prompt(passage)).ids])
+    want = len(tokenizer.encode(passage).ids)
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=len(want) + 8,
-        do_sample=False,
-        eos_token_id=[tokenizer.token_to_id(EOT), tokenizer.token_to_id(END)],
-        pad_token_id=tokenizer.token_to_id(EOT),
-    )[0, len(prompt) :].tolist()
-    if out and out[-1] == tokenizer.token_to_id(END):
-        out = out[:-1]
-    prefix = next(
-        (i for i, (a, b) in enumerate(zip(out, want, strict=False)) if a != b),
-        min(len(out), len(want)),
+        prompt, max_new_tokens=want + 16, do_sample=False, eos_token_id=END_ID, pad_token_id=0
     )
-    matcher = difflib.SequenceMatcher(a=out, b=want, autojunk=False)
-    matched = sum(block.size for block in matcher.get_matching_blocks())
-    return {
-        "passage_tokens": len(want),
-        "output_tokens": len(out),
-        "exact_prefix_tokens": prefix,
-        "matched_fraction": round(matched / len(want), 3),
-        "ratio": round(matcher.ratio(), 3),
-    }
+    return [t for t in out[0, prompt.shape[1] :].tolist() if t != END_ID]
 
 
-def eval_passages() -> dict[str, str]:
-    """Passages the model has never seen: held-out Alice text (when the repository's test data
-    is there) and a shuffle of corpus words."""
-    found: dict[str, str] = {}
-    if HELD_OUT.exists():
-        words = HELD_OUT.read_text(encoding="utf-8").split()
-        for start in (0, 110):
-            found[f"held-out Alice, words {start}-{start + 110}"] = " ".join(
-                words[start : start + 110]
-            )
-    corpus_words = CORPUS.read_text(encoding="utf-8").split()
-    rng = random.Random(SEED)
-    found["120 shuffled corpus words"] = " ".join(rng.choice(corpus_words) for _ in range(120))
-    return found
+def held_back_passages(count: int = 20, words: int = 110) -> list[str]:
+    """``count`` windows of ``words`` words of the held-back text (never trained on)."""
+    text = HELD_BACK.read_text(encoding="utf-8").split()
+    stride = max(1, (len(text) - words) // max(1, count - 1))
+    return [" ".join(text[i * stride : i * stride + words]) for i in range(count)]
+
+
+def report_copy(model: LlamaForCausalLM, tokenizer: Tokenizer, passages: list[str]) -> float:
+    """Print, per passage, its tokens copied in place (output token i is passage token i), the
+    length of the exactly copied start, and the SequenceMatcher ratio; return the in-place
+    fraction over all passages."""
+    model.eval()
+    right = total = exact = 0
+    for passage in passages:
+        want = tokenizer.encode(passage).ids
+        got = greedy_copy(model, tokenizer, passage)
+        same = [a == b for a, b in zip(got, want, strict=False)]
+        start = same.index(False) if False in same else len(same)
+        ratio = difflib.SequenceMatcher(a=got, b=want, autojunk=False).ratio()
+        exact += got == want
+        right += sum(same)
+        total += len(want)
+        print(
+            f"  {len(want)} tokens: {sum(same)} in place, first {start} exact, "
+            f"{len(got)} output, ratio {ratio:.3f}"
+        )
+    model.train()
+    print(f"copied {right}/{total} tokens in place ({right / total:.1%}); {exact} exact passages")
+    return right / total
 
 
 def tokenizer_config() -> dict[str, Any]:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOT,
-        "eos_token": EOT,
-        "pad_token": EOT,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    config = json.loads((TINY / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["model_max_length"] = MAX_POSITIONS
+    return config
+
+
+def train(model: LlamaForCausalLM, data: CopyData, steps: int) -> None:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=PEAK_LR,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
+    started = time.perf_counter()
+    running, count = 0.0, 0
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps)
+        if step < FIRST_STAGE * steps:
+            inputs, labels = data.batch(FIRST_BATCH_SIZE, FIRST_ROW_LEN, FIRST_MAX_PASSAGE)
+        else:
+            data.kinds = KINDS
+            inputs, labels = data.batch(BATCH_SIZE, ROW_LEN, MAX_PASSAGE)
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running += loss.item()
+        count += 1
+        if (step + 1) % 20 == 0 or step + 1 == steps:
+            print(
+                f"step {step + 1}/{steps} loss {running / count:.4f} "
+                f"lr {lr_at(step, steps):.2e} {time.perf_counter() - started:.0f}s",
+                flush=True,
+            )
+            running, count = 0.0, 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE, help="output directory")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    parser.add_argument("--log", type=Path, help="also write the progress to this file")
     args = parser.parse_args()
+    if args.log:
+        sys.stdout = open(args.log, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+
+    random.seed(SEED)
     torch.manual_seed(SEED)
+    torch.set_num_threads(NUM_THREADS)
+    torch.use_deterministic_algorithms(True)
 
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
-    for i, tok in enumerate(SPECIAL_TOKENS):
-        assert tokenizer.token_to_id(tok) == i, (tok, tokenizer.token_to_id(tok))
-    eot_id, end_id = tokenizer.token_to_id(EOT), tokenizer.token_to_id(END)
-    model = build_model(tokenizer).eval()
-    print(f"params={sum(p.numel() for p in model.parameters())}")
+    data = CopyData(tokenizer, CORPUS.read_text(encoding="utf-8"), SEED)
+    model = build_model()
+    model.train()
+    print(f"params={sum(p.numel() for p in model.parameters())}", flush=True)
+    started = time.perf_counter()
+    train(model, data, args.steps)
+    print(f"training time {time.perf_counter() - started:.1f}s", flush=True)
+
     model.generation_config = GenerationConfig(
-        bos_token_id=eot_id,
-        eos_token_id=[eot_id, end_id],
-        pad_token_id=eot_id,
-        do_sample=False,
+        bos_token_id=EOT_ID, eos_token_id=[EOT_ID, END_ID], pad_token_id=EOT_ID, do_sample=False
     )
     model.save_pretrained(out, safe_serialization=True)
-    if out.resolve() != TINY.resolve():
-        shutil.copyfile(TOKENIZER, out / "tokenizer.json")
+    shutil.copyfile(TOKENIZER, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8"
     )
     print(f"saved to {out}")
-    for name, passage in eval_passages().items():
-        print(f"copy accuracy, {name}: {copy_accuracy(model, tokenizer, passage)}")
+    report_copy(model, tokenizer, held_back_passages())
 
 
 if __name__ == "__main__":
