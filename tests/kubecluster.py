@@ -280,6 +280,19 @@ def kubectl(
     )
 
 
+def wait_established(kube: Any, *crds: str, timeout: float = 60) -> None:
+    """Waits until each CRD (``crd/<name>``) is Established. Not ``kubectl wait --for
+    condition=Established``: that exits with an error ("accessor error: <nil>") instead of waiting
+    when it reads a new CRD whose status.conditions is still null (until the API server's naming
+    controller has run), so this polls, taking a failed read as "not yet"."""
+    query = '-o=jsonpath={.status.conditions[?(@.type=="Established")].status}'
+    deadline = time.monotonic() + timeout
+    for crd in crds:
+        while (got := kubectl(kube, "get", crd, query)).stdout != "True":
+            assert time.monotonic() < deadline, f"{crd} not Established: {got.stdout}{got.stderr}"
+            time.sleep(0.2)
+
+
 def stream_events(kube: KubeCluster, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The events of one watch request as they arrive (``KubeCluster.watch`` parses them once it
     has ended); ``params`` must bound it: ``timeoutSeconds``."""

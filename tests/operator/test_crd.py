@@ -27,7 +27,7 @@ from ketch.operator import api_names
 from ketch.operator.cli import main as operator_main
 from ketch.operator.crd import engine_fields
 from ketch.operator.crd.document import crd_document
-from kubecluster import kubectl
+from kubecluster import kubectl, wait_established
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
@@ -154,7 +154,7 @@ def _kubectl(kube, *args: str, input: str | None = None) -> str:
 
 
 def _wait_established(kube, name: str) -> None:
-    _kubectl(kube, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}")
+    wait_established(kube, f"crd/{name}")
 
 
 def _renamed(definition: dict, tag: str) -> dict:

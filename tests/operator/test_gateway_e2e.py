@@ -32,7 +32,7 @@ from test_e2e import (
 
 from ketch.operator import api_names
 from ketch.operator.controller import Controller
-from kubecluster import kubectl
+from kubecluster import kubectl, wait_established
 from localcluster.tools import gaie_crds
 
 POOLS = "inferencepools.inference.networking.k8s.io"
@@ -49,8 +49,7 @@ def install_gaie(kube: Any) -> list[str]:
     present = {n for n in names if kubectl(kube, "get", "crd", n, "-o", "name").returncode == 0}
     for path in gaie_crds():
         kubectl(kube, "apply", "--server-side", "--force-conflicts", "-f", str(path), check=True)
-    for name in names:
-        kubectl(kube, "wait", "--for=condition=Established", f"crd/{name}", check=True)
+    wait_established(kube, *(f"crd/{name}" for name in names))
     wait_for(lambda: kubectl(kube, "get", POOLS, "-A").returncode == 0, "inferencepools served")
     return [n for n in names if n not in present]
 

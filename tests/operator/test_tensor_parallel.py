@@ -29,7 +29,7 @@ from ketch.operator.spec.defaults import apply_defaults
 from ketch.operator.spec.parse import InvalidSpec, parse
 from ketch.operator.wiring import check_wiring
 from ketch.operator.wiring.pods import read_pods
-from kubecluster import kubectl
+from kubecluster import kubectl, wait_established
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / f"{api_names.CRD_NAME}.yaml"
@@ -106,12 +106,10 @@ def apiserver(kube) -> Callable[[dict], dict[str, Any]]:
     """The committed CRD, installed on the API server; returns a function that creates an object
     with ``dryRun=All`` (defaulted, validated and admitted as a create, never stored) and returns
     the server's answer: the object as it would be stored, or the Status of the refusal."""
-    for args in (
-        ("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE)),
-        ("wait", "--for=condition=Established", "--timeout=60s", f"crd/{api_names.CRD_NAME}"),
-    ):
-        result = kubectl(kube, *args)
-        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    args = ("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    result = kubectl(kube, *args)
+    assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    wait_established(kube, f"crd/{api_names.CRD_NAME}")
     collection = f"/apis/{api_names.API_VERSION}/namespaces/default/{api_names.PLURAL}"
     procs.wait_for(  # a new CRD's storage answers 429 "storage is (re)initializing" at first
         lambda: kube.get(collection).status != 429, 30, "the CRD's storage", interval=0.2
