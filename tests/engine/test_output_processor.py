@@ -13,7 +13,7 @@ import pytest
 
 from ketch.engine import LLM, EngineConfig, SamplingParams
 from ketch.engine.engine_client import EngineClient
-from ketch.engine.engine_messages import AbortRequests
+from ketch.engine.engine_messages import AbortRequests, decode, encode
 from ketch.engine.engine_process import EngineLinks, _apply
 from ketch.engine.output_processor import OutputProcessor
 from ketch.engine.outputs import RequestDelta, TokenDelta, TokenLogprob
@@ -179,3 +179,55 @@ def test_a_served_stop_string_ends_the_engine_request(llm: LLM, tmp_path: Path) 
     [metrics] = finished
     assert last.metrics is metrics and metrics.finish_reason == "stop"
     assert metrics.num_generation_tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("count", [-(1 << 63), -1, 0, 1 << 40, (1 << 63) - 1])
+def test_extreme_kept_counts_and_unknown_ids_in_stopped(llm: LLM, count: int) -> None:
+    """``stopped`` from the API server with any 64-bit count, and ids the engine never had or
+    finished already: live requests end with 0..their generated tokens counted, unknown ids are
+    ignored, the blocks all go back and the accounting holds."""
+    engine = llm.engine
+    free = engine.kv_cache.pool.num_free_blocks
+    engine.add_request("x", "Alice was", SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    generated = len(engine.scheduler.requests["x"].output_token_ids)
+    stopped = {"x": count, "never-added": count, "": count}
+    replies: list[TokenDelta] = []
+    _apply(engine, EngineLinks.create(engine, None), AbortRequests([], stopped), replies)
+    [end] = replies
+    assert end.request_id == "x" and end.metrics.num_generation_tokens == max(
+        0, min(count, generated)
+    )
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.pool.num_free_blocks == free
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "stopped",
+    [
+        '{"x": 18446744073709551616}',
+        '{"x": "3"}',
+        '{"x": 1.5}',
+        '{"x": true}',
+        '{"x": null}',
+        "[1]",
+    ],
+)
+def test_a_bad_stopped_field_is_refused_on_the_wire(stopped: str) -> None:
+    """Out of the 64-bit range, wrong types: refused by the decoder naming the field, never
+    handed to the engine."""
+    frame = f'{{"type": "AbortRequests", "body": {{"request_ids": [], "stopped": {stopped}}}}}'
+    assert decode(encode(AbortRequests([], {"x": 3}))) == AbortRequests([], {"x": 3})
+    with pytest.raises(ValueError, match="stopped"):
+        decode(frame.encode())
+
+
+def test_a_huge_stopped_map_ends_only_live_requests(llm: LLM) -> None:
+    engine = llm.engine
+    stopped = {f"r{i}": i for i in range(50_000)}
+    replies: list[TokenDelta] = []
+    _apply(engine, EngineLinks.create(engine, None), AbortRequests([], stopped), replies)
+    assert replies == [] and not engine.has_unfinished_requests()
+    engine.scheduler.check_integrity()
