@@ -298,7 +298,7 @@ def _apply(
                 try:
                     links.pd.add_remote(request, message.prefill_peer)
                 except ValueError:
-                    engine.drop_tracked(request)  # refused: nothing of it stays here
+                    engine.forget_request(request)  # refused: nothing of it stays here
                     raise
             else:
                 engine.add_request(

@@ -233,7 +233,7 @@ class LLMEngine:
             self.scheduler.add_request(request, front=True)
         return output
 
-    def drop_tracked(self, request: Request) -> RequestMetrics | None:
+    def forget_request(self, request: Request) -> RequestMetrics | None:
         """Forgets a request that never reached the scheduler; its metrics if it was live."""
         state = self._states.pop(request.request_id, None)
         return None if state is None else request_metrics(request, state)

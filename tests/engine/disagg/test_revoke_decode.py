@@ -39,7 +39,7 @@ class FakeEngine:
         self.model_fingerprint = "tiny"
         self.kv_layout = p.KVLayout(2, 2, NUM_BLOCKS, BS, 8)
 
-    def drop_tracked(self, request: Request) -> None:
+    def forget_request(self, request: Request) -> None:
         return None
 
     def accept_first_token(self, request: Request, *_: object) -> None:

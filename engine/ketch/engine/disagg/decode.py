@@ -145,7 +145,7 @@ class DecodeSide:
             remote = self._remote.get(request_id)
             if remote is None or remote.aborted:
                 continue
-            metrics = self.engine.drop_tracked(remote.request)
+            metrics = self.engine.forget_request(remote.request)
             if metrics is not None:
                 aborted.append(metrics)
             if remote.sent and remote.pending is None:
@@ -345,7 +345,7 @@ class DecodeSide:
         if remote is None:
             return
         logger.warning("request %s failed: %s", request_id, error)
-        self.engine.drop_tracked(remote.request)
+        self.engine.forget_request(remote.request)
         self.errors.append(TokenDelta(request_id, error=error, error_code=status_code))
         self._release(request_id)
 
